@@ -1,0 +1,1 @@
+../../../../op_builder/cpu/heterogeneous.py

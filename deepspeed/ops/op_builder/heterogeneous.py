@@ -1,0 +1,1 @@
+../../../op_builder/heterogeneous.py

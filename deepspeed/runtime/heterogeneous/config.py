@@ -1,0 +1,300 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The fork's configuration blocks, parsed once per ``DeepSpeedConfig``.
+
+Blocks (DESIGN.md section 3)::
+
+    "heterogeneous_config": {...}                       -> HeterogeneousConfig
+    "heterogeneous_memory": {...}                       -> HeterogeneousMemoryConfig
+    "zero_optimization": {"heterogeneous_offload": {}}  -> HeterogeneousOffloadConfig
+
+Upstream silently ignores unknown top-level keys, so a typo in the fork's blocks would switch
+a feature off without a word; every model here forbids unknown keys and every error names the
+full key path and what is allowed.
+"""
+
+import os
+import re
+import typing
+from dataclasses import dataclass, field
+from typing import Dict, List, Literal, Optional, Union
+
+from pydantic import Field, PositiveFloat, PositiveInt, ValidationError, field_validator, model_validator
+
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+
+HETEROGENEOUS_CONFIG = "heterogeneous_config"
+HETEROGENEOUS_MEMORY = "heterogeneous_memory"
+HETEROGENEOUS_OFFLOAD = "heterogeneous_offload"
+ZERO_OPTIMIZATION = "zero_optimization"
+LR_SCHEDULER = "scheduler"
+
+ENV_ENABLE = "DS_HETEROGENEOUS_ENV"
+ENV_ADAPTIVE_SCHEDULING = "DS_ADAPTIVE_SCHEDULING"
+
+STRATEGIES = ("uniform", "compute_aware", "manual")
+Strategy = Literal["uniform", "compute_aware", "manual"]
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+class SchedulerConfig(DeepSpeedConfigModel):
+    """``heterogeneous_config.scheduler``: how and when the work split is revised."""
+
+    type: Optional[Strategy] = None
+    """Seed-style name of the strategy; when given it must agree with load_balancing_strategy."""
+    dynamic_rebalancing: bool = False
+    """Re-plan during training when measured speeds drift (also on with DS_ADAPTIVE_SCHEDULING=true)."""
+    imbalance_threshold: float = Field(0.1, gt=0.0, lt=1.0)
+    """Minimum predicted step-time gain (fraction) that justifies a new plan."""
+    check_interval: PositiveInt = 20
+    """Steps between two imbalance checks."""
+
+
+class EmulationConfig(DeepSpeedConfigModel):
+    """``heterogeneous_config.emulation``: an emulated mixed cluster, for tests and demos only."""
+
+    speeds: Optional[List[float]] = None
+    """Relative speed of each data-parallel rank, in (0, 1]; 1.0 is the unthrottled device."""
+    memory_gb: Optional[List[PositiveFloat]] = None
+    """Emulated device memory of each data-parallel rank, in GB."""
+    mode: Literal["auto", "cgroup", "dilation"] = "auto"
+    """cgroup: a CPU-quota cgroup per rank; dilation: the rank sleeps in proportion to its compute;
+    auto: cgroup where the machine allows it, else dilation."""
+
+    @model_validator(mode="after")
+    def _speeds_in_range(self):
+        for index, speed in enumerate(self.speeds or []):
+            if not 0.0 < speed <= 1.0:
+                raise ValueError(f"speeds[{index}] = {speed}: each speed must be in (0, 1], relative to the "
+                                 f"fastest device")
+        return self
+
+
+class HeterogeneousConfig(DeepSpeedConfigModel):
+    """``heterogeneous_config``: per-device work allocation. Off by default (upstream behaviour)."""
+
+    enabled: bool = False
+    load_balancing_strategy: Strategy = "compute_aware"
+    mixed_precision_support: Literal["config", "adaptive", "bf16", "fp16", "fp32"] = "config"
+    """config: the ds_config's own fp16/bf16 blocks decide; adaptive: bf16 when every rank supports
+    it, else fp16; bf16/fp16/fp32: forced, failing when a rank cannot run it."""
+    micro_batch_sizes: Optional[Union[List[PositiveInt], Dict[str, PositiveInt]]] = None
+    """manual strategy: one micro-batch size per data-parallel rank, or a map device name -> size."""
+    profile_steps: int = Field(3, ge=0)
+    """Steps timed at start-up to replace the spec-sheet prior with measured speeds."""
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    emulation: Optional[EmulationConfig] = None
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.load_balancing_strategy == "manual" and not self.micro_batch_sizes:
+            raise ValueError("load_balancing_strategy 'manual' needs micro_batch_sizes (a list with one size per "
+                             "data-parallel rank, or a map from device name to size)")
+        if self.micro_batch_sizes and self.load_balancing_strategy != "manual":
+            raise ValueError(f"micro_batch_sizes is only used by load_balancing_strategy 'manual' (got "
+                             f"'{self.load_balancing_strategy}'): set the strategy to 'manual' or remove the sizes")
+        if self.scheduler.type is not None and self.scheduler.type != self.load_balancing_strategy:
+            if "load_balancing_strategy" in self.model_fields_set:
+                raise ValueError(f"scheduler.type '{self.scheduler.type}' contradicts load_balancing_strategy "
+                                 f"'{self.load_balancing_strategy}': keep one of them")
+            self.load_balancing_strategy = self.scheduler.type
+        if self.scheduler.dynamic_rebalancing and self.load_balancing_strategy != "compute_aware":
+            raise ValueError(f"scheduler.dynamic_rebalancing needs load_balancing_strategy 'compute_aware' (got "
+                             f"'{self.load_balancing_strategy}')")
+        return self
+
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(value):
+    """'64GB' -> 64e9, '512MiB' -> 512 * 2**20, an int -> itself. ValueError names what is allowed."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a size")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError(f"{value} is negative")
+        return int(value)
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
+    if not match or match.group(2).upper() not in _SIZE_UNITS:
+        raise ValueError(f"{value!r} is not a size; write a number of bytes or e.g. '64GB', '512MiB' "
+                         f"(units: {', '.join(u for u in _SIZE_UNITS if u)})")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
+
+
+class HeterogeneousMemoryConfig(DeepSpeedConfigModel):
+    """``heterogeneous_memory``: per-rank memory budgets and host buffers."""
+
+    enabled: bool = False
+    adaptive_chunking: bool = True
+    """Per-rank prefetch and live-parameter budgets from free memory (bucket sizes stay uniform)."""
+    hbm_utilization_threshold: float = Field(0.85, gt=0.0, le=1.0)
+    """Fraction of each device's memory the planner may fill."""
+    cpu_memory_limit: Optional[Union[int, str]] = None
+    """Hard limit of pinned host buffers, e.g. '64GB'; None: no limit."""
+
+    @field_validator("cpu_memory_limit")
+    @classmethod
+    def _size_parses(cls, value):
+        if value is not None:
+            parse_bytes(value)
+        return value
+
+    @property
+    def cpu_memory_limit_bytes(self):
+        return None if self.cpu_memory_limit is None else parse_bytes(self.cpu_memory_limit)
+
+
+class HeterogeneousOffloadConfig(DeepSpeedConfigModel):
+    """``zero_optimization.heterogeneous_offload``: each rank decides alone what it offloads."""
+
+    cpu_offload: bool = False
+    nvme_offload: bool = False
+    nvme_path: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _nvme_needs_path(self):
+        if self.nvme_offload and not self.nvme_path:
+            raise ValueError("nvme_offload needs nvme_path (a directory on the NVMe device)")
+        return self
+
+
+@dataclass
+class HeterogeneousSettings:
+    """Everything the fork reads from one ds_config, parsed once."""
+
+    config: HeterogeneousConfig
+    memory: HeterogeneousMemoryConfig
+    offload: HeterogeneousOffloadConfig
+    notes: List[str] = field(default_factory=list)
+    """Decisions taken on the user's behalf (environment variables, aliases), for logs and reports."""
+
+    @property
+    def enabled(self):
+        return self.config.enabled
+
+
+def _allowed_keys(model, loc):
+    """The field names of the (nested) model that the error location points into."""
+    for part in loc[:-1]:
+        if isinstance(part, int) or model is None:
+            continue
+        info = model.model_fields.get(part)
+        model = None
+        if info is not None:
+            for candidate in (info.annotation, *typing.get_args(info.annotation)):
+                if isinstance(candidate, type) and issubclass(candidate, DeepSpeedConfigModel):
+                    model = candidate
+    return sorted(model.model_fields) if model is not None else []
+
+
+def _format_error(block, model, exc):
+    lines = []
+    errors = exc.errors()
+    # A union field (a list or a map) reports one error per branch; the wrong-container ones are noise.
+    specific = [e for e in errors if e["type"] not in ("list_type", "dict_type")]
+    for error in specific or errors:
+        # Drop pydantic's union branch tags such as 'list[constrained-int]' from the key path.
+        loc = tuple(part for part in error["loc"] if isinstance(part, int) or "[" not in part)
+        path = ".".join([block] + [f"[{p}]" if isinstance(p, int) else str(p) for p in loc]).replace(".[", "[")
+        if error["type"] == "extra_forbidden":
+            allowed = _allowed_keys(model, loc)
+            lines.append(f"{path}: unknown key '{loc[-1]}'; allowed keys: {', '.join(allowed)}")
+        else:
+            message = error["msg"].removeprefix("Value error, ")
+            shown = "" if error["type"] == "value_error" else f" (got {error.get('input')!r})"
+            lines.append(f"{path}: {message}{shown}")
+    return "invalid DeepSpeed config: " + "; ".join(lines)
+
+
+def _build(model, block, value):
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        raise ValueError(f"invalid DeepSpeed config: {block} must be a JSON object, got {type(value).__name__}")
+    try:
+        return model(**value)
+    except ValidationError as exc:
+        raise ValueError(_format_error(block, model, exc)) from None
+
+
+def env_flag(name, environ):
+    """A boolean environment variable; an unknown spelling is an error, never silently false."""
+    raw = environ.get(name)
+    if raw is None:
+        return None
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"environment variable {name}={raw!r}: use one of 1/true/yes/on or 0/false/no/off")
+
+
+def load_heterogeneous_settings(param_dict, world_size=None, environ=None):
+    """Parse the fork's blocks of a ds_config dict.
+
+    Args:
+        param_dict: the ds_config as a dict. The seed-style top-level ``"scheduler": {"type":
+            "compute_aware", ...}`` is *removed* from it (it is the LR scheduler's key); pass a
+            copy if the caller's dict must stay intact.
+        world_size: data-parallel world size, to check per-rank lists; None skips that check.
+        environ: the environment to read DS_HETEROGENEOUS_ENV / DS_ADAPTIVE_SCHEDULING from
+            (default ``os.environ``).
+
+    Returns:
+        HeterogeneousSettings. Raises ValueError naming the key and the allowed values.
+    """
+    environ = os.environ if environ is None else environ
+    notes = []
+    raw = param_dict.get(HETEROGENEOUS_CONFIG)
+    raw = dict(raw) if isinstance(raw, dict) else raw
+
+    alias = param_dict.get(LR_SCHEDULER)
+    if isinstance(alias, dict) and alias.get("type") in STRATEGIES:
+        param_dict.pop(LR_SCHEDULER)
+        if isinstance(raw, dict) and "scheduler" in raw:
+            raise ValueError("invalid DeepSpeed config: both the top-level 'scheduler' (type "
+                             f"'{alias['type']}') and heterogeneous_config.scheduler are given; keep only "
+                             "heterogeneous_config.scheduler (the top-level key is the learning-rate scheduler's)")
+        raw = dict(raw or {})
+        raw["scheduler"] = {k: v for k, v in alias.items() if k != "params"}
+        raw["scheduler"].update(alias.get("params") or {})
+        notes.append(f"top-level 'scheduler' of type '{alias['type']}' read as heterogeneous_config.scheduler; "
+                     "move it there (the top-level key is the learning-rate scheduler's)")
+
+    if raw is None and env_flag(ENV_ENABLE, environ):
+        raw = {"enabled": True}
+        notes.append(f"{ENV_ENABLE} is set and the config has no {HETEROGENEOUS_CONFIG}: enabled with defaults")
+    elif env_flag(ENV_ENABLE, environ) is not None and raw is not None:
+        notes.append(f"{ENV_ENABLE} ignored: the config's own {HETEROGENEOUS_CONFIG} block wins")
+
+    config = _build(HeterogeneousConfig, HETEROGENEOUS_CONFIG, raw)
+    if env_flag(ENV_ADAPTIVE_SCHEDULING, environ):
+        if config.enabled and config.load_balancing_strategy == "compute_aware":
+            config.scheduler.dynamic_rebalancing = True
+            notes.append(f"{ENV_ADAPTIVE_SCHEDULING}=true: dynamic rebalancing on")
+        else:
+            notes.append(f"{ENV_ADAPTIVE_SCHEDULING} ignored: it needs heterogeneous_config enabled with the "
+                         "compute_aware strategy")
+
+    memory = _build(HeterogeneousMemoryConfig, HETEROGENEOUS_MEMORY, param_dict.get(HETEROGENEOUS_MEMORY))
+    zero = param_dict.get(ZERO_OPTIMIZATION)
+    offload_raw = zero.get(HETEROGENEOUS_OFFLOAD) if isinstance(zero, dict) else None
+    offload = _build(HeterogeneousOffloadConfig, f"{ZERO_OPTIMIZATION}.{HETEROGENEOUS_OFFLOAD}", offload_raw)
+
+    if world_size is not None and config.enabled:
+        _check_per_rank_lists(config, int(world_size))
+    return HeterogeneousSettings(config=config, memory=memory, offload=offload, notes=notes)
+
+
+def _check_per_rank_lists(config, world_size):
+    lists = {"micro_batch_sizes": config.micro_batch_sizes}
+    if config.emulation is not None:
+        lists.update({"emulation.speeds": config.emulation.speeds, "emulation.memory_gb": config.emulation.memory_gb})
+    for key, values in lists.items():
+        if isinstance(values, list) and len(values) != world_size:
+            raise ValueError(f"invalid DeepSpeed config: {HETEROGENEOUS_CONFIG}.{key} has {len(values)} entries but "
+                             f"the data-parallel world has {world_size} ranks; give one entry per rank")
