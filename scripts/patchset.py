@@ -484,7 +484,7 @@ def sync_mirrors(pristine, current):
     return changed
 
 
-def export(assign=None, new_meta=None, write=True):
+def export(assign=None, new_meta=None, write=True, allow_orphans=False):
     """Regenerate every patch from the tree. Returns {name: text} of patches that would change."""
     pin = read_pin()
     pristine = pristine_tree(pin)
@@ -507,7 +507,9 @@ def export(assign=None, new_meta=None, write=True):
         if rel not in owner and mirror_twin(rel) in owner:
             owner[rel] = owner[mirror_twin(rel)]
     orphans = [p for p in edited if p not in owner]
-    if orphans:
+    if orphans and allow_orphans:
+        print(f"patchset: warning: still without a patch: {', '.join(orphans)}")
+    elif orphans:
         raise PatchSetError(
             f"edited upstream file(s) without a patch: {', '.join(orphans)}; add them to a patch with "
             f"'python scripts/patchset.py new NAME --why TEXT FILE...' or '... assign PATCH FILE...'")
@@ -554,7 +556,7 @@ def cmd_new(args):
     body = (rest.strip() + "\n\n" if rest.strip() else "") + f"Origin: {args.origin}\nForwarded: {args.forwarded}"
     meta = PatchFile(FIXED_AUTHOR, FIXED_DATE, subject.strip(), body, [])
     PATCH_DIR.mkdir(exist_ok=True)
-    texts, _ = export(assign={f: args.name for f in args.files}, new_meta=(args.name, meta))
+    export(assign={f: args.name for f in args.files}, new_meta=(args.name, meta), allow_orphans=True)
     print(f"patchset: created patches/{args.name}; edit its message, then 'make export'")
 
 
