@@ -4,7 +4,11 @@
 The same source serves both accelerators: on device tensors it dispatches to ATen kernels.
 """
 
+import os
+
 from .builder import CUDAOpBuilder
+
+SOURCE = "csrc/heterogeneous/heterogeneous.cpp"
 
 
 class HeterogeneousBuilder(CUDAOpBuilder):
@@ -18,7 +22,12 @@ class HeterogeneousBuilder(CUDAOpBuilder):
         return f"deepspeed.ops.heterogeneous.{self.NAME}_op"
 
     def sources(self):
-        return ["csrc/heterogeneous/heterogeneous.cpp"]
+        if self.jit_mode:
+            # One absolute path whichever copy of op_builder/ loads this builder (the tree links
+            # deepspeed/ops/csrc/heterogeneous to csrc/heterogeneous): ninja recompiles whenever a
+            # source path in its build file changes.
+            return [os.path.realpath(self.deepspeed_src_path(SOURCE))]
+        return [SOURCE]
 
     def include_paths(self):
         return []

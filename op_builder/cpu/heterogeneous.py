@@ -5,7 +5,11 @@ Prebuilt by ``pip install . --config-settings="--build-option=--heterogeneous-su
 DS_BUILD_HETEROGENEOUS=1); otherwise JIT-built with ninja on first use.
 """
 
+import os
+
 from .builder import CPUOpBuilder
+
+SOURCE = "csrc/heterogeneous/heterogeneous.cpp"
 
 
 class HeterogeneousBuilder(CPUOpBuilder):
@@ -19,7 +23,12 @@ class HeterogeneousBuilder(CPUOpBuilder):
         return f"deepspeed.ops.heterogeneous.{self.NAME}_op"
 
     def sources(self):
-        return ["csrc/heterogeneous/heterogeneous.cpp"]
+        if self.jit_mode:
+            # One absolute path whichever copy of op_builder/ loads this builder (the tree links
+            # deepspeed/ops/csrc/heterogeneous to csrc/heterogeneous): ninja recompiles whenever a
+            # source path in its build file changes.
+            return [os.path.realpath(self.deepspeed_src_path(SOURCE))]
+        return [SOURCE]
 
     def include_paths(self):
         return []

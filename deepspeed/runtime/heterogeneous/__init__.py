@@ -6,8 +6,18 @@ The fork's own modules; upstream files reach them through thin patches (see patc
 
 from .config import (HeterogeneousConfig, HeterogeneousMemoryConfig, HeterogeneousOffloadConfig,
                      HeterogeneousSettings, load_heterogeneous_settings)
+from .devices import (ACCELERATOR_SPECS, AcceleratorSpec, DeviceDescription, describe_local_device, find_spec,
+                      measure_device_score, normalize_scores, spec_score)
 
 __all__ = [
+    "ACCELERATOR_SPECS",
+    "AcceleratorSpec",
+    "DeviceDescription",
+    "describe_local_device",
+    "find_spec",
+    "measure_device_score",
+    "normalize_scores",
+    "spec_score",
     "HeterogeneousConfig",
     "HeterogeneousMemoryConfig",
     "HeterogeneousOffloadConfig",

@@ -1,0 +1,353 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What each rank's device is and how fast it should be, before anything is measured on the model.
+
+A built-in table of datasheet rates gives known accelerators a prior score; an unknown device
+(the CPU included) gets a short benchmark instead, reported in the same unit (TFLOP/s) so that
+the two kinds of score can sit side by side in one plan. Profiling on the real model replaces
+both later (DESIGN.md section 4.1).
+"""
+
+import math
+import os
+import platform
+import re
+import socket
+import time
+from dataclasses import asdict, dataclass, fields
+from typing import Tuple
+
+import torch
+
+from deepspeed.accelerator import get_accelerator
+
+try:
+    # The fork's native triad streams host memory with vectorised loops, closer to what the
+    # hardware sustains than torch's elementwise kernel; it falls back to torch by itself.
+    from .native import stream_triad_gbps as _native_triad
+except ImportError:
+    _native_triad = None  # a tree without the fork's native module: torch below does the same
+
+
+# GPU vendors' "GB" in device names and datasheets is GiB: an "A100 80GB" reports 80 GiB.
+BYTES_PER_GB = 2**30
+
+
+@dataclass(frozen=True)
+class AcceleratorSpec:
+    """Datasheet figures of one accelerator model: dense rates, no structured sparsity."""
+
+    name: str
+    aliases: Tuple[str, ...]
+    """Model tokens as they appear in device names reported by torch (lower case)."""
+    form_factor: str
+    """'' for the reference part (SXM / OAM / the only variant), else 'pcie' or 'nvl'."""
+    fp16_tflops: float
+    bf16_tflops: float
+    """0 where the hardware has no bf16 arithmetic."""
+    fp32_tflops: float
+    memory_gb: float
+    bandwidth_gbps: float
+
+    @property
+    def supports_bf16(self):
+        return self.bf16_tflops > 0
+
+
+# fp16/bf16 are tensor-core (matrix-core) rates with fp32 accumulation, which is what training
+# uses; GeForce cards run that at half their fp16-accumulate rate. fp32 is the plain fp32 rate
+# (TF32 off, PyTorch's matmul default); AMD parts use their fp32 matrix rate, which rocBLAS uses
+# for fp32 GEMM. MI250X figures are per GCD: torch sees each of its two dies as one device, and
+# ROCm reports MI250 and MI250X under the same name.
+# Columns: name, aliases, form factor, fp16, bf16, fp32 (TFLOP/s), memory (GB), bandwidth (GB/s).
+ACCELERATOR_SPECS = (
+    AcceleratorSpec("V100 SXM2 16GB", ("v100", ), "", 125.0, 0.0, 15.7, 16, 900),
+    AcceleratorSpec("V100 SXM2 32GB", ("v100", ), "", 125.0, 0.0, 15.7, 32, 900),
+    AcceleratorSpec("V100 PCIe 16GB", ("v100", ), "pcie", 112.0, 0.0, 14.0, 16, 900),
+    AcceleratorSpec("V100 PCIe 32GB", ("v100", ), "pcie", 112.0, 0.0, 14.0, 32, 900),
+    AcceleratorSpec("V100S PCIe 32GB", ("v100s", ), "pcie", 130.0, 0.0, 16.4, 32, 1134),
+    AcceleratorSpec("T4", ("t4", ), "", 65.0, 0.0, 8.1, 16, 320),
+    AcceleratorSpec("A10", ("a10", ), "", 125.0, 125.0, 31.2, 24, 600),
+    AcceleratorSpec("L4", ("l4", ), "", 121.0, 121.0, 30.3, 24, 300),
+    AcceleratorSpec("L40S", ("l40s", ), "", 362.0, 362.0, 91.6, 48, 864),
+    AcceleratorSpec("A100 40GB SXM", ("a100", ), "", 312.0, 312.0, 19.5, 40, 1555),
+    AcceleratorSpec("A100 80GB SXM", ("a100", ), "", 312.0, 312.0, 19.5, 80, 2039),
+    AcceleratorSpec("A100 40GB PCIe", ("a100", ), "pcie", 312.0, 312.0, 19.5, 40, 1555),
+    AcceleratorSpec("A100 80GB PCIe", ("a100", ), "pcie", 312.0, 312.0, 19.5, 80, 1935),
+    AcceleratorSpec("H100 SXM", ("h100", ), "", 989.0, 989.0, 67.0, 80, 3350),
+    AcceleratorSpec("H100 PCIe", ("h100", ), "pcie", 756.0, 756.0, 51.0, 80, 2000),
+    AcceleratorSpec("H100 NVL", ("h100", ), "nvl", 835.0, 835.0, 60.0, 94, 3900),
+    AcceleratorSpec("H200 SXM", ("h200", ), "", 989.0, 989.0, 67.0, 141, 4800),
+    AcceleratorSpec("H200 NVL", ("h200", ), "nvl", 835.0, 835.0, 60.0, 141, 4800),
+    AcceleratorSpec("GeForce RTX 3090", ("3090", ), "", 71.0, 71.0, 35.6, 24, 936),
+    AcceleratorSpec("GeForce RTX 4090", ("4090", ), "", 165.2, 165.2, 82.6, 24, 1008),
+    AcceleratorSpec("Instinct MI250X (one GCD)", ("mi250x", "mi250"), "", 191.5, 191.5, 47.9, 64, 1638),
+    AcceleratorSpec("Instinct MI300X", ("mi300x", ), "", 1307.4, 1307.4, 163.4, 192, 5300),
+)
+
+# Tokens of device names that say nothing about the rates. Any other token that is not a known
+# model makes the lookup fail: "RTX 3090 Ti" or "A10G" are different chips, and an honest
+# measurement beats borrowing a sibling's datasheet.
+_NEUTRAL_TOKENS = frozenset({
+    "nvidia", "tesla", "geforce", "rtx", "amd", "instinct", "sxm", "sxm2", "sxm4", "sxm5", "dgxs", "oam",
+    "hbm2", "hbm2e", "hbm3", "hbm3e", "gddr6", "gddr6x", "vf"
+})
+_FORM_FACTOR_TOKENS = ("pcie", "nvl")
+_MEMORY_TOKEN = re.compile(r"(\d+)gb")
+
+
+def find_spec(device_name, memory_bytes=None):
+    """The datasheet entry for a device name as torch reports it, or None when unknown.
+
+    Args:
+        device_name: e.g. "NVIDIA A100-SXM4-80GB", "Tesla V100-PCIE-16GB", "AMD Instinct MI300X".
+        memory_bytes: the device's capacity; picks between memory variants (A100 40GB/80GB)
+            when the name does not say. Default None: the name decides, else the first variant.
+    """
+    tokens = re.findall(r"[a-z0-9]+", device_name.lower())
+    name_memory_gb = None
+    model_tokens = set()
+    form_factor = ""
+    for token in tokens:
+        memory_match = _MEMORY_TOKEN.fullmatch(token)
+        if memory_match:
+            name_memory_gb = int(memory_match.group(1))
+        elif token in _FORM_FACTOR_TOKENS:
+            form_factor = token
+        elif token not in _NEUTRAL_TOKENS:
+            model_tokens.add(token)
+    if not model_tokens:
+        return None
+    candidates = [
+        spec for spec in ACCELERATOR_SPECS
+        if model_tokens <= set(spec.aliases) and spec.form_factor == form_factor
+    ]
+    if not candidates:
+        return None
+    memory_gb = name_memory_gb if name_memory_gb is not None else (
+        memory_bytes / BYTES_PER_GB if memory_bytes else None)
+    if memory_gb is None:
+        return candidates[0]
+    return min(candidates, key=lambda spec: abs(spec.memory_gb - memory_gb))
+
+
+_DTYPE_KEYS = {
+    torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+    "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16",
+    "fp32": "fp32", "float32": "fp32", "float": "fp32",
+}
+# A dtype the device cannot run falls back to the next one, as training would.
+_DTYPE_FALLBACK = ("bf16", "fp16", "fp32")
+
+
+def spec_score(spec, dtype=None):
+    """Peak dense TFLOP/s of `spec` for training in `dtype`.
+
+    Args:
+        spec: an AcceleratorSpec.
+        dtype: "bf16"/"fp16"/"fp32" or a torch dtype. Default None: the best training dtype the
+            device supports (bf16 if supported, else fp16). An unsupported dtype falls back in the
+            order bf16, fp16, fp32.
+    """
+    if dtype is None:
+        start = 0
+    elif dtype in _DTYPE_KEYS:
+        start = _DTYPE_FALLBACK.index(_DTYPE_KEYS[dtype])
+    else:
+        raise ValueError(f"unknown dtype {dtype!r}; use bf16, fp16, fp32 or a torch dtype")
+    for key in _DTYPE_FALLBACK[start:]:
+        rate = getattr(spec, f"{key}_tflops")
+        if rate > 0:
+            return rate
+    raise ValueError(f"{spec.name} has no positive rate for {dtype!r} or any fallback dtype")
+
+
+_TIMED_RUNS = 3
+_SMALL_MATMUL, _LARGE_MATMUL = 512, 1024
+_TRIAD_ELEMENTS = 1 << 24  # 64 MiB per fp32 operand: well past any cache
+# Share of the budget for the matmul; the copy benchmark gets the rest.
+_MATMUL_SHARE = 0.7
+# A training step is mostly matmuls, but norms, activations and the optimizer stream memory. We
+# charge the matmul FLOPs at this many FLOPs per byte moved so that a device with fast arithmetic
+# and starved memory is not overrated. It is a prior only; profiling on the model replaces it.
+_STEP_FLOPS_PER_BYTE = 100.0
+
+_measured_scores = {}
+
+
+def _synchronize():
+    get_accelerator().synchronize()
+
+
+def _best_rate(step, work, seconds):
+    """Best rate (work units per second) of `step` in a few timed runs that fit in `seconds`.
+
+    The first call is the warm-up (allocation, kernel selection, page faults) and sizes the runs:
+    calls are batched so that launch and synchronisation costs vanish on fast devices, while a
+    slow device still gets `_TIMED_RUNS` runs of one call. The best run is kept because on a
+    shared machine interference only ever slows a run down.
+    """
+    start = time.perf_counter()
+    step()
+    _synchronize()
+    single = time.perf_counter() - start
+    calls = max(1, int((seconds - single) / (_TIMED_RUNS * single)))
+    best = 0.0
+    for _ in range(_TIMED_RUNS):
+        start = time.perf_counter()
+        for _ in range(calls):
+            step()
+        _synchronize()
+        best = max(best, work * calls / (time.perf_counter() - start))
+    return best
+
+
+def _matmul_tflops(device, seconds):
+    size = _SMALL_MATMUL
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device)
+    start = time.perf_counter()
+    torch.mm(a, b)
+    _synchronize()
+    # A 512 matmul leaves a fast device idle; take the 8x larger one when it fits the budget.
+    if (time.perf_counter() - start) * 8 * (_TIMED_RUNS + 2) < seconds:
+        size = _LARGE_MATMUL
+        a = torch.randn(size, size, device=device)
+        b = torch.randn(size, size, device=device)
+    out = torch.empty(size, size, device=device)
+    return _best_rate(lambda: torch.mm(a, b, out=out), 2 * size**3, seconds) / 1e12
+
+
+def _copy_gbps(device, seconds):
+    if _native_triad is not None:
+        return _native_triad(_TRIAD_ELEMENTS, _TIMED_RUNS, device=device)
+    b = torch.randn(_TRIAD_ELEMENTS, device=device)
+    c = torch.randn(_TRIAD_ELEMENTS, device=device)
+    a = torch.empty_like(b)
+    # STREAM triad a = b + s * c: two reads and one write per element.
+    moved_bytes = 3 * a.element_size() * _TRIAD_ELEMENTS
+    return _best_rate(lambda: torch.add(b, c, alpha=3.0, out=a), moved_bytes, seconds) / 1e9
+
+
+def measure_device_score(device=None, seconds_budget=0.5):
+    """Measured speed of a device in TFLOP/s, comparable with `spec_score` of a known one.
+
+    Times fp32 matmuls (512 or 1024 square) and a STREAM triad on the device, and combines them
+    as the effective FLOP rate of a step that moves one byte per `_STEP_FLOPS_PER_BYTE` FLOPs.
+    The result is cached per device for the life of the process.
+
+    Args:
+        device: a torch device or its name. Default None: the accelerator's current device.
+        seconds_budget: rough wall-clock budget of the whole measurement (default 0.5 s).
+    """
+    device = torch.device(device if device is not None else get_accelerator().current_device_name())
+    key = str(device)
+    if key not in _measured_scores:
+        matmul_tflops = _matmul_tflops(device, seconds_budget * _MATMUL_SHARE)
+        copy_gbps = _copy_gbps(device, seconds_budget * (1 - _MATMUL_SHARE))
+        memory_tflops = copy_gbps * _STEP_FLOPS_PER_BYTE / 1e3
+        _measured_scores[key] = 1.0 / (1.0 / matmul_tflops + 1.0 / memory_tflops)
+    return _measured_scores[key]
+
+
+def normalize_scores(scores):
+    """Scores scaled to fractions that sum to 1.0. Raises ValueError on an empty list or on a
+    score that is not a positive finite number, naming its index."""
+    scores = list(scores)
+    if not scores:
+        raise ValueError("normalize_scores: no scores given (need one per data-parallel rank)")
+    for index, score in enumerate(scores):
+        if not (isinstance(score, (int, float)) and math.isfinite(score) and score > 0):
+            raise ValueError(f"normalize_scores: scores[{index}] = {score!r} must be a positive finite number")
+    total = math.fsum(scores)
+    return [score / total for score in scores]
+
+
+@dataclass
+class DeviceDescription:
+    """One rank's device, as gathered across ranks (as plain dicts, see to_dict/from_dict)."""
+
+    rank: int
+    local_rank: int
+    host: str
+    name: str
+    memory_bytes: int
+    bf16: bool
+    fp16: bool
+    accelerator: str
+    """The accelerator kind: 'cuda', 'cpu', 'xpu', ..."""
+    spec_score: float
+    """Prior speed in TFLOP/s, from the datasheet table or a short benchmark (see score_source)."""
+    score_source: str
+    """'spec' or 'measured'."""
+
+    def to_dict(self):
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values):
+        expected = {f.name for f in fields(cls)}
+        missing, unknown = expected - set(values), set(values) - expected
+        if missing or unknown:
+            raise ValueError(f"DeviceDescription.from_dict: missing keys {sorted(missing)}, unknown keys "
+                             f"{sorted(unknown)}")
+        return cls(**values)
+
+
+def _cpu_model_name():
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass  # not Linux
+    try:
+        import cpuinfo  # py-cpuinfo, a DeepSpeed requirement; portable but takes about a second
+        return cpuinfo.get_cpu_info().get("brand_raw") or platform.processor() or "cpu"
+    except ImportError:
+        return platform.processor() or "cpu"
+
+
+def _device_model_name(local_rank):
+    accelerator = get_accelerator()
+    if hasattr(accelerator, "get_device_name"):
+        return accelerator.get_device_name(local_rank)
+    kind = accelerator.device_name()
+    if kind == "cpu":
+        return _cpu_model_name()
+    # DeepSpeed's accelerator interface has no model-name call; the torch device module that the
+    # accelerator names (torch.cuda, torch.xpu, torch.npu, ...) has one.
+    return torch.get_device_module(kind).get_device_name(local_rank)
+
+
+def describe_local_device(local_rank=0, memory_bytes=None, rank=None):
+    """Describe this process's device, with a prior speed score.
+
+    Args:
+        local_rank: index of the device on this host (default 0).
+        memory_bytes: capacity to report instead of the real one, for emulated clusters. The
+            real capacity still selects the datasheet variant. Default None: the real capacity
+            (host RAM on the CPU accelerator).
+        rank: global rank to record. Default None: $RANK, else local_rank.
+    """
+    accelerator = get_accelerator()
+    name = _device_model_name(local_rank)
+    real_memory = accelerator.total_memory(local_rank)
+    bf16 = bool(accelerator.is_bf16_supported())
+    # The CPU accelerator's check returns None instead of False when mkldnn lacks fp16.
+    fp16 = bool(accelerator.is_fp16_supported())
+    spec = find_spec(name, real_memory)
+    if spec is not None:
+        score, source = spec_score(spec), "spec"
+    else:
+        score, source = measure_device_score(accelerator.device_name(local_rank)), "measured"
+    return DeviceDescription(rank=int(os.environ.get("RANK", local_rank)) if rank is None else rank,
+                             local_rank=local_rank,
+                             host=socket.gethostname(),
+                             name=name,
+                             memory_bytes=int(real_memory if memory_bytes is None else memory_bytes),
+                             bf16=bf16,
+                             fp16=fp16,
+                             accelerator=accelerator.device_name(),
+                             spec_score=float(score),
+                             score_source=source)

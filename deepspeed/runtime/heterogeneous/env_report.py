@@ -1,0 +1,180 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``ds_report --heterogeneous``: this host's devices and what a ds_config makes of them.
+
+Besides the device table it prints four lines that users and scripts grep for (DESIGN.md
+section 5), exactly as::
+
+    Heterogeneous Environment: Enabled|Disabled
+    Mixed GPU Support: <distinct device names>
+    Load Balancing Strategy: Compute-Aware|Uniform|Manual
+    Communication Optimization: Active|Inactive
+"""
+
+import argparse
+import dataclasses
+import json
+import sys
+
+import deepspeed
+from deepspeed.accelerator import get_accelerator
+
+from .config import load_heterogeneous_settings
+from .devices import BYTES_PER_GB, describe_local_device
+from .native import native_op_status
+
+try:
+    # DeepSpeed itself reads ds_config files with hjson, which also accepts comments.
+    import hjson as _config_parser
+except ImportError:
+    _config_parser = json
+
+STRATEGY_LABELS = {"uniform": "Uniform", "compute_aware": "Compute-Aware", "manual": "Manual"}
+
+
+def communication_optimization_active(settings):
+    """Whether heterogeneity-aware communication is in force under `settings`.
+
+    False for every config until the communication work lands (DESIGN.md section 4.6, shipped
+    as ``patches/heterogeneous_comm_optimization.patch``): its link profiling, bucket-size choice
+    and hierarchical reduction are what this line reports.
+    """
+    return False
+
+
+def read_config_file(path):
+    """The ds_config at `path` as a dict. Raises ValueError naming the path and the problem."""
+    try:
+        with open(path) as config_file:
+            param_dict = _config_parser.load(config_file)
+    except OSError as exc:
+        raise ValueError(f"cannot read config {path}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise ValueError(f"config {path} is not valid JSON: {exc}") from None
+    if not isinstance(param_dict, dict):
+        raise ValueError(f"config {path} must hold a JSON object, not {type(param_dict).__name__}")
+    return param_dict
+
+
+def _per_rank(values, rank):
+    return values[rank] if values is not None and rank < len(values) else None
+
+
+def _device_rows(settings):
+    """(DeviceDescription, memory emulated?, speed emulated?) per local device, or per emulated
+    rank when the enabled config emulates a cluster on this host's devices."""
+    accelerator = get_accelerator()
+    # The CPU accelerator counts NUMA nodes (or $LOCAL_SIZE) as devices; they share one model and one RAM.
+    local_count = 1 if accelerator.device_name() == "cpu" else accelerator.device_count()
+    emulation = settings.config.emulation if settings.enabled else None
+    memory_gb = emulation.memory_gb if emulation else None
+    speeds = emulation.speeds if emulation else None
+    ranks = max(len(memory_gb or ()), len(speeds or ())) or local_count
+    rows = []
+    for rank in range(ranks):
+        emulated_gb, speed = _per_rank(memory_gb, rank), _per_rank(speeds, rank)
+        device = describe_local_device(local_rank=rank % local_count,
+                                       memory_bytes=None if emulated_gb is None else emulated_gb * BYTES_PER_GB,
+                                       rank=rank)
+        if speed is not None:
+            device = dataclasses.replace(device, spec_score=device.spec_score * speed)
+        rows.append((device, emulated_gb is not None, speed is not None))
+    return rows
+
+
+def _format_table(header, rows):
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
+    lines = ["  ".join(str(cell).ljust(width) for cell, width in zip(line, widths)).rstrip()
+             for line in (header, *rows)]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
+def _device_table(rows):
+    header = ("rank", "host", "device", "memory (GiB)", "bf16", "fp16", "score (TFLOP/s)", "source")
+    cells = []
+    for device, memory_emulated, speed_emulated in rows:
+        memory = f"{device.memory_bytes / BYTES_PER_GB:.1f}" + (" (emulated)" if memory_emulated else "")
+        score = f"{device.spec_score:.4g}" + (" (emulated)" if speed_emulated else "")
+        cells.append((device.rank, device.host, device.name, memory, "yes" if device.bf16 else "no",
+                      "yes" if device.fp16 else "no", score, device.score_source))
+    return _format_table(header, cells)
+
+
+def _model_fields(model):
+    return ", ".join(f"{key}={value}" for key, value in model.model_dump().items())
+
+
+def _config_options(settings):
+    config = settings.config
+    sizes = config.micro_batch_sizes
+    return [
+        ("load_balancing_strategy", config.load_balancing_strategy),
+        ("mixed_precision_support", config.mixed_precision_support),
+        ("profile_steps", config.profile_steps),
+        ("micro_batch_sizes", "none (the strategy decides)" if sizes is None else sizes),
+        ("scheduler", _model_fields(config.scheduler)),
+        ("emulation", "off" if config.emulation is None else _model_fields(config.emulation)),
+        ("heterogeneous_memory", _model_fields(settings.memory)),
+        ("zero_optimization.heterogeneous_offload", _model_fields(settings.offload)),
+    ]
+
+
+def heterogeneous_report(config_path=None, file=None):
+    """Print the heterogeneous environment report.
+
+    Args:
+        config_path: a ds_config file whose heterogeneous blocks decide what is enabled. Default
+            None: the environment decides (DS_HETEROGENEOUS_ENV=1 enables the compute_aware
+            defaults; otherwise disabled).
+        file: where to print. Default None: sys.stdout at call time.
+
+    Raises ValueError, before printing anything, when the config or the environment is invalid.
+    """
+    param_dict = read_config_file(config_path) if config_path is not None else {}
+    settings = load_heterogeneous_settings(param_dict)
+    rows = _device_rows(settings)
+    strategy = settings.config.load_balancing_strategy if settings.enabled else "uniform"
+    device_names = dict.fromkeys(device.name for device, _, _ in rows)
+
+    file = sys.stdout if file is None else file
+
+    def emit(line=""):
+        print(line, file=file)
+
+    emit("DeepSpeed heterogeneous environment report")
+    emit(f"deepspeed version: {deepspeed.__version__}")
+    emit(f"accelerator: {get_accelerator().device_name()}")
+    emit(f"native op: {native_op_status()}")
+    emit(f"config: {config_path if config_path is not None else 'none (environment only)'}")
+    emit()
+    emit(_device_table(rows))
+    emit()
+    emit(f"Heterogeneous Environment: {'Enabled' if settings.enabled else 'Disabled'}")
+    emit(f"Mixed GPU Support: {', '.join(device_names)}")
+    emit(f"Load Balancing Strategy: {STRATEGY_LABELS[strategy]}")
+    emit(f"Communication Optimization: {'Active' if communication_optimization_active(settings) else 'Inactive'}")
+    if config_path is not None:
+        emit()
+        emit("Options selected by the config:")
+        for key, value in _config_options(settings):
+            emit(f"  {key}: {value}")
+    for note in settings.notes:
+        emit(f"note: {note}")
+
+
+def main(argv=None):
+    """Command line entry point; returns 0, or 2 with a one-line error on stderr for a bad config."""
+    parser = argparse.ArgumentParser(description="Report this host's devices for heterogeneous training.")
+    parser.add_argument("--config", metavar="PATH", help="ds_config whose heterogeneous blocks to apply")
+    args = parser.parse_args(argv)
+    try:
+        heterogeneous_report(args.config)
+    except ValueError as exc:
+        message = " ".join(str(exc).split())
+        print(f"{parser.prog}: error: {message}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Device table lookups, score arithmetic and local device descriptions (no processes, no GPU)."""
+
+import math
+
+import pytest
+import torch
+
+from deepspeed.runtime.heterogeneous import devices
+from deepspeed.runtime.heterogeneous.devices import (ACCELERATOR_SPECS, BYTES_PER_GB, DeviceDescription,
+                                                     describe_local_device, find_spec, measure_device_score,
+                                                     normalize_scores, spec_score)
+
+
+@pytest.mark.parametrize("reported_name, expected", [
+    ("NVIDIA A100-SXM4-80GB", "A100 80GB SXM"),
+    ("NVIDIA A100-SXM4-40GB", "A100 40GB SXM"),
+    ("NVIDIA A100-PCIE-40GB", "A100 40GB PCIe"),
+    ("NVIDIA A100 80GB PCIe", "A100 80GB PCIe"),
+    ("NVIDIA H100 80GB HBM3", "H100 SXM"),
+    ("NVIDIA H100 PCIe", "H100 PCIe"),
+    ("NVIDIA H100 NVL", "H100 NVL"),
+    ("NVIDIA H200", "H200 SXM"),
+    ("NVIDIA H200 NVL", "H200 NVL"),
+    ("Tesla V100-SXM2-16GB", "V100 SXM2 16GB"),
+    ("Tesla V100-SXM2-32GB", "V100 SXM2 32GB"),
+    ("Tesla V100-DGXS-32GB", "V100 SXM2 32GB"),
+    ("Tesla V100-PCIE-16GB", "V100 PCIe 16GB"),
+    ("Tesla V100-PCIE-32GB", "V100 PCIe 32GB"),
+    ("Tesla V100S-PCIE-32GB", "V100S PCIe 32GB"),
+    ("Tesla T4", "T4"),
+    ("NVIDIA A10", "A10"),
+    ("NVIDIA L4", "L4"),
+    ("NVIDIA L40S", "L40S"),
+    ("NVIDIA GeForce RTX 3090", "GeForce RTX 3090"),
+    ("NVIDIA GeForce RTX 4090", "GeForce RTX 4090"),
+    ("AMD Instinct MI250X", "Instinct MI250X (one GCD)"),
+    ("AMD Instinct MI250X/MI250", "Instinct MI250X (one GCD)"),
+    ("AMD Instinct MI300X", "Instinct MI300X"),
+    ("AMD Instinct MI300X VF", "Instinct MI300X"),
+    ("nvidia h100 80gb hbm3", "H100 SXM"),
+])
+def test_find_spec_matches_names_reported_by_torch(reported_name, expected):
+    assert find_spec(reported_name).name == expected
+
+
+@pytest.mark.parametrize("reported_name", [
+    "NVIDIA A10G",  # AWS's A10 variant has other clocks
+    "NVIDIA L40",
+    "NVIDIA GeForce RTX 3090 Ti",
+    "NVIDIA GeForce RTX 4090 D",
+    "NVIDIA RTX A6000",
+    "NVIDIA GH200 480GB",
+    "Tesla V100-FHHL-16GB",
+    "AMD EPYC 7B13 64-Core Processor",
+    "Intel(R) Xeon(R) Platinum 8480+",
+    "NVIDIA",
+    "",
+])
+def test_find_spec_unknown_devices_return_none(reported_name):
+    assert find_spec(reported_name) is None
+
+
+def test_find_spec_picks_memory_variant_from_capacity():
+    # What torch reports as total_memory on the two A100 SXM4 parts.
+    assert find_spec("NVIDIA A100", memory_bytes=85_899_345_920).name == "A100 80GB SXM"
+    assert find_spec("NVIDIA A100", memory_bytes=42_505_273_344).name == "A100 40GB SXM"
+    assert find_spec("Tesla V100", memory_bytes=34_089_730_048).name == "V100 SXM2 32GB"
+    # The name wins over the capacity (an emulated or partitioned device reports less).
+    assert find_spec("NVIDIA A100-SXM4-80GB", memory_bytes=10 * BYTES_PER_GB).name == "A100 80GB SXM"
+
+
+def test_table_is_consistent():
+    names = [spec.name for spec in ACCELERATOR_SPECS]
+    assert len(names) == len(set(names))
+    for spec in ACCELERATOR_SPECS:
+        assert spec.fp16_tflops > spec.fp32_tflops > 0, spec.name
+        assert spec.bf16_tflops >= 0 and spec.memory_gb > 0 and spec.bandwidth_gbps > 0, spec.name
+    assert not find_spec("Tesla V100-SXM2-32GB").supports_bf16
+    assert not find_spec("Tesla T4").supports_bf16
+    assert find_spec("NVIDIA A100-SXM4-80GB").supports_bf16
+
+
+def test_spec_score_uses_training_dtype_with_fallback():
+    a100, v100 = find_spec("NVIDIA A100-SXM4-80GB"), find_spec("Tesla V100-SXM2-32GB")
+    assert spec_score(a100) == 312.0
+    assert spec_score(a100, "fp32") == 19.5
+    assert spec_score(a100, torch.float32) == 19.5
+    # No bf16 on a V100: training would run fp16.
+    assert spec_score(v100) == 125.0
+    assert spec_score(v100, torch.bfloat16) == 125.0
+    assert spec_score(find_spec("NVIDIA H100 80GB HBM3")) > spec_score(a100) > spec_score(v100)
+    with pytest.raises(ValueError, match="int8"):
+        spec_score(a100, "int8")
+
+
+def test_normalize_scores():
+    assert normalize_scores([1.0, 3.0]) == pytest.approx([0.25, 0.75])
+    fractions = normalize_scores([312.0, 125.0, 0.05])
+    assert math.fsum(fractions) == pytest.approx(1.0)
+    assert normalize_scores([7]) == [1.0]
+
+
+@pytest.mark.parametrize("scores, message", [
+    ([], "no scores"),
+    ([1.0, 0.0], r"scores\[1\]"),
+    ([-2.0, 1.0], r"scores\[0\]"),
+    ([1.0, 1.0, float("nan")], r"scores\[2\]"),
+    ([1.0, float("inf")], r"scores\[1\]"),
+    ([1.0, "fast"], r"scores\[1\]"),
+])
+def test_normalize_scores_rejects_bad_input(scores, message):
+    with pytest.raises(ValueError, match=message):
+        normalize_scores(scores)
+
+
+def test_measured_cpu_score_is_positive_finite_and_cached():
+    score = measure_device_score("cpu", seconds_budget=0.3)
+    assert math.isfinite(score) and score > 0
+    assert measure_device_score("cpu") == score
+
+
+def test_device_description_round_trip():
+    description = DeviceDescription(rank=3, local_rank=1, host="node-b", name="Tesla V100-SXM2-32GB",
+                                    memory_bytes=34_089_730_048, bf16=False, fp16=True, accelerator="cuda",
+                                    spec_score=125.0, score_source="spec")
+    as_dict = description.to_dict()
+    assert as_dict["name"] == "Tesla V100-SXM2-32GB" and as_dict["bf16"] is False
+    assert DeviceDescription.from_dict(as_dict) == description
+    with pytest.raises(ValueError, match="host"):
+        DeviceDescription.from_dict({k: v for k, v in as_dict.items() if k != "host"})
+    with pytest.raises(ValueError, match="speed"):
+        DeviceDescription.from_dict({**as_dict, "speed": 1.0})
+
+
+def test_describe_local_cpu_device():
+    description = describe_local_device(rank=0)
+    assert description.accelerator == "cpu"
+    assert description.name and description.host
+    assert description.memory_bytes > 0
+    assert description.score_source == "measured" and description.spec_score > 0
+
+    emulated = describe_local_device(memory_bytes=8 * BYTES_PER_GB, rank=1)
+    assert emulated.memory_bytes == 8 * BYTES_PER_GB and emulated.rank == 1
+
+
+class _FakeGpuAccelerator:
+    """Just the calls describe_local_device makes, answering like a CUDA accelerator would."""
+
+    def __init__(self, name, memory_bytes):
+        self.name, self.memory_bytes = name, memory_bytes
+
+    def device_name(self, device_index=None):
+        return "cuda" if device_index is None else f"cuda:{device_index}"
+
+    def get_device_name(self, device_index):
+        return self.name
+
+    def total_memory(self, device_index=None):
+        return self.memory_bytes
+
+    def is_bf16_supported(self):
+        return find_spec(self.name).supports_bf16
+
+    def is_fp16_supported(self):
+        return True
+
+
+def test_describe_known_gpu_uses_the_table(monkeypatch):
+    v100 = _FakeGpuAccelerator("Tesla V100-SXM2-32GB", 34_089_730_048)
+    monkeypatch.setattr(devices, "get_accelerator", lambda: v100)
+    monkeypatch.setenv("RANK", "5")
+    description = describe_local_device(local_rank=1)
+    assert (description.rank, description.local_rank, description.accelerator) == (5, 1, "cuda")
+    assert (description.bf16, description.fp16) == (False, True)
+    assert (description.spec_score, description.score_source) == (125.0, "spec")

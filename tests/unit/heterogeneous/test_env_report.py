@@ -1,0 +1,180 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``ds_report --heterogeneous``: the four status lines, the device table and config errors."""
+
+import io
+import json
+
+import pytest
+
+from deepspeed.runtime.heterogeneous import env_report
+from deepspeed.runtime.heterogeneous.devices import DeviceDescription, describe_local_device
+from deepspeed.runtime.heterogeneous.env_report import (communication_optimization_active, heterogeneous_report,
+                                                        main)
+
+STATUS_PREFIXES = ("Heterogeneous Environment:", "Mixed GPU Support:", "Load Balancing Strategy:",
+                   "Communication Optimization:")
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch):
+    for name in ("DS_HETEROGENEOUS_ENV", "DS_ADAPTIVE_SCHEDULING"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def report_lines(config_path=None):
+    output = io.StringIO()
+    heterogeneous_report(config_path, file=output)
+    return output.getvalue().splitlines()
+
+
+def status_lines(lines):
+    return [line for line in lines if line.startswith(STATUS_PREFIXES)]
+
+
+def write_config(tmp_path, config):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def test_without_config_or_environment_it_is_disabled():
+    assert status_lines(report_lines()) == [
+        "Heterogeneous Environment: Disabled",
+        f"Mixed GPU Support: {describe_local_device().name}",
+        "Load Balancing Strategy: Uniform",
+        "Communication Optimization: Inactive",
+    ]
+
+
+def test_environment_variable_enables_compute_aware_defaults(monkeypatch):
+    monkeypatch.setenv("DS_HETEROGENEOUS_ENV", "1")
+    assert status_lines(report_lines()) == [
+        "Heterogeneous Environment: Enabled",
+        f"Mixed GPU Support: {describe_local_device().name}",
+        "Load Balancing Strategy: Compute-Aware",
+        "Communication Optimization: Inactive",
+    ]
+
+
+def test_config_enabling_compute_aware_shows_options_and_emulated_capacities(tmp_path):
+    config_path = write_config(tmp_path, {
+        "train_batch_size": 16,
+        "heterogeneous_config": {
+            "enabled": True,
+            "load_balancing_strategy": "compute_aware",
+            "profile_steps": 4,
+            "scheduler": {"dynamic_rebalancing": True, "imbalance_threshold": 0.2, "check_interval": 10},
+            "emulation": {"speeds": [1.0, 0.5], "memory_gb": [16, 8], "mode": "dilation"},
+        },
+        "heterogeneous_memory": {"enabled": True, "cpu_memory_limit": "4GB"},
+        "zero_optimization": {"stage": 2, "heterogeneous_offload": {"cpu_offload": True}},
+    })
+    lines = report_lines(config_path)
+    assert status_lines(lines) == [
+        "Heterogeneous Environment: Enabled",
+        f"Mixed GPU Support: {describe_local_device().name}",
+        "Load Balancing Strategy: Compute-Aware",
+        "Communication Optimization: Inactive",
+    ]
+    table_rows = [line for line in lines if "(emulated)" in line]
+    assert len(table_rows) == 2
+    assert "16.0 (emulated)" in table_rows[0] and "8.0 (emulated)" in table_rows[1]
+    text = "\n".join(lines)
+    assert "profile_steps: 4" in text
+    assert "dynamic_rebalancing=True, imbalance_threshold=0.2, check_interval=10" in text
+    assert "speeds=[1.0, 0.5]" in text and "mode=dilation" in text
+    assert "cpu_memory_limit=4GB" in text
+    assert "heterogeneous_offload: cpu_offload=True" in text
+
+
+def test_emulated_speed_scales_the_score(tmp_path):
+    config_path = write_config(tmp_path, {
+        "heterogeneous_config": {"enabled": True, "emulation": {"speeds": [1.0, 0.25]}},
+    })
+    rows = env_report._device_rows(env_report.load_heterogeneous_settings(env_report.read_config_file(config_path)))
+    (fast, _, _), (slow, memory_emulated, speed_emulated) = rows
+    assert slow.spec_score == pytest.approx(fast.spec_score * 0.25)
+    assert (memory_emulated, speed_emulated) == (False, True)
+
+
+@pytest.mark.parametrize("block, strategy_line", [
+    ({"enabled": True, "load_balancing_strategy": "manual", "micro_batch_sizes": [4, 2]},
+     "Load Balancing Strategy: Manual"),
+    ({"enabled": True, "load_balancing_strategy": "uniform"}, "Load Balancing Strategy: Uniform"),
+    # A disabled block is upstream behaviour, whatever strategy it names.
+    ({"enabled": False, "load_balancing_strategy": "compute_aware"}, "Load Balancing Strategy: Uniform"),
+])
+def test_strategy_line_follows_the_config(tmp_path, block, strategy_line):
+    lines = report_lines(write_config(tmp_path, {"heterogeneous_config": block}))
+    assert strategy_line in lines
+    expected_state = "Enabled" if block["enabled"] else "Disabled"
+    assert f"Heterogeneous Environment: {expected_state}" in lines
+
+
+class _FakeThreeGpuAccelerator:
+
+    def device_name(self, device_index=None):
+        return "cuda"
+
+    def device_count(self):
+        return 3
+
+
+def test_mixed_gpus_are_listed_once_each(monkeypatch):
+    names = ["NVIDIA A100-SXM4-80GB", "Tesla V100-SXM2-32GB", "NVIDIA A100-SXM4-80GB"]
+    scores = [312.0, 125.0, 312.0]
+
+    def describe(local_rank=0, memory_bytes=None, rank=None):
+        return DeviceDescription(rank=rank, local_rank=local_rank, host="node-a", name=names[local_rank],
+                                 memory_bytes=32 * 2**30, bf16=local_rank != 1, fp16=True, accelerator="cuda",
+                                 spec_score=scores[local_rank], score_source="spec")
+
+    monkeypatch.setattr(env_report, "get_accelerator", _FakeThreeGpuAccelerator)
+    monkeypatch.setattr(env_report, "describe_local_device", describe)
+    lines = report_lines()
+    assert "Mixed GPU Support: NVIDIA A100-SXM4-80GB, Tesla V100-SXM2-32GB" in lines
+    table_rows = [line for line in lines if line.endswith("spec")]
+    assert [row.split()[0] for row in table_rows] == ["0", "1", "2"]
+    assert "Tesla V100-SXM2-32GB" in table_rows[1] and "125" in table_rows[1]
+
+
+def test_communication_optimization_is_inactive_for_now():
+    settings = env_report.load_heterogeneous_settings({"heterogeneous_config": {"enabled": True}})
+    assert communication_optimization_active(settings) is False
+
+
+def test_main_succeeds_on_a_good_config(tmp_path, capsys):
+    config_path = write_config(tmp_path, {"heterogeneous_config": {"enabled": True}})
+    assert main(["--config", config_path]) == 0
+    assert "Heterogeneous Environment: Enabled" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("contents, named", [
+    (json.dumps({"heterogeneous_config": {"enabled": True, "load_balancing_stratgy": "manual"}}),
+     "load_balancing_stratgy"),
+    (json.dumps({"heterogeneous_config": {"enabled": True, "scheduler": {"imbalance_threshold": 3}}}),
+     "imbalance_threshold"),
+    (json.dumps({"heterogeneous_memory": {"cpu_memory_limit": "lots"}}), "cpu_memory_limit"),
+    ("{\"heterogeneous_config\": {", "not valid JSON"),
+    ("[1, 2]", "JSON object"),
+])
+def test_bad_config_exits_2_with_one_line_naming_the_problem(tmp_path, capsys, contents, named):
+    path = tmp_path / "ds_config.json"
+    path.write_text(contents)
+    assert main(["--config", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    error_lines = captured.err.strip().splitlines()
+    assert len(error_lines) == 1 and named in error_lines[0]
+    assert "Traceback" not in captured.err
+
+
+def test_missing_config_file_exits_2(tmp_path, capsys):
+    assert main(["--config", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json" in capsys.readouterr().err
+
+
+def test_bad_environment_value_exits_2(monkeypatch, capsys):
+    monkeypatch.setenv("DS_HETEROGENEOUS_ENV", "maybe")
+    assert main([]) == 2
+    assert "DS_HETEROGENEOUS_ENV" in capsys.readouterr().err
