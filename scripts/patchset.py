@@ -247,17 +247,18 @@ class PatchFile:
     def owned(self):
         return {path for path, _ in self.files}
 
+    def _paragraphs(self):
+        """(description, trailer lines): trailers are the last paragraph when every line is 'Key: value'."""
+        paragraphs = [p for p in re.split(r"\n\s*\n", self.body.strip()) if p.strip()]
+        if paragraphs and all(re.match(r"^[A-Za-z-]+:\s*\S", line) for line in paragraphs[-1].splitlines()):
+            return "\n\n".join(paragraphs[:-1]), paragraphs[-1].splitlines()
+        return "\n\n".join(paragraphs), []
+
     def trailers(self):
-        found = {}
-        for line in self.body.splitlines():
-            match = re.match(r"^([A-Za-z-]+):\s*(\S.*)$", line)
-            if match:
-                found[match.group(1)] = match.group(2)
-        return found
+        return dict(line.split(":", 1)[0:1] + [line.split(":", 1)[1].strip()] for line in self._paragraphs()[1])
 
     def description(self):
-        return "\n".join(line for line in self.body.splitlines()
-                         if line.strip() and not re.match(r"^[A-Za-z-]+:\s", line)).strip()
+        return self._paragraphs()[0].strip()
 
 
 def parse_patch(text):
@@ -462,8 +463,11 @@ def mirror_twin(rel):
     return None
 
 
-def sync_mirrors(pristine, current):
-    """Copy an edit of one sdist copy (op_builder/, accelerator/, csrc/) to its twin."""
+def sync_mirrors(baseline, current):
+    """Copy an edit of one sdist copy (op_builder/, accelerator/, csrc/) to its twin.
+
+    ``baseline`` is the tree as last assembled (pristine + series): the copy that moved away
+    from it is the one the developer edited."""
     changed = []
     for left, right in MIRRORS:
         for rel in list(current):
@@ -472,7 +476,7 @@ def sync_mirrors(pristine, current):
             twin = right + rel[len(left):]
             if twin not in current:
                 continue
-            a_edit, b_edit = current[rel] != pristine.get(rel), current[twin] != pristine.get(twin)
+            a_edit, b_edit = current[rel] != baseline.get(rel), current[twin] != baseline.get(twin)
             if a_edit and b_edit and current[rel] != current[twin]:
                 raise PatchSetError(f"{rel} and {twin} are copies in the sdist but were edited differently; "
                                     f"make them identical")
@@ -501,7 +505,7 @@ def export(assign=None, new_meta=None, write=True, allow_orphans=False):
     fork = set(fork_tracked_files())
     paths = upstream_paths(pristine, fork)
     current = current_upstream(paths)
-    mirrored = sync_mirrors(pristine, current) if write else []
+    mirrored = sync_mirrors(expected_tree(pin, pristine), current) if write else []
     edited = [p for p in paths if current[p] != pristine[p]]
     for rel in edited:  # an sdist copy belongs to the patch that owns its twin
         if rel not in owner and mirror_twin(rel) in owner:

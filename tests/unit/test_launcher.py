@@ -1,0 +1,91 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The real `deepspeed` and `ds_report` commands: subcommand, flags, environment forwarding."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+FOUR_LINES = ("Heterogeneous Environment: ", "Mixed GPU Support: ", "Load Balancing Strategy: ",
+              "Communication Optimization: ")
+
+
+def run(args, env=None, cwd=None, timeout=240):
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("DS_HETEROGENEOUS", "DS_ADAPTIVE"))}
+    full_env.update(env or {})
+    proc = subprocess.run(args, capture_output=True, text=True, env=full_env, cwd=cwd, timeout=timeout)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def report_lines(stdout):
+    return {line.split(": ", 1)[0]: line.split(": ", 1)[1] for line in stdout.splitlines()
+            if line.startswith(FOUR_LINES)}
+
+
+def test_deepspeed_env_report_heterogeneous(tmp_path):
+    code, out, err = run([str(BIN / "deepspeed"), "env_report", "--heterogeneous"], cwd=tmp_path)
+    assert code == 0, err
+    lines = report_lines(out)
+    assert set(lines) == {prefix[:-2] for prefix in FOUR_LINES}, out
+    assert lines["Communication Optimization"] in ("Active", "Inactive")
+
+
+def test_ds_report_heterogeneous_with_config(tmp_path):
+    config = tmp_path / "ds.json"
+    config.write_text('{"train_batch_size": 8, "heterogeneous_config": {"enabled": true, '
+                      '"load_balancing_strategy": "manual", "micro_batch_sizes": [6, 2]}}')
+    code, out, err = run([str(BIN / "ds_report"), "--heterogeneous", "--config", str(config)], cwd=tmp_path)
+    assert code == 0, err
+    lines = report_lines(out)
+    assert lines["Heterogeneous Environment"] == "Enabled"
+    assert lines["Load Balancing Strategy"] == "Manual"
+
+
+def test_bad_config_is_one_line_with_exit_2(tmp_path):
+    config = tmp_path / "ds.json"
+    config.write_text('{"heterogeneous_config": {"enabled": true, "strategy": "fast"}}')
+    code, out, err = run([str(BIN / "deepspeed"), "env_report", "--heterogeneous", "--config", str(config)],
+                         cwd=tmp_path)
+    assert code == 2
+    assert "heterogeneous_config.strategy: unknown key 'strategy'" in err
+    assert "Traceback" not in err
+
+
+def test_plain_ds_report_shows_the_fork_version(tmp_path):
+    code, out, err = run([str(BIN / "ds_report"), "--hide_operator_status"], cwd=tmp_path)
+    assert code == 0, err
+    assert "+hetero." in next(line for line in out.splitlines() if line.startswith("deepspeed info"))
+    assert "fork revision" in next(line for line in out.splitlines() if line.startswith("deepspeed-hetero"))
+
+
+def test_bad_environment_value_stops_the_launch(tmp_path):
+    script = tmp_path / "never.py"
+    script.write_text("raise SystemExit('must not run')\n")
+    code, out, err = run([str(BIN / "deepspeed"), "--num_gpus", "1", str(script)], cwd=tmp_path,
+                         env={"DS_HETEROGENEOUS_ENV": "maybe"})
+    assert code != 0
+    assert "DS_HETEROGENEOUS_ENV='maybe': use one of 1/true/yes/on or 0/false/no/off" in err
+    assert "must not run" not in out + err and "Traceback" not in err
+
+
+def test_multinode_launch_forwards_the_fork_variables(tmp_path):
+    # pdsh stands in for the remote shell only (there is no second node here); the runner's
+    # real code builds the command line that every node would execute.
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "pdsh").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$FAKE_PDSH_OUT"\n')
+    (fake_bin / "pdsh").chmod(0o755)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("nodea slots=1\nnodeb slots=1\n")
+    captured = tmp_path / "pdsh.args"
+    code, out, err = run([str(BIN / "deepspeed"), "--hostfile", str(hostfile), "--launcher", "pdsh",
+                          "--no_ssh_check", "--master_addr", "127.0.0.1", "train.py"], cwd=tmp_path,
+                         env={"PATH": f"{fake_bin}{os.pathsep}{os.environ['PATH']}", "FAKE_PDSH_OUT": str(captured),
+                              "DS_HETEROGENEOUS_ENV": "1", "DS_ADAPTIVE_SCHEDULING": "true"})
+    assert code == 0, err
+    remote_command = captured.read_text()
+    assert "export DS_HETEROGENEOUS_ENV=1;" in remote_command
+    assert "export DS_ADAPTIVE_SCHEDULING=true;" in remote_command
