@@ -8,7 +8,14 @@ PY          := $(VENV)/bin/python
 PIP         := $(PY) -m pip --disable-pip-version-check
 TORCH_SPEC  ?= torch==2.13.0
 PYTEST_ARGS ?=
-PATCHSET    := $(PY) scripts/patchset.py
+# The patch-set tool needs only python3, git and pip: no venv, so 'make check' works anywhere.
+PATCHSET    := $(PYTHON) scripts/patchset.py
+
+# ninja (a dependency installed into the venv) must be on PATH for JIT op builds; the tree's root
+# on PYTHONPATH makes every process take op builders from the same copy of op_builder/, so JIT
+# builds are not redone (see tests/conftest.py).
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+RUN_ENV     := PYTHONPATH=$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 .PHONY: help venv tree install export check dist test test-all demo perf clean
 
@@ -29,34 +36,34 @@ $(VENV)/.torch:
 
 venv: $(VENV)/.torch
 
-tree: venv
+tree:
 	$(PATCHSET) tree
 
-$(VENV)/.installed: $(VENV)/.torch setup.py
+$(VENV)/.installed: $(VENV)/.torch setup.py UPSTREAM
 	@# --no-build-isolation: the build must see the venv's CPU torch (the op builders need it).
 	$(PIP) install -q --no-build-isolation -e . $(INSTALL_ARGS)
 	@touch $@
 
-install: tree
+install: venv tree
 	@$(MAKE) --no-print-directory $(VENV)/.installed
 
-export: venv
+export:
 	$(PATCHSET) export
 
-check: venv
+check:
 	$(PATCHSET) check
 
-dist: venv
+dist:
 	$(PATCHSET) dist
 
 test: install
-	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+	$(RUN_ENV) $(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
 demo: install
-	$(PY) examples/heterogeneous_demo.py
+	$(RUN_ENV) $(PY) examples/heterogeneous_demo.py
 
 perf: install
-	$(PY) -m pytest tests/perf -s $(PYTEST_ARGS)
+	$(RUN_ENV) $(PY) -m pytest tests/perf -s $(PYTEST_ARGS)
 
 clean:
 	rm -rf build dist .pytest_cache $(VENV)/.installed
