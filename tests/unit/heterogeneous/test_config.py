@@ -1,0 +1,211 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The fork's configuration blocks: parsing, errors, environment variables, the scheduler alias,
+and what deepspeed.initialize makes of them on two real ranks."""
+
+import os
+
+import pytest
+import torch
+
+from deepspeed.runtime.heterogeneous.config import load_heterogeneous_settings, parse_bytes
+
+from harness import run_subcases
+
+
+def parse(config, world_size=None, **environ):
+    return load_heterogeneous_settings(dict(config), world_size=world_size, environ=environ)
+
+
+def error_of(config, world_size=None, **environ):
+    with pytest.raises(ValueError) as info:
+        parse(config, world_size=world_size, **environ)
+    return str(info.value)
+
+
+def test_defaults_are_off_and_match_design():
+    settings = parse({})
+    assert not settings.enabled
+    assert settings.config.load_balancing_strategy == "compute_aware"
+    assert settings.config.profile_steps == 3
+    assert settings.config.scheduler.imbalance_threshold == 0.1
+    assert settings.config.scheduler.check_interval == 20
+    assert not settings.config.scheduler.dynamic_rebalancing
+    assert settings.config.emulation is None
+    assert settings.memory.hbm_utilization_threshold == 0.85 and settings.memory.adaptive_chunking
+    assert not settings.offload.cpu_offload and not settings.offload.nvme_offload
+    assert settings.notes == []
+
+
+def test_design_example_parses():
+    config = {
+        "train_batch_size": 256,
+        "heterogeneous_config": {
+            "enabled": True, "load_balancing_strategy": "compute_aware", "mixed_precision_support": "adaptive",
+            "micro_batch_sizes": None, "profile_steps": 3,
+            "scheduler": {"type": "compute_aware", "dynamic_rebalancing": True, "imbalance_threshold": 0.1,
+                          "check_interval": 20},
+            "emulation": {"speeds": [1.0, 0.4], "memory_gb": [16, 8], "mode": "cgroup"}},
+        "heterogeneous_memory": {"enabled": True, "adaptive_chunking": True, "hbm_utilization_threshold": 0.85,
+                                 "cpu_memory_limit": "64GB"},
+        "zero_optimization": {"stage": 3, "heterogeneous_offload": {"cpu_offload": True, "nvme_offload": False}},
+    }
+    settings = parse(config, world_size=2)
+    assert settings.enabled and settings.config.mixed_precision_support == "adaptive"
+    assert settings.config.emulation.speeds == [1.0, 0.4] and settings.config.emulation.mode == "cgroup"
+    assert settings.memory.cpu_memory_limit_bytes == 64 * 10**9
+    assert settings.offload.cpu_offload
+
+
+@pytest.mark.parametrize("config, expected", [
+    ({"heterogeneous_config": {"enabled": True, "profile_step": 3}},
+     "heterogeneous_config.profile_step: unknown key 'profile_step'; allowed keys: emulation, enabled"),
+    ({"heterogeneous_config": {"scheduler": {"interval": 5}}},
+     "heterogeneous_config.scheduler.interval: unknown key 'interval'; allowed keys: check_interval"),
+    ({"heterogeneous_config": {"emulation": {"speed": [1]}}},
+     "heterogeneous_config.emulation.speed: unknown key 'speed'; allowed keys: memory_gb, mode, speeds"),
+    ({"heterogeneous_memory": {"hbm_threshold": 0.5}},
+     "heterogeneous_memory.hbm_threshold: unknown key 'hbm_threshold'; allowed keys: adaptive_chunking"),
+    ({"zero_optimization": {"heterogeneous_offload": {"gpu_offload": True}}},
+     "zero_optimization.heterogeneous_offload.gpu_offload: unknown key 'gpu_offload'; allowed keys: cpu_offload"),
+])
+def test_unknown_keys_are_named_with_the_allowed_ones(config, expected):
+    assert expected in error_of(config)
+
+
+@pytest.mark.parametrize("config, expected", [
+    ({"heterogeneous_config": {"load_balancing_strategy": "fastest"}},
+     "heterogeneous_config.load_balancing_strategy: Input should be 'uniform', 'compute_aware' or 'manual'"),
+    ({"heterogeneous_config": {"mixed_precision_support": "int8"}}, "'config', 'adaptive', 'bf16', 'fp16' or 'fp32'"),
+    ({"heterogeneous_config": {"profile_steps": -1}}, "heterogeneous_config.profile_steps"),
+    ({"heterogeneous_config": {"scheduler": {"imbalance_threshold": 1.5}}},
+     "heterogeneous_config.scheduler.imbalance_threshold: Input should be less than 1"),
+    ({"heterogeneous_config": {"scheduler": {"check_interval": 0}}}, "scheduler.check_interval"),
+    ({"heterogeneous_config": {"emulation": {"speeds": [1.0, 1.5]}}}, "speeds[1] = 1.5: each speed must be in (0, 1]"),
+    ({"heterogeneous_config": {"emulation": {"mode": "docker"}}}, "'auto', 'cgroup' or 'dilation'"),
+    ({"heterogeneous_config": {"load_balancing_strategy": "manual"}}, "'manual' needs micro_batch_sizes"),
+    ({"heterogeneous_config": {"micro_batch_sizes": [4, 4]}}, "set the strategy to 'manual' or remove the sizes"),
+    ({"heterogeneous_config": {"load_balancing_strategy": "manual", "micro_batch_sizes": [4, 0]}},
+     "heterogeneous_config.micro_batch_sizes[1]: Input should be greater than 0"),
+    ({"heterogeneous_config": {"load_balancing_strategy": "manual", "micro_batch_sizes": {"A100": -2}}},
+     "heterogeneous_config.micro_batch_sizes.A100: Input should be greater than 0"),
+    ({"heterogeneous_config": {"load_balancing_strategy": "uniform", "scheduler": {"type": "compute_aware"}}},
+     "scheduler.type 'compute_aware' contradicts load_balancing_strategy 'uniform'"),
+    ({"heterogeneous_config": {"load_balancing_strategy": "uniform", "scheduler": {"dynamic_rebalancing": True}}},
+     "dynamic_rebalancing needs load_balancing_strategy 'compute_aware'"),
+    ({"heterogeneous_memory": {"cpu_memory_limit": "lots"}}, "heterogeneous_memory.cpu_memory_limit: 'lots' is not"),
+    ({"zero_optimization": {"heterogeneous_offload": {"nvme_offload": True}}}, "nvme_offload needs nvme_path"),
+    ({"heterogeneous_config": [1, 2]}, "heterogeneous_config must be a JSON object"),
+])
+def test_bad_values_say_what_is_allowed(config, expected):
+    assert expected in error_of(config)
+
+
+def test_per_rank_lists_must_match_the_world():
+    config = {"heterogeneous_config": {"enabled": True, "emulation": {"speeds": [1.0, 0.5, 0.2]}}}
+    assert "emulation.speeds has 3 entries but the data-parallel world has 2 ranks" in error_of(config, world_size=2)
+    manual = {"heterogeneous_config": {"enabled": True, "load_balancing_strategy": "manual",
+                                       "micro_batch_sizes": [4, 4, 4]}}
+    assert "micro_batch_sizes has 3 entries" in error_of(manual, world_size=4)
+    assert parse(manual, world_size=3).config.micro_batch_sizes == [4, 4, 4]
+
+
+def test_scheduler_type_alone_sets_the_strategy():
+    settings = parse({"heterogeneous_config": {"enabled": True, "scheduler": {"type": "uniform"}}})
+    assert settings.config.load_balancing_strategy == "uniform"
+
+
+def test_seed_style_top_level_scheduler_is_an_alias_and_leaves_lr_schedulers_alone():
+    config = {"scheduler": {"type": "compute_aware", "dynamic_rebalancing": True, "check_interval": 7},
+              "heterogeneous_config": {"enabled": True}}
+    settings = load_heterogeneous_settings(config, environ={})
+    assert "scheduler" not in config, "the alias must not reach the LR-scheduler code"
+    assert settings.config.scheduler.dynamic_rebalancing and settings.config.scheduler.check_interval == 7
+    assert any("move it there" in note for note in settings.notes)
+
+    lr = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}}
+    settings = load_heterogeneous_settings(lr, environ={})
+    assert lr["scheduler"]["type"] == "WarmupLR" and settings.notes == []
+
+    both = {"scheduler": {"type": "compute_aware"}, "heterogeneous_config": {"scheduler": {}}}
+    assert "keep only heterogeneous_config.scheduler" in error_of(both)
+
+
+def test_environment_variables():
+    settings = parse({}, DS_HETEROGENEOUS_ENV="1", DS_ADAPTIVE_SCHEDULING="true")
+    assert settings.enabled and settings.config.scheduler.dynamic_rebalancing
+    assert len(settings.notes) == 2
+
+    explicit = parse({"heterogeneous_config": {"enabled": False}}, DS_HETEROGENEOUS_ENV="yes")
+    assert not explicit.enabled and "block wins" in explicit.notes[0]
+
+    assert not parse({}, DS_HETEROGENEOUS_ENV="0").enabled
+    ignored = parse({}, DS_ADAPTIVE_SCHEDULING="on")
+    assert not ignored.config.scheduler.dynamic_rebalancing and "ignored" in ignored.notes[0]
+
+    assert "DS_HETEROGENEOUS_ENV='maybe': use one of 1/true/yes/on or 0/false/no/off" in error_of(
+        {}, DS_HETEROGENEOUS_ENV="maybe")
+    assert "DS_ADAPTIVE_SCHEDULING='2'" in error_of({}, DS_ADAPTIVE_SCHEDULING="2")
+
+
+def test_parse_bytes():
+    assert parse_bytes("64GB") == 64 * 10**9
+    assert parse_bytes("512MiB") == 512 * 2**20
+    assert parse_bytes("1.5 GiB") == int(1.5 * 2**30)
+    assert parse_bytes(1024) == 1024
+    for bad in ("64XB", "-1GB", True, -5, "GB"):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# Through deepspeed.initialize on two ranks: the blocks reach the engine, the alias and the
+# environment variables behave, and a typo stops initialize with the key named.
+
+
+def _initialize_case(rank, world_size, config, environ, expect):
+    import deepspeed
+
+    os.environ.update(environ)
+    try:
+        model = torch.nn.Linear(8, 8)
+        base = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2,
+                "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+        try:
+            engine, _, _, scheduler = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                           config={**base, **config})
+        except ValueError as exc:
+            assert expect.get("error") and expect["error"] in str(exc), str(exc)
+            return "error"
+        assert "error" not in expect, "initialize accepted a bad config"
+        settings = engine._config.heterogeneous
+        assert settings.enabled == expect["enabled"]
+        assert settings.config.scheduler.dynamic_rebalancing == expect.get("dynamic", False)
+        assert type(scheduler).__name__ == expect.get("lr_scheduler", "NoneType")
+        loss = engine(torch.ones(2, 8)).sum()
+        engine.backward(loss)
+        engine.step()
+        return settings.config.load_balancing_strategy
+    finally:
+        for key in environ:
+            os.environ.pop(key, None)
+
+
+@pytest.mark.multiprocess
+def test_blocks_reach_the_engine_on_two_ranks():
+    cases = [
+        dict(config={"heterogeneous_config": {"enabled": True, "load_balancing_strategy": "uniform"}},
+             environ={}, expect={"enabled": True}),
+        dict(config={"scheduler": {"type": "compute_aware", "dynamic_rebalancing": True},
+                     "heterogeneous_config": {"enabled": True}},
+             environ={}, expect={"enabled": True, "dynamic": True}),
+        dict(config={"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}},
+             environ={}, expect={"enabled": False, "lr_scheduler": "WarmupLR"}),
+        dict(config={}, environ={"DS_HETEROGENEOUS_ENV": "1", "DS_ADAPTIVE_SCHEDULING": "true"},
+             expect={"enabled": True, "dynamic": True}),
+        dict(config={"heterogeneous_config": {"enabled": True, "profile_step": 3}}, environ={},
+             expect={"error": "heterogeneous_config.profile_step: unknown key"}),
+        dict(config={"heterogeneous_config": {"enabled": True, "emulation": {"speeds": [1.0]}}}, environ={},
+             expect={"error": "emulation.speeds has 1 entries but the data-parallel world has 2 ranks"}),
+    ]
+    results = run_subcases(_initialize_case, cases, world_size=2, timeout=240)
+    assert [r[0] for r in results] == ["uniform", "compute_aware", "compute_aware", "compute_aware", "error", "error"]
