@@ -320,7 +320,7 @@ def _device_model_name(local_rank):
     return torch.get_device_module(kind).get_device_name(local_rank)
 
 
-def describe_local_device(local_rank=0, memory_bytes=None, rank=None):
+def describe_local_device(local_rank=0, memory_bytes=None, rank=None, measure=True):
     """Describe this process's device, with a prior speed score.
 
     Args:
@@ -329,6 +329,8 @@ def describe_local_device(local_rank=0, memory_bytes=None, rank=None):
             real capacity still selects the datasheet variant. Default None: the real capacity
             (host RAM on the CPU accelerator).
         rank: global rank to record. Default None: $RANK, else local_rank.
+        measure: benchmark a device the table does not know (default True). With False its
+            score is 0.0 and its source "unknown": the caller will measure the real workload.
     """
     accelerator = get_accelerator()
     name = _device_model_name(local_rank)
@@ -339,6 +341,8 @@ def describe_local_device(local_rank=0, memory_bytes=None, rank=None):
     spec = find_spec(name, real_memory)
     if spec is not None:
         score, source = spec_score(spec), "spec"
+    elif not measure:
+        score, source = 0.0, "unknown"
     else:
         score, source = measure_device_score(accelerator.device_name(local_rank)), "measured"
     return DeviceDescription(rank=int(os.environ.get("RANK", local_rank)) if rank is None else rank,

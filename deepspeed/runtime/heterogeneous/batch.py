@@ -1,0 +1,106 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Per-rank batch sizes at ``DeepSpeedConfig`` time.
+
+Upstream asserts ``train_batch_size == micro_batch * gas * world_size`` on every rank. With
+heterogeneous training the global batch stays ``train_batch_size`` and rank i runs ``mbs_i``
+samples per micro-step, so the invariant becomes ``train_batch_size == sum_i mbs_i * gas_i``.
+This module resolves the start-up plan (before any step was measured, from the strategy, the
+manual sizes or the devices' prior scores) and writes this rank's values into the config, where
+every upstream reader of ``train_micro_batch_size_per_gpu`` and ``gradient_accumulation_steps``
+finds them.
+"""
+
+from deepspeed import comm as dist
+from deepspeed.utils import logger
+
+from .devices import DeviceDescription, describe_local_device
+from .planner import plan_micro_batches, time_models_from_scores
+
+_GAS = "gradient_accumulation_steps"
+
+
+def data_parallel_rank_and_group(mpu=None, mesh_device=None):
+    """This process's data-parallel rank and group (the group is None for the world)."""
+    if mpu is not None and hasattr(mpu, "get_data_parallel_rank"):
+        return mpu.get_data_parallel_rank(), mpu.get_data_parallel_group()
+    if mesh_device is not None:
+        group = mesh_device.get_group(mesh_dim="data_parallel")
+        return dist.get_rank(group=group), group
+    return (dist.get_rank() if dist.is_initialized() else 0), None
+
+
+def gather_devices(group, world_size):
+    """Every data-parallel rank's DeviceDescription, in data-parallel rank order."""
+    mine = describe_local_device(measure=False).to_dict()
+    if world_size == 1 or not dist.is_initialized():
+        return [DeviceDescription.from_dict(mine)]
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, mine, group=group)
+    return [DeviceDescription.from_dict(d) for d in gathered]
+
+
+def _needs_devices(settings):
+    config = settings.config
+    return config.load_balancing_strategy == "compute_aware" or isinstance(config.micro_batch_sizes, dict)
+
+
+def initial_plan(settings, train_batch_size, gas, world_size, zero_stage, devices=None):
+    """The plan in force until measurements replace the priors (pure: no collectives)."""
+    config = settings.config
+    names = [d.name for d in devices] if devices else None
+    scores = [1.0] * world_size
+    if config.load_balancing_strategy == "compute_aware" and devices:
+        known = [d.spec_score for d in devices]
+        # A device without a datasheet entry scores 0 here; rather than guess, start equal and let
+        # the profiling steps measure the real workload.
+        if all(score > 0 for score in known):
+            scores = known
+    return plan_micro_batches(time_models_from_scores(scores), train_batch_size=train_batch_size,
+                              gradient_accumulation_steps=gas, strategy=config.load_balancing_strategy,
+                              manual=config.micro_batch_sizes, device_names=names,
+                              allow_per_rank_gas=zero_stage <= 1)
+
+
+def configure_heterogeneous_batch(ds_config, param_dict, mpu=None, mesh_device=None):
+    """Set ``ds_config``'s batch fields for this rank from the start-up plan.
+
+    Requires ``train_batch_size`` (the global batch); ``gradient_accumulation_steps`` defaults to
+    1. A ``train_micro_batch_size_per_gpu`` in the config is ignored with a warning: the plan
+    decides each rank's micro-batch.
+    """
+    train_batch = ds_config.train_batch_size
+    if train_batch is None:
+        raise ValueError("invalid DeepSpeed config: heterogeneous_config needs train_batch_size (the global "
+                         "batch); per-rank micro-batch sizes are planned from it")
+    gas = ds_config.gradient_accumulation_steps or 1
+    if ds_config.train_micro_batch_size_per_gpu is not None:
+        logger.warning("train_micro_batch_size_per_gpu is ignored with heterogeneous_config enabled: each rank's "
+                       "micro-batch comes from the plan (train_batch_size stays the global batch)")
+    world_size = int(ds_config.world_size)
+    dp_rank, group = data_parallel_rank_and_group(mpu, mesh_device)
+    zero_stage = int(ds_config.zero_optimization_stage or 0)
+    devices = gather_devices(group, world_size) if _needs_devices(ds_config.heterogeneous) else None
+    plan = initial_plan(ds_config.heterogeneous, train_batch, gas, world_size, zero_stage, devices)
+    ds_config.heterogeneous_dp_rank = dp_rank
+    ds_config.heterogeneous_devices = devices
+    apply_plan(ds_config, plan)
+    return plan
+
+
+def apply_plan(ds_config, plan):
+    """Make ``plan`` the one in force for this rank (at start-up, or at a step boundary)."""
+    rank = ds_config.heterogeneous_dp_rank
+    ds_config.heterogeneous_plan = plan
+    ds_config.train_batch_size = plan.train_batch_size
+    ds_config.train_micro_batch_size_per_gpu = plan.micro_batch_sizes[rank]
+    ds_config.gradient_accumulation_steps = plan.gradient_accumulation_steps[rank]
+    ds_config.heterogeneous_loss_weight = plan.loss_weights[rank]
+
+
+def heterogeneous_loss_weight(ds_config):
+    """w_i = W * n_i / train_batch_size for this rank (1.0 when heterogeneous mode is off).
+
+    Every upstream reducer averages gradients over ranks; weighting rank i's loss by w_i turns
+    that average into the mean over the global batch, whatever each rank's share n_i is.
+    """
+    return getattr(ds_config, "heterogeneous_loss_weight", 1.0)

@@ -1,0 +1,130 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Heterogeneous training equals single-process training on the global batch.
+
+Two ranks run uneven micro-batches ([5, 3], [7, 1], ...) through ``deepspeed.initialize`` in ZeRO
+0-3; after five optimizer steps every parameter must match a plain-torch reference that trains
+on the whole global batch in one process. ``strategy: uniform`` must equal upstream bit for bit.
+"""
+
+import pytest
+import torch
+
+from harness import run_subcases
+
+WIDTH = 16
+STEPS = 5
+LR = 1e-2
+
+
+def make_model():
+    torch.manual_seed(20261130)
+    return torch.nn.Sequential(torch.nn.Linear(WIDTH, 32), torch.nn.Tanh(), torch.nn.Linear(32, WIDTH))
+
+
+def global_batches(train_batch_size, steps=STEPS):
+    generator = torch.Generator().manual_seed(7)
+    return [(torch.randn(train_batch_size, WIDTH, generator=generator),
+             torch.randn(train_batch_size, WIDTH, generator=generator)) for _ in range(steps)]
+
+
+def reference_parameters(train_batch_size, clipping):
+    """Single process, whole global batch per step, torch's Adam: what training must produce."""
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    for inputs, targets in global_batches(train_batch_size):
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(inputs), targets).backward()
+        if clipping:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clipping)
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def ds_config(stage, gas, sizes, clipping, strategy="manual"):
+    heterogeneous = {"enabled": True, "load_balancing_strategy": strategy}
+    if strategy == "manual":
+        heterogeneous["micro_batch_sizes"] = sizes
+    return {
+        "train_batch_size": sum(sizes) * gas,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": clipping,
+        "optimizer": {"type": "Adam", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}},
+        "zero_optimization": {"stage": stage},
+        "heterogeneous_config": heterogeneous,
+    }
+
+
+def train_on_rank(rank, world_size, stage, gas, sizes, clipping, strategy="manual"):
+    """This rank's slice of every global micro-batch, as the heterogeneous sampler would give it."""
+    import deepspeed
+
+    model = make_model()
+    config = ds_config(stage, gas, sizes, clipping, strategy)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    plan = engine.heterogeneous_plan
+    assert list(plan.micro_batch_sizes) == list(sizes), plan
+    assert engine.train_micro_batch_size_per_gpu() == sizes[rank]
+    offset, per_micro = sum(sizes[:rank]), sum(sizes)
+    for inputs, targets in global_batches(config["train_batch_size"]):
+        for micro in range(gas):
+            start = micro * per_micro + offset
+            chunk = slice(start, start + sizes[rank])
+            loss = torch.nn.functional.mse_loss(engine(inputs[chunk]), targets[chunk])
+            reported = engine.backward(loss)
+            # The loss handed back for logging is the rank's own, not the weighted one.
+            torch.testing.assert_close(reported, loss.detach() / gas)
+            engine.step()
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
+        return [p.detach().clone() for p in engine.module.parameters()]
+
+
+CASES = [
+    dict(stage=0, gas=1, sizes=[5, 3], clipping=0.0),
+    dict(stage=0, gas=2, sizes=[7, 1], clipping=1.0),
+    dict(stage=1, gas=1, sizes=[7, 1], clipping=0.0),
+    dict(stage=1, gas=2, sizes=[5, 3], clipping=0.05),
+    dict(stage=2, gas=1, sizes=[5, 3], clipping=0.05),
+    dict(stage=2, gas=2, sizes=[7, 1], clipping=0.0),
+    dict(stage=3, gas=1, sizes=[7, 1], clipping=1.0),
+    dict(stage=3, gas=2, sizes=[5, 3], clipping=0.0),
+]
+
+
+@pytest.mark.multiprocess
+def test_uneven_micro_batches_equal_single_process_training():
+    results = run_subcases(train_on_rank, CASES, world_size=2, timeout=600)
+    for case, per_rank in zip(CASES, results):
+        expected = reference_parameters(sum(case["sizes"]) * case["gas"], case["clipping"])
+        for rank_params in per_rank:
+            for got, want in zip(rank_params, expected):
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=lambda m: f"{case}: {m}")
+
+
+@pytest.mark.multiprocess
+def test_uniform_strategy_is_bit_identical_to_plain_deepspeed():
+    """`uniform` with the fork enabled must not change a single bit against the same config
+    without the heterogeneous block (which is upstream's code path: weight 1.0 is never applied)."""
+    cases = [dict(stage=stage, gas=1, sizes=[4, 4], clipping=1.0, strategy=strategy)
+             for stage in (1, 3) for strategy in ("uniform", "off")]
+    results = run_subcases(_uniform_or_off, cases, world_size=2, timeout=600)
+    for index in (0, 2):
+        for got, want in zip(results[index][0], results[index + 1][0]):
+            assert torch.equal(got, want), cases[index]
+
+
+def _uniform_or_off(rank, world_size, stage, gas, sizes, clipping, strategy):
+    import deepspeed
+
+    model = make_model()
+    config = ds_config(stage, gas, sizes, clipping, "uniform")
+    if strategy == "off":
+        del config["heterogeneous_config"]
+        config["train_micro_batch_size_per_gpu"] = sizes[rank]
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    offset = sum(sizes[:rank])
+    for inputs, targets in global_batches(config["train_batch_size"]):
+        chunk = slice(offset, offset + sizes[rank])
+        engine.backward(torch.nn.functional.mse_loss(engine(inputs[chunk]), targets[chunk]))
+        engine.step()
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
+        return [p.detach().clone() for p in engine.module.parameters()]
