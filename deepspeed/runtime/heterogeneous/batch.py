@@ -83,6 +83,7 @@ def configure_heterogeneous_batch(ds_config, param_dict, mpu=None, mesh_device=N
     plan = initial_plan(ds_config.heterogeneous, train_batch, gas, world_size, zero_stage, devices)
     ds_config.heterogeneous_dp_rank = dp_rank
     ds_config.heterogeneous_devices = devices
+    ds_config.heterogeneous_base_gas = gas  # the configured gas; a plan may raise a rank's own
     apply_plan(ds_config, plan)
     return plan
 

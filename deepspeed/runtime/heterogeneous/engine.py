@@ -41,13 +41,45 @@ class HeterogeneousEngineMixin:
         devices = [d if isinstance(d, DeviceDescription) else DeviceDescription.from_dict(d) for d in devices]
         return schedule_heterogeneous_tasks(devices, self.train_batch_size(), self._plan_gas())
 
-    def _heterogeneous_train_sampler(self, dataset, data_parallel_rank):
-        """The sampler ``deepspeed.initialize(training_data=...)`` uses in heterogeneous mode."""
-        from .sampler import HeterogeneousDistributedSampler
+    # -- hooks the engine calls (no-ops when the fork is off) ---------------------------------
+
+    def _heterogeneous_runtime(self):
+        if self.heterogeneous_plan is None:
+            return None
+        runtime = self.__dict__.get("_heterogeneous_runtime_state")
+        if runtime is None:
+            from .runtime import HeterogeneousRuntime
+            runtime = HeterogeneousRuntime(self)
+            self.__dict__["_heterogeneous_runtime_state"] = runtime
+        return runtime
+
+    def _heterogeneous_micro_step_begin(self):
+        runtime = self._heterogeneous_runtime()
+        if runtime is not None:
+            runtime.micro_step_begin()
+
+    def _heterogeneous_micro_step_end(self):
+        runtime = self._heterogeneous_runtime()
+        if runtime is not None:
+            runtime.micro_step_end()
+
+    def _heterogeneous_step_end(self):
+        runtime = self._heterogeneous_runtime()
+        if runtime is not None:
+            runtime.step_end()
+
+    def _heterogeneous_train_loader(self, dataset, data_parallel_rank, collate_fn):
+        """The loader ``deepspeed.initialize(training_data=...)`` returns in heterogeneous mode: rank r
+        gets its mbs_r of every sum(mbs) samples, and a new plan applies from the next step."""
+        from .loader import HeterogeneousDataLoader
+        from .sampler import HeterogeneousBatchSampler
         plan = self.heterogeneous_plan
-        return HeterogeneousDistributedSampler(dataset, plan.micro_batch_sizes, rank=data_parallel_rank,
-                                               drop_last=self.dataloader_drop_last())
+        batch_sampler = HeterogeneousBatchSampler(dataset, list(plan.micro_batch_sizes), rank=data_parallel_rank,
+                                                  drop_last=self.dataloader_drop_last(),
+                                                  gradient_accumulation_steps=list(plan.gradient_accumulation_steps)
+                                                  if plan.per_rank_gas else None)
+        self._heterogeneous_runtime().loaders.append(batch_sampler)
+        return HeterogeneousDataLoader(dataset, batch_sampler, collate_fn=collate_fn, tput_timer=self.tput_timer)
 
     def _plan_gas(self):
-        plan = self.heterogeneous_plan
-        return plan.gradient_accumulation_steps[0] if plan is not None else self.gradient_accumulation_steps()
+        return getattr(self._config, "heterogeneous_base_gas", None) or self.gradient_accumulation_steps()

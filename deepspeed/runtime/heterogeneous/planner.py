@@ -248,6 +248,86 @@ def plan_micro_batches(time_models,
     return _compute_aware(models, batch, gas, caps, allow_per_rank_gas)
 
 
+def device_score(device):
+    """Prior speed of one device in TFLOP/s: the seed's ``engine._get_device_score(dev)``.
+
+    Args:
+        device: a DeviceDescription or its dict (its ``spec_score``: from the datasheet table or
+            measured, 0.0 when unknown); a dict with a ``score``; or a device name / a dict with a
+            ``name`` (and optional ``memory_bytes`` and ``dtype``) looked up in the table.
+    """
+    if isinstance(device, DeviceDescription):
+        return device.spec_score
+    if isinstance(device, str):
+        device = {"name": device}
+    if not isinstance(device, dict):
+        raise ValueError(f"device_score: expected a DeviceDescription, a dict or a device name, got "
+                         f"{type(device).__name__}")
+    for key in ("spec_score", "score"):
+        if key in device:
+            return float(device[key])
+    if "name" not in device:
+        raise ValueError(f"device_score: {device!r} has neither 'score' nor 'name'")
+    spec = find_spec(str(device["name"]), device.get("memory_bytes"))
+    if spec is None:
+        raise ValueError(f"device_score: '{device['name']}' is not in the accelerator table; give its measured "
+                         f"'score' (devices.measure_device_score)")
+    return spec_score(spec, device.get("dtype"))
+
+
+def distribute_workload(normalized_scores, train_batch_size, gradient_accumulation_steps=1):
+    """Micro-batch sizes proportional to the scores: the seed's ``engine._distribute_workload``.
+
+    Largest-remainder rounding of ``(train_batch_size / gas) * score_i``, each size at least 1,
+    summing exactly to ``train_batch_size / gas``. Scores need not sum to 1 (they are normalised).
+    """
+    shares = normalize_scores(normalized_scores)
+    batch = _positive_int(train_batch_size, "train_batch_size")
+    gas = _positive_int(gradient_accumulation_steps, "gradient_accumulation_steps")
+    if batch % gas or batch // gas < len(shares):
+        raise ValueError(f"train_batch_size {batch} / gradient_accumulation_steps {gas} must be a whole number of "
+                         f"samples per micro-step, at least one per rank ({len(shares)} ranks)")
+    units = batch // gas
+    quotas = [units * share for share in shares]
+    sizes = [max(1, math.floor(quota)) for quota in quotas]
+    missing = units - sum(sizes)
+    # Floors lose less than one sample per rank, so one pass of the largest remainders fills them.
+    for rank in sorted(range(len(sizes)), key=lambda rank: (sizes[rank] - quotas[rank], rank))[:max(missing, 0)]:
+        sizes[rank] += 1
+    # Sizes raised to the minimum of 1 can push the sum over instead: take samples back from the
+    # ranks furthest above their quota.
+    above = [(quotas[rank] - sizes[rank], rank) for rank in range(len(sizes)) if sizes[rank] > 1]
+    heapq.heapify(above)
+    for _ in range(max(-missing, 0)):
+        _, rank = heapq.heappop(above)
+        sizes[rank] -= 1
+        if sizes[rank] > 1:
+            heapq.heappush(above, (quotas[rank] - sizes[rank], rank))
+    return sizes
+
+
+def schedule_heterogeneous_tasks(devices, train_batch_size, gradient_accumulation_steps=1):
+    """A compute_aware Plan from the devices' prior scores: the seed's ``engine.schedule_heterogeneous_tasks``.
+
+    Args:
+        devices: one entry per data-parallel rank, anything ``device_score`` accepts. If any
+            device's score is unknown (0), all ranks are treated as equal until measured.
+    """
+    devices = list(devices)
+    scores = [device_score(device) for device in devices]
+    names = [d.name if isinstance(d, DeviceDescription) else d.get("name", "-") if isinstance(d, dict) else d
+             for d in devices]
+    unknown = [rank for rank, score in enumerate(scores) if not score > 0]
+    if unknown:
+        scores = [1.0] * len(devices)
+    plan = plan_micro_batches(time_models_from_scores(scores), train_batch_size, gradient_accumulation_steps,
+                              "compute_aware", device_names=names)
+    if unknown:
+        plan = Plan(**{**plan.to_dict(), "notes": [f"ranks {unknown} have no known speed: equal shares until "
+                                                   f"profiling measures them"]})
+    return plan
+
+
 def _rank_label(rank, names):
     return f"rank {rank} ({names[rank]})" if names else f"rank {rank}"
 
@@ -323,6 +403,40 @@ def _plan(models, batch, gas, sizes, multiples, strategy="compute_aware", notes=
     return Plan(sizes, [gas * k for k in multiples], batch, strategy, times, notes)
 
 
+def _capacity_error(batch, gas, world, caps):
+    capacity = sum(caps)
+    message = (f"memory limits allow {capacity} samples per micro-step over all ranks (per rank: {caps}), fewer than "
+               f"train_batch_size {batch} / gradient_accumulation_steps {gas} = {batch // gas}")
+    fitting = [g for g in range(gas + 1, batch + 1) if batch % g == 0 and world <= batch // g <= capacity]
+    if fitting:
+        message += f"; gradient_accumulation_steps {fitting[0]} would fit"
+    return message + "; or lower train_batch_size, or free memory (offload)"
+
+
+def _compute_aware(models, batch, gas, caps, allow_per_rank_gas):
+    world, units = len(models), batch // gas
+    bounded = [units if cap is None else min(cap, units) for cap in caps]
+    equal = None
+    if sum(bounded) >= units:
+        equal = _plan(models, batch, gas, _balance(models, units, bounded, [1] * world), [1] * world)
+    splits = _per_rank_gas_splits(models, units, bounded) if allow_per_rank_gas else []
+    if splits:
+        best = min((_plan(models, batch, gas, sizes, multiples) for sizes, multiples in splits),
+                   key=lambda plan: plan.predicted_step_time)
+        if equal is None or best.predicted_step_time < equal.predicted_step_time * (1 - 1e-9):
+            more = [rank for rank, steps in enumerate(best.gradient_accumulation_steps) if steps > gas]
+            shown = ", ".join(map(str, more[:8])) + (f", ... ({len(more)} ranks)" if len(more) > 8 else "")
+            return Plan(**{**best.to_dict(), "notes": [f"per-rank gradient accumulation: ranks {shown} run more "
+                                                       f"micro-steps because memory caps their micro-batch"]})
+    if equal is None:
+        raise ValueError(_capacity_error(batch, gas, world, bounded))
+    return equal
+
+
+# Integer splitting. A rank's sizes 1, 2, 3, ... are "slots" with increasing costs; the best
+# split takes the cheapest slots. Everything below works on lists indexed by rank.
+
+
 def _bisect(holdings, weights, units, high, spacing):
     """Sizes just below and just above the cheapest way to hold ``units``.
 
@@ -375,10 +489,15 @@ def _exact(cost, bracket, caps, steps, units):
     stuck above ``units``, fill the low end with the cheapest slots instead. None if neither lands."""
     below, above = bracket
     surplus = lambda sizes: sum(m * k for m, k in zip(sizes, steps)) - units
-    sizes, left = _adjust(cost, above, caps, steps, surplus(above), -1)
-    if left:
+    if surplus(above) >= 0:
+        sizes, left = _adjust(cost, above, caps, steps, surplus(above), -1)
+        if not left:
+            return sizes
+    if surplus(below) <= 0:
         sizes, left = _adjust(cost, below, caps, steps, -surplus(below), +1)
-    return None if left else sizes
+        if not left:
+            return sizes
+    return None
 
 
 def _linear_bracket(models, units, caps, steps):
@@ -440,32 +559,6 @@ def _shares_with_fewest_micro_steps(models, units, caps):
     return _exact(cost, bracket, [units] * world, [1] * world, units)
 
 
-def _capacity_error(batch, gas, world, caps):
-    capacity = sum(caps)
-    message = (f"memory limits allow {capacity} samples per micro-step over all ranks (per rank: {caps}), fewer than "
-               f"train_batch_size {batch} / gradient_accumulation_steps {gas} = {batch // gas}")
-    fitting = [g for g in range(gas + 1, batch + 1) if batch % g == 0 and world <= batch // g <= capacity]
-    if fitting:
-        message += f"; gradient_accumulation_steps {fitting[0]} would fit"
-    return message + "; or lower train_batch_size, or free memory (offload)"
-
-
-def _compute_aware(models, batch, gas, caps, allow_per_rank_gas):
-    world, units = len(models), batch // gas
-    bounded = [units if cap is None else min(cap, units) for cap in caps]
-    equal = None
-    if sum(bounded) >= units:
-        equal = _plan(models, batch, gas, _balance(models, units, bounded, [1] * world), [1] * world)
-    if allow_per_rank_gas:
-        candidate = _per_rank_gas_plan(models, batch, gas, bounded)
-        if candidate is not None and (equal is None
-                                      or candidate.predicted_step_time < equal.predicted_step_time * (1 - 1e-9)):
-            return candidate
-    if equal is None:
-        raise ValueError(_capacity_error(batch, gas, world, bounded))
-    return equal
-
-
 def _fewest_micro_steps(units, cap):
     """The smallest divisor g of ``units`` with ``units / g <= cap``: fewest micro-steps that fit."""
     need, best = -(-units // cap), units
@@ -477,47 +570,34 @@ def _fewest_micro_steps(units, cap):
     return best
 
 
-def _per_rank_gas_plan(models, batch, gas, caps):
-    """A plan in which ranks whose memory caps their micro-batch run more micro-steps, or None
-    when no rank needs them.
+def _per_rank_gas_splits(models, units, caps):
+    """Candidate (sizes, multiples) in which rank i runs ``multiples[i]`` micro-steps of
+    ``sizes[i]`` samples; empty when every rank's share fits its memory in one micro-step.
 
-    Rule: rank i runs ``gas * k_i`` micro-steps of m_i samples. The samples per step n_i are
-    balanced as if each rank ran the fewest micro-steps its memory allows, ``ceil(n_i / caps[i])``
-    (1 where the share fits, so those ranks keep the configured gas). Two ways to make whole
-    micro-batches of the shares, the faster one wins: factor every n_i into the fewest micro-steps
-    that divide it; or fix ``k_i = ceil(n_i / caps[i])`` and balance the m_i again (when whole
-    micro-steps cannot meet the batch, the rank whose time ends up lowest takes the difference).
+    Rule: the samples per step n_i are balanced as if each rank ran the fewest micro-steps its
+    memory allows, ``ceil(n_i / caps[i])`` (1 where the share fits, so those ranks keep the
+    configured gas). Whole micro-batches are then made in two ways, and the caller keeps the
+    faster: factor every n_i into the fewest micro-steps that divide it; or fix
+    ``k_i = ceil(n_i / caps[i])`` and balance the sizes again (when whole micro-steps cannot meet
+    the batch, the rank whose time ends up lowest takes the difference).
     """
-    units = batch // gas
     shares = _shares_with_fewest_micro_steps(models, units, caps)
     if all(share <= cap for share, cap in zip(shares, caps)):
-        return None
+        return []
     factored = [_fewest_micro_steps(share, cap) for share, cap in zip(shares, caps)]
-    candidates = [_plan(models, batch, gas, [n // k for n, k in zip(shares, factored)], factored)]
     multiples = [-(-share // cap) for share, cap in zip(shares, caps)]
-    sizes = _balance(models, units, _limits(caps, multiples, units), multiples)
+    sizes = _balance(models, units, caps, multiples)
     if sizes is None:
         sizes, multiples = _place_remainder(models, units, caps, multiples)
-    candidates.append(_plan(models, batch, gas, sizes, multiples))
-    best = min(candidates, key=lambda plan: plan.predicted_step_time)
-    more = [rank for rank, steps in enumerate(best.gradient_accumulation_steps) if steps > gas]
-    shown = ", ".join(map(str, more[:8])) + (f", ... ({len(more)} ranks)" if len(more) > 8 else "")
-    note = f"per-rank gradient accumulation: ranks {shown} run more micro-steps because memory caps their micro-batch"
-    return Plan(**{**best.to_dict(), "notes": [note]})
-
-
-def _limits(caps, multiples, units):
-    # With k micro-steps a rank can hold at most units // k samples in each.
-    return [min(cap, units // k) for cap, k in zip(caps, multiples)]
+    return [([n // k for n, k in zip(shares, factored)], factored), (sizes, multiples)]
 
 
 def _place_remainder(models, units, caps, multiples):
     """Sizes for fixed multiples filled to just under ``units``; one rank then takes the rest with
     the fewest micro-steps that fit its memory: the rank whose time ends up lowest."""
-    limits = _limits(caps, multiples, units)
-    (below, _), cost = _linear_bracket(models, units, limits, multiples)
+    (below, _), cost = _linear_bracket(models, units, caps, multiples)
     missing = units - sum(m * k for m, k in zip(below, multiples))
-    sizes, missing = _adjust(cost, below, limits, multiples, missing, +1)
+    sizes, missing = _adjust(cost, below, caps, multiples, missing, +1)
     options = []
     for rank, model in enumerate(models):
         share = multiples[rank] * sizes[rank] + missing
@@ -527,83 +607,3 @@ def _place_remainder(models, units, caps, multiples):
     sizes, multiples = list(sizes), list(multiples)
     sizes[rank], multiples[rank] = size, steps
     return sizes, multiples
-
-
-def device_score(device):
-    """Prior speed of one device in TFLOP/s: the seed's ``engine._get_device_score(dev)``.
-
-    Args:
-        device: a DeviceDescription or its dict (its ``spec_score``: from the datasheet table or
-            measured, 0.0 when unknown); a dict with a ``score``; or a device name / a dict with a
-            ``name`` (and optional ``memory_bytes`` and ``dtype``) looked up in the table.
-    """
-    if isinstance(device, DeviceDescription):
-        return device.spec_score
-    if isinstance(device, str):
-        device = {"name": device}
-    if not isinstance(device, dict):
-        raise ValueError(f"device_score: expected a DeviceDescription, a dict or a device name, got "
-                         f"{type(device).__name__}")
-    if "spec_score" in device:
-        return float(DeviceDescription.from_dict(device).spec_score)
-    if "score" in device:
-        return float(device["score"])
-    if "name" not in device:
-        raise ValueError(f"device_score: {device!r} has neither 'score' nor 'name'")
-    spec = find_spec(str(device["name"]), device.get("memory_bytes"))
-    if spec is None:
-        raise ValueError(f"device_score: '{device['name']}' is not in the accelerator table; give its measured "
-                         f"'score' (devices.measure_device_score)")
-    return spec_score(spec, device.get("dtype"))
-
-
-def distribute_workload(normalized_scores, train_batch_size, gradient_accumulation_steps=1):
-    """Micro-batch sizes proportional to the scores: the seed's ``engine._distribute_workload``.
-
-    Largest-remainder rounding of ``(train_batch_size / gas) * score_i``, each size at least 1,
-    summing exactly to ``train_batch_size / gas``. Scores need not sum to 1 (they are normalised).
-    """
-    shares = normalize_scores(normalized_scores)
-    batch = _positive_int(train_batch_size, "train_batch_size")
-    gas = _positive_int(gradient_accumulation_steps, "gradient_accumulation_steps")
-    if batch % gas or batch // gas < len(shares):
-        raise ValueError(f"train_batch_size {batch} / gradient_accumulation_steps {gas} must be a whole number of "
-                         f"samples per micro-step, at least one per rank ({len(shares)} ranks)")
-    units = batch // gas
-    quotas = [units * share for share in shares]
-    sizes = [max(1, math.floor(quota)) for quota in quotas]
-    missing = units - sum(sizes)
-    # Floors lose less than one sample per rank, so one pass of the largest remainders fills them.
-    for rank in sorted(range(len(sizes)), key=lambda rank: (sizes[rank] - quotas[rank], rank))[:max(missing, 0)]:
-        sizes[rank] += 1
-    # Sizes raised to the minimum of 1 can push the sum over instead: take samples back from the
-    # ranks furthest above their quota.
-    above = [(quotas[rank] - sizes[rank], rank) for rank in range(len(sizes)) if sizes[rank] > 1]
-    heapq.heapify(above)
-    for _ in range(max(-missing, 0)):
-        _, rank = heapq.heappop(above)
-        sizes[rank] -= 1
-        if sizes[rank] > 1:
-            heapq.heappush(above, (quotas[rank] - sizes[rank], rank))
-    return sizes
-
-
-def schedule_heterogeneous_tasks(devices, train_batch_size, gradient_accumulation_steps=1):
-    """A compute_aware Plan from the devices' prior scores: the seed's ``engine.schedule_heterogeneous_tasks``.
-
-    Args:
-        devices: one entry per data-parallel rank, anything ``device_score`` accepts. If any
-            device's score is unknown (0), all ranks are treated as equal until measured.
-    """
-    devices = list(devices)
-    scores = [device_score(device) for device in devices]
-    names = [getattr(d, "name", None) or (d.get("name") if isinstance(d, dict) else d) for d in devices]
-    unknown = [rank for rank, score in enumerate(scores) if not score > 0]
-    if unknown:
-        scores = [1.0] * len(devices)
-    plan = plan_micro_batches(time_models_from_scores(scores), train_batch_size, gradient_accumulation_steps,
-                              "compute_aware", device_names=[str(name) for name in names])
-    if unknown:
-        plan = Plan(**{**plan.to_dict(), "notes": [f"ranks {unknown} have no known speed: equal shares until "
-                                                   f"profiling measures them"]})
-    return plan

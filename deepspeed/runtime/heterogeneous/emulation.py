@@ -1,0 +1,126 @@
+# SPDX-License-Identifier: Apache-2.0
+"""An emulated mixed cluster on identical devices, for tests, benchmarks and demos.
+
+``heterogeneous_config.emulation.speeds[r]`` slows data-parallel rank r to that fraction of its
+device's speed, by one of two means:
+
+- ``cgroup``: the rank moves itself into a CPU-quota cgroup (v2 ``cpu.max`` or v1
+  ``cpu.cfs_quota_us``) that grants ``speed`` of the CPU time it would otherwise use. Everything
+  the process does is throttled (compute, optimizer, communication threads), like a slower host.
+  Needs root and a writable cpu controller; the cgroup is removed when the process exits.
+- ``dilation``: after each forward+backward, the rank sleeps ``(1/speed - 1)`` times the compute
+  time it measured. Portable, but only compute is slowed.
+
+``auto`` picks cgroup where the machine allows it, else dilation. The balancing code never reads
+these settings: it sees only the (slowed) times it measures.
+"""
+
+import atexit
+import os
+import time
+from pathlib import Path
+
+from deepspeed.utils import logger
+
+CGROUP_PREFIX = "deepspeed-hetero-"
+CFS_PERIOD_US = 100_000
+
+
+def _cgroup_v2_root():
+    for root in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified")):
+        controllers = root / "cgroup.controllers"
+        if controllers.is_file() and "cpu" in controllers.read_text().split():
+            return root
+    return None
+
+
+def _cgroup_v1_root():
+    root = Path("/sys/fs/cgroup/cpu")
+    return root if (root / "cpu.cfs_quota_us").is_file() else None
+
+
+def _remove_stale_cgroups(root):
+    """Cgroups of runs that were killed (SIGKILL skips atexit): empty and their pid is gone."""
+    for path in root.glob(CGROUP_PREFIX + "*"):
+        pid = path.name[len(CGROUP_PREFIX):].split("-")[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            try:
+                path.rmdir()
+            except OSError:
+                pass
+
+
+class CpuQuotaCgroup:
+    """This process in a cgroup limited to ``cpu_share`` CPUs; ``close()`` undoes it."""
+
+    def __init__(self, cpu_share):
+        self.root = _cgroup_v2_root() or _cgroup_v1_root()
+        if self.root is None:
+            raise OSError("no writable cgroup cpu controller (cgroup v2 cpu.max or v1 cpu.cfs_quota_us)")
+        _remove_stale_cgroups(self.root)
+        self.path = self.root / f"{CGROUP_PREFIX}{os.getpid()}"
+        self.path.mkdir(exist_ok=True)
+        quota = max(1000, int(cpu_share * CFS_PERIOD_US))
+        try:
+            if (self.path / "cpu.max").exists():
+                (self.path / "cpu.max").write_text(f"{quota} {CFS_PERIOD_US}")
+            else:
+                (self.path / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
+                (self.path / "cpu.cfs_quota_us").write_text(str(quota))
+            (self.path / "cgroup.procs").write_text(str(os.getpid()))
+        except OSError:
+            self.path.rmdir()
+            raise
+        atexit.register(self.close)
+
+    def close(self):
+        if self.path is None:
+            return
+        try:
+            (self.root / "cgroup.procs").write_text(str(os.getpid()))
+            self.path.rmdir()
+        except OSError:
+            pass  # already gone, or another thread still inside: the next run removes it
+        self.path = None
+
+
+class Emulator:
+    """Slows this rank to ``speed``; ``mode`` is the means in force ('cgroup', 'dilation' or 'none')."""
+
+    def __init__(self, speed, mode="auto", threads=None):
+        self.speed = float(speed)
+        self.mode = "none"
+        self._cgroup = None
+        if self.speed >= 1.0:
+            return
+        if mode in ("auto", "cgroup"):
+            import torch
+            threads = threads or torch.get_num_threads()
+            try:
+                self._cgroup = CpuQuotaCgroup(self.speed * threads)
+                self.mode = "cgroup"
+                return
+            except OSError as exc:
+                if mode == "cgroup":
+                    raise RuntimeError(f"heterogeneous_config.emulation.mode 'cgroup' is not possible here ({exc}); "
+                                       "use 'dilation' or 'auto'") from exc
+        self.mode = "dilation"
+
+    def after_compute(self, seconds):
+        """Called after each forward+backward with its measured duration."""
+        if self.mode == "dilation" and seconds > 0:
+            time.sleep(seconds * (1.0 / self.speed - 1.0))
+
+    def close(self):
+        if self._cgroup is not None:
+            self._cgroup.close()
+            self._cgroup = None
+
+
+def start_emulation(emulation, rank):
+    """The Emulator of data-parallel ``rank`` for an EmulationConfig (None: no emulation)."""
+    if emulation is None or not emulation.speeds:
+        return None
+    emulator = Emulator(emulation.speeds[rank], emulation.mode)
+    logger.info(f"deepspeed-hetero emulation: rank {rank} runs at speed {emulator.speed} by {emulator.mode}")
+    return emulator
