@@ -63,7 +63,8 @@ demo: install
 	$(RUN_ENV) $(PY) examples/heterogeneous_demo.py
 
 perf: install
-	$(RUN_ENV) $(PY) -m pytest tests/perf -s $(PYTEST_ARGS)
+	@# Benchmarks print ratios measured side by side and write JSON to tests/perf/results/.
+	set -e; for bench in tests/perf/bench_*.py; do $(RUN_ENV) $(PY) $$bench; done
 
 clean:
 	rm -rf build dist .pytest_cache $(VENV)/.installed

@@ -1,61 +1,64 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A short data-parallel training run with a heterogeneous_config block.
+"""Train the small GPT on the generated corpus with a heterogeneous_config; one JSON line per
+logged step and a summary line, for examples/heterogeneous_demo.py.
 
-Launched by examples/heterogeneous_demo.py through the real ``deepspeed`` launcher; it can be run
-by hand the same way:
-
-    deepspeed --num_gpus 2 examples/train_heterogeneous.py --deepspeed_config CONFIG --steps 20
+    deepspeed --num_gpus 2 examples/train_heterogeneous.py --deepspeed_config ds_config.json --steps 40
 """
 
 import argparse
 import json
+import os
+import sys
+import time
 
 import torch
 
-import deepspeed
-from deepspeed.accelerator import get_accelerator
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import deepspeed  # noqa: E402
+from deepspeed import comm as dist  # noqa: E402
+from examples.tiny_gpt import GPT, GPTConfig, TokenDataset, split_batch  # noqa: E402
 
-def make_model(width):
-    return torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width))
+MEASURE_FROM = 5  # steps before this one (start-up, profiling) are left out of samples/s
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--local_rank", type=int, default=-1)
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
 
-    torch.manual_seed(1234)
-    model = make_model(args.width)
-    engine, _, _, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters())
-    rank, world = engine.global_rank, engine.world_size
-    settings = engine._config.heterogeneous
-    if rank == 0:
-        print(f"[demo] heterogeneous_config: enabled={settings.enabled}, "
-              f"strategy={settings.config.load_balancing_strategy}, "
-              f"dynamic_rebalancing={settings.config.scheduler.dynamic_rebalancing}, "
-              f"emulation={settings.config.emulation.model_dump() if settings.config.emulation else None}",
-              flush=True)
-
-    # A fixed teacher makes the loss meaningful: the student must learn it.
-    generator = torch.Generator().manual_seed(99)
-    teacher = make_model(args.width)
-    micro_batch = engine.train_micro_batch_size_per_gpu()
-    device = get_accelerator().current_device_name()
+    torch.set_num_threads(1)  # one core per rank: the emulated devices must not share cores
+    model = GPT(GPTConfig.demo(), seed=0)
+    dataset = TokenDataset(seq_len=model.config.seq_len, num_samples=8192, seed=0)
+    engine, _, loader, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters(),
+                                                training_data=dataset)
+    rank = engine.global_rank
+    batches = iter(loader)
+    start = None
     for step in range(args.steps):
-        inputs = torch.randn(micro_batch, args.width, generator=generator)[rank::1].to(device)
-        with torch.no_grad():
-            targets = teacher(inputs)
-        loss = torch.nn.functional.mse_loss(engine(inputs), targets)
+        if step == MEASURE_FROM:
+            dist.barrier()
+            start = time.perf_counter()
+        inputs, targets = split_batch(next(batches).to(engine.device))
+        loss = engine(inputs, targets)
         engine.backward(loss)
         engine.step()
-        if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
-            print(f"[demo] step {step:3d}  loss {loss.item():.5f}", flush=True)
+        # The global batch's loss: every rank's mean weighted by its share of the samples.
+        share = torch.tensor([loss.item() * len(inputs), float(len(inputs))])
+        dist.all_reduce(share)
+        if rank == 0:
+            plan = engine.heterogeneous_plan
+            print(json.dumps({"step": step, "loss": share[0].item() / share[1].item(),
+                              "plan": list(plan.micro_batch_sizes) if plan else None}), flush=True)
+    dist.barrier()
+    elapsed = time.perf_counter() - start
     if rank == 0:
-        print(json.dumps({"demo_done": True, "world_size": world, "steps": args.steps}), flush=True)
+        samples = engine.train_batch_size() * (args.steps - MEASURE_FROM)
+        runtime = engine._heterogeneous_runtime()
+        print(json.dumps({"summary": True, "samples_per_s": samples / elapsed,
+                          "emulation": runtime.emulation_mode if runtime else "none"}), flush=True)
 
 
 if __name__ == "__main__":

@@ -35,8 +35,11 @@ def test_same_seed_same_parameters_and_global_rng_untouched():
 def test_head_is_tied_and_counted_once():
     model = GPT(small_config())
     assert model.lm_head.weight is model.token_embedding.weight
-    assert model.num_parameters() == sum(p.numel() for p in model.parameters())
     config = model.config
+    d = config.d_model
+    per_block = 12 * d * d + 13 * d  # qkv, attention out, MLP in/out with biases, two LayerNorms
+    expected = (config.vocab_size + config.seq_len) * d + config.n_layer * per_block + 2 * d
+    assert model.num_parameters() == sum(p.numel() for p in model.parameters()) == expected
     assert model.num_parameters() - model.num_parameters(matmul_only=True) == config.seq_len * config.d_model
 
 

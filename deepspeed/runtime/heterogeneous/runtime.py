@@ -20,6 +20,7 @@ from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import logger
 
+from . import comm_clock
 from .batch import apply_plan
 from .emulation import start_emulation
 from .planner import Plan, fit_time_model, plan_micro_batches
@@ -63,16 +64,20 @@ class HeterogeneousRuntime:
 
     def micro_step_begin(self):
         get_accelerator().synchronize()
-        self._began = time.perf_counter()
+        self._began = (time.perf_counter(), comm_clock.seconds_in_collectives())
 
     def micro_step_end(self):
+        """This rank's own time for the micro-step: wall time minus time inside collectives, where
+        a fast rank waits for slower peers."""
         if self._began is None:  # backward without forward through the engine
             return
         get_accelerator().synchronize()
-        compute = time.perf_counter() - self._began
+        began, in_collectives = self._began
+        compute = time.perf_counter() - began - (comm_clock.seconds_in_collectives() - in_collectives)
         if self.emulator is not None:
             self.emulator.after_compute(compute)
-        self._current.append((self.config.train_micro_batch_size_per_gpu, time.perf_counter() - self._began))
+        own = time.perf_counter() - began - (comm_clock.seconds_in_collectives() - in_collectives)
+        self._current.append((self.config.train_micro_batch_size_per_gpu, max(own, 1e-9)))
         self._began = None
 
     def step_end(self):

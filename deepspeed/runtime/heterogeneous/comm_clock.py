@@ -1,0 +1,67 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Wall time this process spends inside collectives, waiting for peers included.
+
+A rank's measured forward+backward contains the time it waits for slower peers at every
+collective inside it (ZeRO-2/3 reduce and gather during backward and forward); that is the
+slow rank's time leaking into the fast rank's measurement. The planner needs each rank's own
+compute, so the engine subtracts what this clock accumulated over the micro-step. Every
+deepspeed.comm collective reports here (comm.timed_op); an asynchronous one is timed when its
+handle is waited on. Nested calls count once.
+"""
+
+import threading
+import time
+
+import torch
+
+
+class _Clock(threading.local):
+
+    def __init__(self):
+        self.total = 0.0
+        self.depth = 0
+        self.entered = 0.0
+
+
+_clock = _Clock()
+
+
+def enter():
+    if _clock.depth == 0:
+        _clock.entered = time.perf_counter()
+    _clock.depth += 1
+
+
+def leave():
+    _clock.depth -= 1
+    if _clock.depth == 0:
+        _clock.total += time.perf_counter() - _clock.entered
+
+
+def seconds_in_collectives():
+    """Running total for this thread; differences between two readings give the time in between."""
+    return _clock.total
+
+
+class TimedWork:
+    """An async collective's handle whose ``wait()`` counts as time in collectives."""
+
+    def __init__(self, work):
+        self._work = work
+
+    def wait(self, *args, **kwargs):
+        enter()
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            leave()
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def timed_result(result):
+    """Wrap a returned work handle (async_op=True); tensors and None pass through."""
+    if result is None or isinstance(result, torch.Tensor) or not hasattr(result, "wait"):
+        return result
+    return TimedWork(result)
