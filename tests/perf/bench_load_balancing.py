@@ -79,11 +79,11 @@ def measure(stage, strategy, speeds=SPEEDS):
     return run_ranks(_train, world_size=len(speeds), timeout=900, args=(stage, strategy, speeds, GLOBAL_BATCH))[0]
 
 
-def run():
+def run(stages=(0, 1, 2, 3)):
     solo = [measure(0, "uniform", speeds=(speed, )) for speed in SPEEDS]
     ideal = sum(r["samples_per_s"] for r in solo)
     rows = []
-    for stage in (0, 1, 2, 3):
+    for stage in stages:
         uniform = measure(stage, "uniform")
         balanced = measure(stage, "compute_aware")
         rows.append({
@@ -122,5 +122,8 @@ def print_table(report):
 
 
 if __name__ == "__main__":
+    import argparse
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3])
     os.chdir(REPO)
-    run()
+    run(parser.parse_args().stages)

@@ -23,7 +23,9 @@ from pathlib import Path
 from deepspeed.utils import logger
 
 CGROUP_PREFIX = "deepspeed-hetero-"
-CFS_PERIOD_US = 100_000
+# A short period keeps the throttling smooth at the scale of one micro-step (tens of ms): with the
+# default 100 ms a rank would run at full speed for its quota, then stall for the rest.
+CFS_PERIOD_US = 10_000
 
 
 def _cgroup_v2_root():

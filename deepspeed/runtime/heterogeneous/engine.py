@@ -41,6 +41,18 @@ class HeterogeneousEngineMixin:
         devices = [d if isinstance(d, DeviceDescription) else DeviceDescription.from_dict(d) for d in devices]
         return schedule_heterogeneous_tasks(devices, self.train_batch_size(), self._plan_gas())
 
+    def _samples_per_micro_step(self):
+        """Samples all ranks process in one micro-step (the flops profiler's samples/s)."""
+        plan = self.heterogeneous_plan
+        if plan is None:
+            return self.train_micro_batch_size_per_gpu() * self.world_size
+        return sum(plan.micro_batch_sizes)
+
+    def _heterogeneous_refuse(self, method):
+        if self.heterogeneous_plan is not None:
+            raise RuntimeError(f"{method}() is not supported with heterogeneous_config enabled: every rank's "
+                               "micro-batch comes from the plan; change train_batch_size in the config instead")
+
     # -- hooks the engine calls (no-ops when the fork is off) ---------------------------------
 
     def _heterogeneous_runtime(self):

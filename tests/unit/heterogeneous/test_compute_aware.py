@@ -43,6 +43,12 @@ def train_compute_aware(rank, world_size, stage, steps):
     model = make_model()
     engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                 config=config(stage), training_data=dataset())
+    assert engine._samples_per_micro_step() == 16  # what the flops profiler counts per micro-step
+    try:
+        engine.set_train_micro_batch_size(4)
+        raise AssertionError("set_train_micro_batch_size must refuse: the plan owns batch sizes")
+    except RuntimeError as exc:
+        assert "heterogeneous_config" in str(exc)
     seen, sizes = [], []
     batches = iter(loader)
     for _ in range(steps):
