@@ -6,7 +6,7 @@ forward+backward >= ~90% of a step. Rank 0 runs at full speed, rank 1 at 0.4 (a 
 where the machine allows it, else time dilation), one torch thread each.
 
 For ZeRO 0-3, in one run, alternating: the uniform split (upstream's behaviour) and compute-aware
-(3 profiling steps, then the measured plan). Each emulated device's solo throughput on the same
+(5 profiling steps, then the measured plan). Each emulated device's solo throughput on the same
 model and global batch gives the ideal: the sum of solo throughputs. Prints a table of samples/s,
 speedup over uniform and fraction of ideal, and writes JSON.
 
@@ -27,8 +27,9 @@ from harness import run_ranks  # noqa: E402
 
 SPEEDS = (1.0, 0.4)
 GLOBAL_BATCH = 32
-WARMUP_STEPS = 4  # covers the 3 profiling steps of compute-aware
-MEASURED_STEPS = 6
+PROFILE_STEPS = 5
+WARMUP_STEPS = 6  # covers the profiling steps of compute-aware
+MEASURED_STEPS = 8
 TARGETS = {0: 0.90, 1: 0.90, 2: 0.90, 3: 0.85}
 RESULTS = REPO / "tests" / "perf" / "results" / "load_balancing.json"
 
@@ -47,7 +48,7 @@ def _train(rank, world_size, stage, strategy, speeds, global_batch):
         "steps_per_print": 10**6,
         "zero_optimization": {"stage": stage},
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "torch_adam": True}},
-        "heterogeneous_config": {"enabled": True, "load_balancing_strategy": strategy, "profile_steps": 3,
+        "heterogeneous_config": {"enabled": True, "load_balancing_strategy": strategy, "profile_steps": PROFILE_STEPS,
                                  "emulation": {"speeds": list(speeds), "mode": "auto"}},
     }
     dataset = TokenDataset(seq_len=model.config.seq_len, num_samples=4096, seed=0)
