@@ -54,11 +54,13 @@ def main():
                               "plan": list(plan.micro_batch_sizes) if plan else None}), flush=True)
     dist.barrier()
     elapsed = time.perf_counter() - start
+    runtime = engine._heterogeneous_runtime()
+    modes = [None] * dist.get_world_size()
+    dist.all_gather_object(modes, runtime.emulation_mode if runtime else "none")
     if rank == 0:
         samples = engine.train_batch_size() * (args.steps - MEASURE_FROM)
-        runtime = engine._heterogeneous_runtime()
         print(json.dumps({"summary": True, "samples_per_s": samples / elapsed,
-                          "emulation": runtime.emulation_mode if runtime else "none"}), flush=True)
+                          "emulation": "/".join(sorted(set(modes) - {"none"})) or "none"}), flush=True)
 
 
 if __name__ == "__main__":
