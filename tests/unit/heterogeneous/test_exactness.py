@@ -128,3 +128,49 @@ def _uniform_or_off(rank, world_size, stage, gas, sizes, clipping, strategy):
         engine.step()
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
         return [p.detach().clone() for p in engine.module.parameters()]
+
+
+def sgd_reference(train_batch_size, lr):
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for inputs, targets in global_batches(train_batch_size):
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(inputs), targets).backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def train_bf16(rank, world_size, stage, sizes):
+    import deepspeed
+
+    model = make_model()
+    config = ds_config(stage, 1, sizes, 0.0)
+    config.update(bf16={"enabled": True}, optimizer={"type": "SGD", "params": {"lr": BF16_LR}},
+                  zero_allow_untested_optimizer=True)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    offset = sum(sizes[:rank])
+    for inputs, targets in global_batches(config["train_batch_size"]):
+        chunk = slice(offset, offset + sizes[rank])
+        out = engine(inputs[chunk].to(torch.bfloat16))
+        engine.backward(torch.nn.functional.mse_loss(out.float(), targets[chunk]))
+        engine.step()
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
+        return [p.detach().float().clone() for p in engine.module.parameters()]
+
+
+BF16_LR = 0.1
+
+
+@pytest.mark.multiprocess
+def test_bf16_uneven_micro_batches_track_the_reference():
+    """bf16 rounds activations and gradients to 8 mantissa bits (relative error up to ~4e-3 per
+    value). With SGD (Adam would turn the sign of near-zero bf16 gradients into whole steps) five
+    steps of lr 0.1 move a parameter by ~1e-1, so bf16 rounding accounts for ~1e-3 at most; an
+    unweighted average of the two ranks' gradients (off by 20-40%) would miss by ~1e-2 or more.
+    Hence 2.5e-3, which separates the two."""
+    cases = [dict(stage=1, sizes=[5, 3]), dict(stage=2, sizes=[7, 1])]
+    results = run_subcases(train_bf16, cases, world_size=2, timeout=600)
+    for case, per_rank in zip(cases, results):
+        expected = sgd_reference(sum(case["sizes"]), BF16_LR)
+        for got, want in zip(per_rank[0], expected):
+            torch.testing.assert_close(got, want, rtol=0, atol=2.5e-3, msg=lambda m: f"{case}: {m}")
