@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Builder of the fork's native op for CUDA/ROCm, found by upstream's op-builder discovery.
-
-The same source serves both accelerators: on device tensors it dispatches to ATen kernels.
+"""Builders of the fork's native op. ``HeterogeneousBuilder`` here is the CUDA/ROCm one, found by
+upstream's op-builder discovery; the CPU accelerator's is in ``cpu/heterogeneous.py``. The same
+source serves both: on device tensors it dispatches to ATen kernels.
 """
 
 import os
@@ -11,7 +11,9 @@ from .builder import CUDAOpBuilder
 SOURCE = "csrc/heterogeneous/heterogeneous.cpp"
 
 
-class HeterogeneousBuilder(CUDAOpBuilder):
+class HeterogeneousOpSpec:
+    """What every accelerator's builder of the op shares: name, build flag, module and sources."""
+
     BUILD_VAR = "DS_BUILD_HETEROGENEOUS"
     NAME = "heterogeneous"
 
@@ -31,6 +33,9 @@ class HeterogeneousBuilder(CUDAOpBuilder):
 
     def include_paths(self):
         return []
+
+
+class HeterogeneousBuilder(HeterogeneousOpSpec, CUDAOpBuilder):
 
     def cxx_args(self):
         return super().cxx_args() + ["-fopenmp"]
