@@ -97,8 +97,11 @@ class HeterogeneousRuntime:
 
     def measured_time_models(self):
         """Per-rank fits; the first step is left out once later ones exist (it carries warm-up)."""
-        steps = self.history[1:] if len(self.history) > 1 else self.history
+        steps = self._fit_steps()
         return [fit_time_model([sample for step in steps for sample in step[rank]]) for rank in range(len(steps[0]))]
+
+    def _fit_steps(self):
+        return self.history[1:] if len(self.history) > 1 else self.history
 
     def _replan(self):
         # Gas stays as it is: the engine counts micro-steps to find the accumulation boundary, so
@@ -106,9 +109,32 @@ class HeterogeneousRuntime:
         plan = self.plan
         if plan.per_rank_gas:
             return plan
-        return plan_micro_batches(self.measured_time_models(), train_batch_size=plan.train_batch_size,
-                                  gradient_accumulation_steps=plan.gradient_accumulation_steps[0],
+        models = self.measured_time_models()
+        gas = plan.gradient_accumulation_steps[0]
+        best = plan_micro_batches(models, train_batch_size=plan.train_batch_size, gradient_accumulation_steps=gas,
                                   strategy="compute_aware")
+        if self.steps >= self.settings.profile_steps:
+            return best
+        # Fitting a + b * mbs needs two sizes per rank; a rank timed at one size only so far trades
+        # one sample with its neighbour for the next profiling step (any split is exact).
+        sizes, seen = list(best.micro_batch_sizes), self._sizes_seen()
+        for left in range(0, len(sizes) - 1, 2):
+            pair = (left, left + 1)
+            if all(len(seen[r] | {sizes[r]}) > 1 for r in pair):
+                continue
+            big, small = sorted(pair, key=lambda r: (-sizes[r], r))
+            if sizes[big] > 1:
+                sizes[big] -= 1
+                sizes[small] += 1
+        if sizes == list(best.micro_batch_sizes):
+            return best
+        return plan_micro_batches(models, train_batch_size=plan.train_batch_size, gradient_accumulation_steps=gas,
+                                  strategy="manual", manual=sizes)
+
+    def _sizes_seen(self):
+        """Sizes each rank was timed at in the steps the fit uses (the warm-up step is not one)."""
+        steps = self.history[1:]
+        return [{size for step in steps for size, _ in step[rank]} for rank in range(self.plan.world_size)]
 
     def switch_to(self, plan, reason):
         """Adopt ``plan`` from the next step on (every rank calls this at the same boundary)."""
