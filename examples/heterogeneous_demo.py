@@ -8,6 +8,7 @@ and compares throughput and the two loss curves: the global batch, its order and
 the same, so the curves must agree; only who computes what changes.
 """
 
+import glob
 import json
 import os
 import socket
@@ -54,10 +55,16 @@ def banner(text):
 
 def train(config_path):
     """Launch 2 ranks; returns (per-step records, summary)."""
-    proc = subprocess.run([
-        str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-        str(HERE / "train_heterogeneous.py"), "--deepspeed_config", str(config_path), "--steps", str(STEPS)
-    ], capture_output=True, text=True, timeout=1800, env=ENV)
+    port = free_port()
+    try:
+        proc = subprocess.run([
+            str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port),
+            str(HERE / "train_heterogeneous.py"), "--deepspeed_config", str(config_path), "--steps", str(STEPS)
+        ], capture_output=True, text=True, timeout=1800, env=ENV)
+    finally:
+        # Upstream's CPU shared-memory all-reduce never unlinks its 66 MiB buffers in /dev/shm.
+        for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+            os.unlink(path)
     records, summary = [], None
     for line in proc.stdout.splitlines():
         if line.startswith("{"):

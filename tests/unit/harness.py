@@ -23,6 +23,7 @@ import datetime
 import functools
 import importlib.util
 import multiprocessing
+import glob
 import os
 import pickle
 import signal
@@ -253,6 +254,17 @@ class _GroupOutcome:
         return lines
 
 
+def remove_shm_buffers(port):
+    """Upstream's CPU shared-memory all-reduce leaves two 66 MiB files in /dev/shm per group (named
+    after the master port) and never unlinks them; hundreds of groups fill the RAM-backed /dev/shm
+    until the machine thrashes. The group is over, so its buffers can go."""
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
 def _run_group(fn, args, world_size, timeout, env):
     """Spawn the group, collect its messages, always reap it; return a ``_GroupOutcome``."""
     ctx = multiprocessing.get_context("spawn")
@@ -312,6 +324,7 @@ def _run_group(fn, args, world_size, timeout, env):
             proc.join()
         for reader in readers:
             reader.close()
+        remove_shm_buffers(port)
     if killed:
         outcome.lock_hint = _stale_lock_hint(rank_environment(0, world_size, 0, env).get("TORCH_EXTENSIONS_DIR"))
     return outcome
@@ -451,7 +464,8 @@ def launch_deepspeed(script, script_args=(), num_ranks=2, timeout=300, env=None,
             "DS_ACCELERATOR": "cpu",
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", _default_threads(num_ranks))
         }, fork_environment(), env)
-    command = [deepspeed_launcher(), "--num_gpus", str(num_ranks), "--master_port", str(free_port()),
+    port = free_port()
+    command = [deepspeed_launcher(), "--num_gpus", str(num_ranks), "--master_port", str(port),
                str(script), *map(str, script_args)]
     # A session of its own: on time-out the launcher, its per-node launcher and every rank go at once.
     proc = subprocess.Popen(command, cwd=cwd, env=variables, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -466,6 +480,7 @@ def launch_deepspeed(script, script_args=(), num_ranks=2, timeout=300, env=None,
                              f"--- output tail ---\n{output[-8000:]}")
     finally:
         _kill_session(proc)
+        remove_shm_buffers(port)
     return proc.returncode, output
 
 
