@@ -61,7 +61,7 @@ def initial_plan(settings, train_batch_size, gas, world_size, zero_stage, device
                               allow_per_rank_gas=zero_stage <= 1)
 
 
-def configure_heterogeneous_batch(ds_config, param_dict, mpu=None, mesh_device=None):
+def configure_heterogeneous_batch(ds_config, mpu=None, mesh_device=None):
     """Set ``ds_config``'s batch fields for this rank from the start-up plan.
 
     Requires ``train_batch_size`` (the global batch); ``gradient_accumulation_steps`` defaults to

@@ -62,7 +62,15 @@ class HeterogeneousRuntime:
 
     # -- hooks --------------------------------------------------------------------------------
 
+    @property
+    def timing(self):
+        """Micro-steps are timed (with a device synchronisation at both ends) only while profiling or
+        when time dilation needs the compute time; otherwise the hooks cost nothing."""
+        return self.profiling or (self.emulator is not None and self.emulator.mode == "dilation")
+
     def micro_step_begin(self):
+        if not self.timing:
+            return
         get_accelerator().synchronize()
         self._began = (time.perf_counter(), comm_clock.seconds_in_collectives())
 
@@ -73,11 +81,14 @@ class HeterogeneousRuntime:
             return
         get_accelerator().synchronize()
         began, in_collectives = self._began
-        compute = time.perf_counter() - began - (comm_clock.seconds_in_collectives() - in_collectives)
+
+        def own_time():
+            return time.perf_counter() - began - (comm_clock.seconds_in_collectives() - in_collectives)
+
         if self.emulator is not None:
-            self.emulator.after_compute(compute)
-        own = time.perf_counter() - began - (comm_clock.seconds_in_collectives() - in_collectives)
-        self._current.append((self.config.train_micro_batch_size_per_gpu, max(own, 1e-9)))
+            self.emulator.after_compute(own_time())
+        # Measured after the emulated slow-down: the planner must see the slowed device.
+        self._current.append((self.config.train_micro_batch_size_per_gpu, max(own_time(), 1e-9)))
         self._began = None
 
     def step_end(self):
