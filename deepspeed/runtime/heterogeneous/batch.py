@@ -13,7 +13,7 @@ finds them.
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
-from .devices import DeviceDescription, describe_local_device
+from .devices import BYTES_PER_GB, DeviceDescription, describe_local_device
 from .planner import plan_micro_batches, time_models_from_scores
 
 _GAS = "gradient_accumulation_steps"
@@ -29,9 +29,10 @@ def data_parallel_rank_and_group(mpu=None, mesh_device=None):
     return (dist.get_rank() if dist.is_initialized() else 0), None
 
 
-def gather_devices(group, world_size):
-    """Every data-parallel rank's DeviceDescription, in data-parallel rank order."""
-    mine = describe_local_device(measure=False).to_dict()
+def gather_devices(group, world_size, memory_bytes=None):
+    """Every data-parallel rank's DeviceDescription, in data-parallel rank order; ``memory_bytes``
+    replaces this rank's real capacity (emulated clusters)."""
+    mine = describe_local_device(measure=False, memory_bytes=memory_bytes).to_dict()
     if world_size == 1 or not dist.is_initialized():
         return [DeviceDescription.from_dict(mine)]
     gathered = [None] * world_size
@@ -41,7 +42,25 @@ def gather_devices(group, world_size):
 
 def _needs_devices(settings):
     config = settings.config
-    return config.load_balancing_strategy == "compute_aware" or isinstance(config.micro_batch_sizes, dict)
+    return (config.load_balancing_strategy == "compute_aware" or isinstance(config.micro_batch_sizes, dict)
+            or _emulated_memory(settings) is not None)
+
+
+def _emulated_memory(settings):
+    emulation = settings.config.emulation
+    return emulation.memory_gb if emulation is not None and emulation.memory_gb else None
+
+
+def memory_capacities(settings, devices):
+    """Per data-parallel rank, the device memory plans must fit in (bytes), or None where no limit
+    is known: the CPU accelerator reports host RAM, which its ranks share, so on CPU a limit comes
+    only from an emulated capacity."""
+    if not devices:
+        return None
+    if _emulated_memory(settings) is not None:
+        return [d.memory_bytes for d in devices]
+    capacities = [None if d.accelerator == "cpu" else d.memory_bytes for d in devices]
+    return capacities if any(c is not None for c in capacities) else None
 
 
 def initial_plan(settings, train_batch_size, gas, world_size, zero_stage, devices=None):
@@ -79,7 +98,9 @@ def configure_heterogeneous_batch(ds_config, mpu=None, mesh_device=None):
     world_size = int(ds_config.world_size)
     dp_rank, group = data_parallel_rank_and_group(mpu, mesh_device)
     zero_stage = int(ds_config.zero_optimization_stage or 0)
-    devices = gather_devices(group, world_size) if _needs_devices(ds_config.heterogeneous) else None
+    emulated = _emulated_memory(ds_config.heterogeneous)
+    memory_bytes = None if emulated is None else int(emulated[dp_rank] * BYTES_PER_GB)
+    devices = gather_devices(group, world_size, memory_bytes) if _needs_devices(ds_config.heterogeneous) else None
     plan = initial_plan(ds_config.heterogeneous, train_batch, gas, world_size, zero_stage, devices)
     ds_config.heterogeneous_dp_rank = dp_rank
     ds_config.heterogeneous_devices = devices

@@ -57,7 +57,8 @@ class EmulationConfig(DeepSpeedConfigModel):
     speeds: Optional[List[float]] = None
     """Relative speed of each data-parallel rank, in (0, 1]; 1.0 is the unthrottled device."""
     memory_gb: Optional[List[PositiveFloat]] = None
-    """Emulated device memory of each data-parallel rank, in GB."""
+    """Emulated device memory of each data-parallel rank, in GB of 2**30 bytes (as the device table);
+    the planner keeps each rank within it and a rank that exceeds it fails as out of memory."""
     mode: Literal["auto", "cgroup", "dilation"] = "auto"
     """cgroup: a CPU-quota cgroup per rank; dilation: the rank sleeps in proportion to its compute;
     auto: cgroup where the machine allows it, else dilation."""

@@ -80,6 +80,12 @@ class HeterogeneousEngineMixin:
         if runtime is not None:
             runtime.step_end()
 
+    def _heterogeneous_gas_origin(self):
+        """The micro-step count at which this rank's current gas took effect (0 unless a plan changed
+        it mid-training): accumulation boundaries are counted from there."""
+        runtime = self.__dict__.get("_heterogeneous_runtime_state")
+        return 0 if runtime is None else runtime.gas_origin
+
     def _heterogeneous_train_loader(self, dataset, data_parallel_rank, collate_fn):
         """The loader ``deepspeed.initialize(training_data=...)`` returns in heterogeneous mode: rank r
         gets its mbs_r of every sum(mbs) samples, and a new plan applies from the next step."""

@@ -4,11 +4,13 @@
 The engine calls three hooks (all no-ops when heterogeneous mode is off):
 
 - ``micro_step_begin`` at forward, ``micro_step_end`` after backward: this rank's compute time for
-  its current micro-batch size (the device is synchronised at both ends, so it is the real time);
-  an emulated slow rank is slowed here;
+  its current micro-batch size (the device is synchronised at both ends, so it is the real time)
+  and the activation bytes its forward saved; an emulated slow rank is slowed here, and a rank
+  over its emulated memory fails as out of memory;
 - ``step_end`` after the optimizer step: during the ``profile_steps`` first steps, the ranks pool
-  their measurements, rank 0 fits ``time = a_i + b_i * mbs`` per rank and plans, the plan is
-  broadcast, and every rank switches to it at this same step boundary (the sampler follows).
+  their measurements, rank 0 fits ``time = a_i + b_i * mbs`` and the activation bytes per rank,
+  derives each rank's memory limit, plans, the plan is broadcast, and every rank switches to it at
+  this same step boundary (the sampler follows).
 
 Any allocation gives the exact global-batch gradient (loss weighting), so profiling trains for
 real: the steps spent measuring are ordinary training steps.
@@ -21,13 +23,19 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import logger
 
 from . import comm_clock
-from .batch import apply_plan
+from .batch import apply_plan, memory_capacities
 from .emulation import start_emulation
+from .memory import (ActivationMeter, RankCannotFitError, fit_activation_model, max_micro_batch, model_state_bytes,
+                     optimizer_state_bytes)
 from .planner import Plan, fit_time_model, plan_micro_batches
 
 
 class PlanAgreementError(RuntimeError):
     """A peer failed while the ranks were agreeing on a plan."""
+
+
+class EmulatedOutOfMemoryError(RuntimeError):
+    """A rank of an emulated cluster needed more than its emulated memory (``emulation.memory_gb``)."""
 
 
 class HeterogeneousRuntime:
@@ -41,10 +49,17 @@ class HeterogeneousRuntime:
         self.emulator = start_emulation(self.settings.emulation, self.rank)
         self.steps = 0
         self.profiling = self.settings.load_balancing_strategy == "compute_aware" and self.settings.profile_steps > 0
-        self.history = []  # per finished step: every rank's [(mbs, seconds), ...]
+        self.history = []  # per finished step: every rank's [(mbs, seconds, activation bytes), ...]
         self._current = []
         self._began = None
         self.loaders = []
+        self.capacities = memory_capacities(self.config.heterogeneous, self.config.heterogeneous_devices)
+        emulation = self.settings.emulation
+        # Only an emulated capacity is enforced here; a real device enforces its own.
+        self.emulated_capacity = self.capacities[self.rank] if emulation is not None and emulation.memory_gb else None
+        self.meter = ActivationMeter()
+        self._state_bytes = None
+        self.gas_origin = 0  # the engine's micro-step count when this rank's current gas took effect
         self.log_plan("plan at start-up", self.plan)
 
     @property
@@ -68,7 +83,15 @@ class HeterogeneousRuntime:
         when time dilation needs the compute time; otherwise the hooks cost nothing."""
         return self.profiling or (self.emulator is not None and self.emulator.mode == "dilation")
 
+    @property
+    def measuring_memory(self):
+        """Activation bytes are counted while profiling with known capacities, or on a rank whose
+        emulated memory is enforced after profiling."""
+        return (self.profiling and self.capacities is not None) or self.emulated_capacity is not None
+
     def micro_step_begin(self):
+        if self.measuring_memory:
+            self.meter.start()
         if not self.timing:
             return
         get_accelerator().synchronize()
@@ -77,7 +100,10 @@ class HeterogeneousRuntime:
     def micro_step_end(self):
         """This rank's own time for the micro-step: wall time minus time inside collectives, where
         a fast rank waits for slower peers."""
-        if self._began is None:  # backward without forward through the engine
+        activations = self.meter.stop() if self.meter.active else None
+        if activations is not None:
+            self._check_emulated_memory(activations)
+        if self._began is None:  # backward without forward through the engine, or not timing
             return
         get_accelerator().synchronize()
         began, in_collectives = self._began
@@ -88,18 +114,47 @@ class HeterogeneousRuntime:
         if self.emulator is not None:
             self.emulator.after_compute(own_time())
         # Measured after the emulated slow-down: the planner must see the slowed device.
-        self._current.append((self.config.train_micro_batch_size_per_gpu, max(own_time(), 1e-9)))
+        self._current.append((self.config.train_micro_batch_size_per_gpu, max(own_time(), 1e-9), activations))
         self._began = None
+
+    def _check_emulated_memory(self, activations):
+        if self.emulated_capacity is None or self.profiling:
+            return  # the profiling steps measure what the plan must fit; the plan is enforced after
+        needed = self.model_state_bytes() + activations
+        if needed > self.emulated_capacity:
+            gib = 2.0**30
+            raise EmulatedOutOfMemoryError(
+                f"deepspeed-hetero emulation: data-parallel rank {self.rank} is out of memory: micro-batch "
+                f"{self.config.train_micro_batch_size_per_gpu} needs {needed / gib:.4g} GiB (model state "
+                f"{self.model_state_bytes() / gib:.4g} GiB + activations {activations / gib:.4g} GiB), its emulated "
+                f"capacity is {self.emulated_capacity / gib:.4g} GiB (heterogeneous_config.emulation.memory_gb)")
+
+    def model_state_bytes(self):
+        """This rank's predicted model-state bytes (its ZeRO shard), computed once."""
+        if self._state_bytes is None:
+            engine = self.engine
+            params = [p for p in engine.module.parameters() if p.requires_grad]
+            count = sum(getattr(p, "ds_numel", p.numel()) for p in params)
+            half = engine.fp16_enabled() or engine.bfloat16_enabled()
+            optimizer = engine.basic_optimizer if engine.basic_optimizer is not None else engine.optimizer
+            self._state_bytes = model_state_bytes(count, int(engine.zero_optimization_stage()),
+                                                  self.plan.world_size, param_bytes=2 if half else 4,
+                                                  optimizer_bytes=optimizer_state_bytes(optimizer),
+                                                  master_bytes=4 if half else 0,
+                                                  optimizer_offloaded=engine.zero_use_cpu_optimizer())
+        return self._state_bytes
 
     def step_end(self):
         self.steps += 1
         mine, self._current = self._current, []
         if not self.profiling:
             return
+        mine = {"samples": mine, "state_bytes": self.model_state_bytes() if self.capacities else 0}
         everyone = self._gather(mine)
         self.history.append(everyone)
-        new_plan = self._agree(self._replan() if self.rank == 0 else None)
-        if new_plan.micro_batch_sizes != self.plan.micro_batch_sizes:
+        new_plan = self._agree(self._decide() if self.rank == 0 else None)
+        if (new_plan.micro_batch_sizes, new_plan.gradient_accumulation_steps) != (
+                self.plan.micro_batch_sizes, self.plan.gradient_accumulation_steps):
             self.switch_to(new_plan, f"plan after profiling step {self.steps}")
         if self.steps >= self.settings.profile_steps:
             self.profiling = False
@@ -109,22 +164,43 @@ class HeterogeneousRuntime:
     def measured_time_models(self):
         """Per-rank fits; the first step is left out once later ones exist (it carries warm-up)."""
         steps = self._fit_steps()
-        return [fit_time_model([sample for step in steps for sample in step[rank]]) for rank in range(len(steps[0]))]
+        return [fit_time_model([sample[:2] for step in steps for sample in step[rank]["samples"]])
+                for rank in range(len(steps[0]))]
+
+    def memory_limits(self):
+        """Per-rank micro-batch limits from the measured activations, or None without capacities.
+
+        Every profiling step counts (the bytes a forward saves do not warm up). Raises
+        RankCannotFitError naming a rank that cannot hold one sample.
+        """
+        if self.capacities is None:
+            return None
+        names = [d.name for d in self.config.heterogeneous_devices]
+        utilization = self.config.heterogeneous.memory.hbm_utilization_threshold
+        limits = []
+        for rank, capacity in enumerate(self.capacities):
+            measured = [(m, b) for step in self.history for m, _, b in step[rank]["samples"] if b is not None]
+            state = self.history[-1][rank]["state_bytes"]
+            limits.append(None if capacity is None or not measured else max_micro_batch(
+                capacity, state, fit_activation_model(measured), utilization, f"data-parallel rank {rank} ({names[rank]})"))
+        return limits
 
     def _fit_steps(self):
         return self.history[1:] if len(self.history) > 1 else self.history
 
     def _replan(self):
-        # Gas stays as it is: the engine counts micro-steps to find the accumulation boundary, so
-        # only micro-batch sizes may change mid-training (per-rank gas is a start-up decision).
         plan = self.plan
-        if plan.per_rank_gas:
-            return plan
         models = self.measured_time_models()
-        gas = plan.gradient_accumulation_steps[0]
+        gas = self.config.heterogeneous_base_gas
+        caps = self.memory_limits()
         best = plan_micro_batches(models, train_batch_size=plan.train_batch_size, gradient_accumulation_steps=gas,
-                                  strategy="compute_aware")
-        if self.steps >= self.settings.profile_steps:
+                                  strategy="compute_aware", max_micro_batch=caps,
+                                  allow_per_rank_gas=self.per_rank_gas_allowed)
+        if caps is not None:
+            shown = ["-" if cap is None else cap for cap in caps]
+            best = Plan(**{**best.to_dict(), "notes": list(best.notes) + [f"memory limits (samples per micro-step, "
+                                                                          f"per rank): {shown}"]})
+        if self.steps >= self.settings.profile_steps or set(best.gradient_accumulation_steps) != {gas}:
             return best
         # Fitting a + b * mbs needs two sizes per rank; a rank timed at one size only so far trades
         # one sample with its neighbour for the next profiling step (any split is exact).
@@ -134,7 +210,7 @@ class HeterogeneousRuntime:
             if all(len(seen[r] | {sizes[r]}) > 1 for r in pair):
                 continue
             big, small = sorted(pair, key=lambda r: (-sizes[r], r))
-            if sizes[big] > 1:
+            if sizes[big] > 1 and (caps is None or caps[small] is None or sizes[small] < caps[small]):
                 sizes[big] -= 1
                 sizes[small] += 1
         if sizes == list(best.micro_batch_sizes):
@@ -142,22 +218,33 @@ class HeterogeneousRuntime:
         return plan_micro_batches(models, train_batch_size=plan.train_batch_size, gradient_accumulation_steps=gas,
                                   strategy="manual", manual=sizes)
 
+    @property
+    def per_rank_gas_allowed(self):
+        """ZeRO-0/1 reduce gradients only at the accumulation boundary, so ranks may run different
+        numbers of micro-steps; ZeRO-2/3 reduce every micro-step and need equal gas. An optimizer
+        offloaded to the host sizes its accumulation buffers by the gas at start-up."""
+        return int(self.engine.zero_optimization_stage()) <= 1 and not self.engine.zero_use_cpu_optimizer()
+
     def _sizes_seen(self):
         """Sizes each rank was timed at in the steps the fit uses (the warm-up step is not one)."""
         steps = self.history[1:]
-        return [{size for step in steps for size, _ in step[rank]} for rank in range(self.plan.world_size)]
+        return [{sample[0] for step in steps for sample in step[rank]["samples"]} for rank in range(self.plan.world_size)]
 
     def switch_to(self, plan, reason):
         """Adopt ``plan`` from the next step on (every rank calls this at the same boundary)."""
         old = self.plan
         apply_plan(self.config, plan)
+        if plan.gradient_accumulation_steps[self.rank] != old.gradient_accumulation_steps[self.rank]:
+            # The engine finds the accumulation boundary by counting micro-steps from here on.
+            self.gas_origin = self.engine.micro_steps + 1
         gas = list(plan.gradient_accumulation_steps) if plan.per_rank_gas else None
         for sampler in self.loaders:
             sampler.set_micro_batch_sizes(list(plan.micro_batch_sizes), gradient_accumulation_steps=gas)
         if self.rank == 0:
             logger.info(f"deepspeed-hetero {reason}: micro-batches {list(old.micro_batch_sizes)} -> "
-                        f"{list(plan.micro_batch_sizes)}, predicted step time {old.predicted_step_time:.4g} s -> "
-                        f"{plan.predicted_step_time:.4g} s")
+                        f"{list(plan.micro_batch_sizes)}, gas {list(old.gradient_accumulation_steps)} -> "
+                        f"{list(plan.gradient_accumulation_steps)}, predicted step time "
+                        f"{old.predicted_step_time:.4g} s -> {plan.predicted_step_time:.4g} s")
             self.log_plan(reason, plan)
 
     # -- collectives (the edges) --------------------------------------------------------------
@@ -172,16 +259,26 @@ class HeterogeneousRuntime:
                                      f"profiling measurements; a peer rank failed or timed out ({exc})") from exc
         return gathered
 
-    def _agree(self, plan):
-        box = [plan.to_dict() if plan is not None else None]
+    def _decide(self):
+        """Rank 0's new plan, or the reason there is none (sent to every rank, which all stop)."""
+        try:
+            return self._replan()
+        except ValueError as exc:  # the planner's and the memory model's errors say what to change
+            return exc
+
+    def _agree(self, decision):
+        box = [decision.to_dict() if isinstance(decision, Plan) else None if decision is None else {"error": str(decision)}]
         try:
             src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
             dist.broadcast_object_list(box, src=src, group=self.group)
         except Exception as exc:
             raise PlanAgreementError(f"deepspeed-hetero: data-parallel rank {self.rank} did not receive the new "
                                      f"plan from rank 0; rank 0 failed or timed out ({exc})") from exc
+        if "error" in box[0]:
+            raise ValueError(f"deepspeed-hetero: no plan fits after profiling step {self.steps}: {box[0]['error']}")
         return Plan.from_dict(box[0])
 
     def close(self):
+        self.meter.stop()
         if self.emulator is not None:
             self.emulator.close()

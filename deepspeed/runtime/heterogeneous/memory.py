@@ -1,0 +1,177 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Per-rank memory limits for the planner (DESIGN.md 4.4), as samples per micro-step.
+
+A rank's predicted peak is the model state its ZeRO shard holds plus the activations of its
+micro-batch:
+
+    state_i + base_i + per_sample_i * mbs_i  <=  hbm_utilization_threshold * capacity_i
+
+- ``state_i`` follows ZeRO's accounting: parameters (sharded over the data-parallel ranks in stage
+  3), gradients (sharded from stage 2), optimizer states and fp32 master weights (sharded from
+  stage 1; nothing on the device when they are offloaded).
+- ``base_i + per_sample_i * mbs`` is fitted to the bytes a forward pass saves for backward,
+  measured by ``ActivationMeter`` at the sizes the rank ran; the intercept holds what does not
+  grow with the batch (workspace, buffers saved once).
+- ``capacity_i`` is the device's memory, or the emulated capacity. The CPU accelerator reports
+  host RAM, which its ranks share; there a limit comes only from emulation.
+
+Pure logic apart from ``ActivationMeter``, which counts tensors on this process only.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .devices import BYTES_PER_GB
+
+# Optimizer state bytes per parameter, by optimizer class name (lower case). Unknown optimizers
+# are assumed to keep two fp32 states, like Adam: over-estimating memory costs throughput,
+# under-estimating it costs an out-of-memory error.
+_STATE_BYTES = {"sgd": 0, "adagrad": 4, "rmsprop": 4, "lion": 4, "adafactor": 4}
+_DEFAULT_STATE_BYTES = 8
+
+
+def optimizer_state_bytes(optimizer):
+    """Bytes of optimizer state per parameter for ``optimizer`` (an instance or a class name)."""
+    name = (optimizer if isinstance(optimizer, str) else type(optimizer).__name__).lower()
+    for key, size in _STATE_BYTES.items():
+        if key in name:
+            if key == "sgd" and not isinstance(optimizer, str):
+                momentum = any(group.get("momentum", 0) for group in getattr(optimizer, "param_groups", ()))
+                return 4 if momentum else 0
+            return size
+    return _DEFAULT_STATE_BYTES
+
+
+def model_state_bytes(num_parameters,
+                      zero_stage,
+                      data_parallel_size,
+                      param_bytes=4,
+                      optimizer_bytes=_DEFAULT_STATE_BYTES,
+                      master_bytes=0,
+                      optimizer_offloaded=False):
+    """Model-state bytes one rank holds under ZeRO ``zero_stage`` (0-3).
+
+    Args:
+        num_parameters: trainable parameters of the whole model.
+        param_bytes: bytes per parameter (and gradient) in the training dtype.
+        optimizer_bytes: optimizer state bytes per parameter (Adam: 8).
+        master_bytes: fp32 master copy per parameter under fp16/bf16 (4), else 0.
+        optimizer_offloaded: optimizer states and master weights live on the host.
+    """
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage {zero_stage!r} must be 0, 1, 2 or 3")
+    world = max(1, int(data_parallel_size))
+    params = num_parameters * param_bytes / (world if zero_stage >= 3 else 1)
+    grads = num_parameters * param_bytes / (world if zero_stage >= 2 else 1)
+    optimizer = 0 if optimizer_offloaded else num_parameters * (optimizer_bytes + master_bytes) / (
+        world if zero_stage >= 1 else 1)
+    return int(math.ceil(params + grads + optimizer))
+
+
+@dataclass(frozen=True)
+class ActivationModel:
+    """Activation bytes of one micro-step: ``base + per_sample * mbs``."""
+
+    base: float
+    per_sample: float
+
+    def bytes_for(self, micro_batch_size):
+        return self.base + self.per_sample * micro_batch_size
+
+
+def fit_activation_model(samples):
+    """Fit ``bytes = base + per_sample * mbs`` to ``[(mbs, bytes), ...]``.
+
+    One size only: ``base = 0`` and the bytes scale with the batch (the safe side). The fit is
+    clamped to ``base >= 0`` and ``per_sample > 0``.
+    """
+    points = [(float(m), float(b)) for m, b in samples if m > 0]
+    if not points:
+        raise ValueError("fit_activation_model needs at least one (micro_batch_size > 0, bytes) sample")
+    sizes = {m for m, _ in points}
+    if len(sizes) == 1:
+        size = next(iter(sizes))
+        return ActivationModel(0.0, max(max(b for _, b in points) / size, 1.0))
+    n = len(points)
+    mean_m = sum(m for m, _ in points) / n
+    mean_b = sum(b for _, b in points) / n
+    slope = sum((m - mean_m) * (b - mean_b) for m, b in points) / sum((m - mean_m)**2 for m, _ in points)
+    slope = max(slope, 1.0)
+    base = max(mean_b - slope * mean_m, 0.0)
+    # Clamping the intercept must not let the model predict less than was measured.
+    slope = max(slope, max((b - base) / m for m, b in points))
+    return ActivationModel(base, slope)
+
+
+class RankCannotFitError(ValueError):
+    """A rank's memory cannot hold even one sample."""
+
+
+def max_micro_batch(capacity_bytes, state_bytes, activations, utilization=1.0, rank_label="rank"):
+    """Largest micro-batch that fits, or None without a capacity (no limit).
+
+    Raises RankCannotFitError naming the rank and the bytes when not even one sample fits.
+    """
+    if capacity_bytes is None:
+        return None
+    budget = capacity_bytes * utilization
+    room = budget - state_bytes - activations.base
+    samples = int(room // activations.per_sample) if room > 0 else 0
+    if samples < 1:
+        raise RankCannotFitError(
+            f"{rank_label} cannot hold one sample: model state {_gib(state_bytes)} + activations "
+            f"{_gib(activations.base)} + {_gib(activations.per_sample)} per sample exceed "
+            f"{utilization:.0%} of its {_gib(capacity_bytes)} (heterogeneous_memory.hbm_utilization_threshold); "
+            f"offload optimizer states, use a higher ZeRO stage, or give the rank more memory")
+    return samples
+
+
+def _gib(size):
+    return f"{size / BYTES_PER_GB:.4g} GiB"
+
+
+class ActivationMeter:
+    """Bytes of the tensors autograd saves for backward while the meter is on.
+
+    Parameters saved by their layers are model state, not activations, and are not counted; a
+    storage saved twice (a view and its base) counts once. ``start()``/``stop()`` instead of a
+    ``with`` block because the engine's hooks sit at the two ends of a forward pass; ``stop()`` is
+    safe to call when the meter is off.
+    """
+
+    def __init__(self):
+        self._hooks = None
+        self._storages = {}
+
+    @property
+    def active(self):
+        return self._hooks is not None
+
+    def start(self):
+        self.stop()
+        self._storages = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self._hooks.__enter__()
+
+    def stop(self):
+        """Turn the meter off; returns the bytes counted since ``start()`` (0 when it was off)."""
+        if self._hooks is not None:
+            self._hooks.__exit__(None, None, None)
+            self._hooks = None
+        counted, self._storages = sum(self._storages.values()), {}
+        return counted
+
+    def _pack(self, tensor):
+        # A layer saves its weight itself or a view of it (linear saves weight.t()).
+        weight = isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter)
+        if not weight and tensor.layout == torch.strided:
+            storage = tensor.untyped_storage()
+            self._storages[(tensor.device, storage.data_ptr())] = storage.nbytes()
+        return tensor
+
+
+def _unpack(tensor):
+    return tensor

@@ -1,0 +1,222 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Memory limits feed the planner: the model-state and activation model, per-rank gas that memory
+forces in ZeRO-0/1 (exact against a single-process reference), and the memory errors."""
+
+import pytest
+import torch
+
+from deepspeed.runtime.heterogeneous.devices import BYTES_PER_GB
+from deepspeed.runtime.heterogeneous.memory import (ActivationMeter, ActivationModel, RankCannotFitError,
+                                                    fit_activation_model, max_micro_batch, model_state_bytes,
+                                                    optimizer_state_bytes)
+from harness import run_ranks, run_subcases
+
+# -- the pure model -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage, expected", [(0, 1000 * (4 + 4 + 8)), (1, 1000 * (4 + 4) + 1000 * 8 / 4),
+                                             (2, 1000 * 4 + 1000 * (4 + 8) / 4), (3, 1000 * (4 + 4 + 8) / 4)])
+def test_model_state_follows_zero_sharding(stage, expected):
+    assert model_state_bytes(1000, stage, 4, param_bytes=4, optimizer_bytes=8) == expected
+
+
+def test_model_state_with_mixed_precision_and_offload():
+    # fp16 params and grads, Adam's two fp32 states plus the fp32 master copy: 16 bytes/param.
+    assert model_state_bytes(10, 0, 1, param_bytes=2, optimizer_bytes=8, master_bytes=4) == 10 * 16
+    assert model_state_bytes(10, 1, 2, param_bytes=2, optimizer_bytes=8, master_bytes=4,
+                             optimizer_offloaded=True) == 10 * 4
+    with pytest.raises(ValueError, match="zero_stage 4"):
+        model_state_bytes(10, 4, 1)
+
+
+def test_optimizer_state_bytes():
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    assert optimizer_state_bytes(torch.optim.Adam(params)) == 8
+    assert optimizer_state_bytes(torch.optim.SGD(params, lr=0.1)) == 0
+    assert optimizer_state_bytes(torch.optim.SGD(params, lr=0.1, momentum=0.9)) == 4
+    assert optimizer_state_bytes("FusedLion") == 4
+    assert optimizer_state_bytes("SomethingNew") == 8  # unknown: assumed Adam-like, the safe side
+
+
+def test_activation_fit():
+    assert fit_activation_model([(4, 400.0)]) == ActivationModel(0.0, 100.0)
+    model = fit_activation_model([(2, 250.0), (4, 450.0), (4, 450.0)])
+    assert model.base == pytest.approx(50.0) and model.per_sample == pytest.approx(100.0)
+    # A negative intercept is clamped; the slope then still covers every measurement.
+    model = fit_activation_model([(2, 100.0), (4, 300.0)])
+    assert model.base == 0.0 and all(model.bytes_for(m) >= b for m, b in [(2, 100.0), (4, 300.0)])
+    with pytest.raises(ValueError, match="at least one"):
+        fit_activation_model([])
+
+
+def test_max_micro_batch():
+    activations = ActivationModel(base=100.0, per_sample=50.0)
+    assert max_micro_batch(None, 10, activations) is None
+    assert max_micro_batch(1000, 400, activations) == 10
+    assert max_micro_batch(1000, 400, activations, utilization=0.8) == 6  # 800 - 400 - 100 = 300
+    with pytest.raises(RankCannotFitError, match=r"data-parallel rank 3 \(T4\) cannot hold one sample"):
+        max_micro_batch(1000, 900, activations, rank_label="data-parallel rank 3 (T4)")
+
+
+def test_activation_meter_counts_saved_activations_not_weights():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 64))
+    meter = ActivationMeter()
+    counted = {}
+    for size in (1, 3):
+        meter.start()
+        loss = torch.nn.functional.mse_loss(model(torch.randn(size, 64)), torch.randn(size, 64))
+        counted[size] = meter.stop()
+        loss.backward()
+    # Input, tanh output (also linear2's input: counted once), output and target, in fp32; the
+    # weights the linears save (weight.t() views) are model state.
+    assert counted == {1: (64 + 256 + 64 + 64) * 4, 3: 3 * (64 + 256 + 64 + 64) * 4}
+    assert not meter.active and meter.stop() == 0
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        pass  # the meter left no hooks behind: a fresh push/pop pair still balances
+
+
+# -- end to end: memory forces per-rank gas -------------------------------------------------------
+
+WIDTH, HIDDEN = 64, 256
+DATASET = 160
+TRAIN_BATCH = 16
+LR = 1e-3
+ACTIVATION_BYTES_PER_SAMPLE = (WIDTH + HIDDEN + WIDTH + WIDTH) * 4  # measured above
+
+
+def make_model():
+    torch.manual_seed(5)
+    return torch.nn.Sequential(torch.nn.Linear(WIDTH, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, WIDTH))
+
+
+def dataset():
+    generator = torch.Generator().manual_seed(3)
+    return torch.utils.data.TensorDataset(torch.arange(DATASET), torch.randn(DATASET, WIDTH, generator=generator),
+                                          torch.randn(DATASET, WIDTH, generator=generator))
+
+
+def memory_gb_for(stage, samples, world=2):
+    """Emulated capacity (GiB) that holds ``samples`` per micro-step (plus half a sample of slack)."""
+    params = sum(p.numel() for p in make_model().parameters())
+    state = model_state_bytes(params, stage, world, param_bytes=4, optimizer_bytes=8)
+    return (state + ACTIVATION_BYTES_PER_SAMPLE * (samples + 0.5)) / BYTES_PER_GB
+
+
+def memory_config(stage, caps, profile_steps=3, **extra):
+    heterogeneous = {"enabled": True, "load_balancing_strategy": "compute_aware", "profile_steps": profile_steps,
+                     "emulation": {"memory_gb": [memory_gb_for(stage, cap) for cap in caps]}}
+    heterogeneous.update(extra)
+    return {"train_batch_size": TRAIN_BATCH, "gradient_clipping": 0.0, "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "Adam", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}},
+            "heterogeneous_config": heterogeneous, "heterogeneous_memory": {"hbm_utilization_threshold": 1.0}}
+
+
+def train_within_memory(rank, world_size, stage, caps, steps):
+    import deepspeed
+
+    model = make_model()
+    engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                config=memory_config(stage, caps), training_data=dataset())
+    per_step = [[] for _ in range(steps)]
+    micro_steps = [0] * steps
+    batches = iter(loader)
+    while engine.global_steps < steps:
+        index, inputs, targets = next(batches)
+        assert len(index) == engine.train_micro_batch_size_per_gpu()
+        per_step[engine.global_steps] += index.tolist()
+        micro_steps[engine.global_steps] += 1
+        engine.backward(torch.nn.functional.mse_loss(engine(inputs), targets))
+        engine.step()
+    plan = engine.heterogeneous_plan
+    return {"per_step": per_step, "micro_steps": micro_steps, "plan": plan.to_dict(),
+            "params": [p.detach().clone() for p in engine.module.parameters()]}
+
+
+def reference(step_indices):
+    _, inputs, targets = dataset().tensors
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    for indices in step_indices:
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(inputs[indices]), targets[indices]).backward()
+        optimizer.step()
+    return list(model.parameters())
+
+
+@pytest.mark.multiprocess
+def test_memory_limits_force_per_rank_gas_and_training_stays_exact():
+    steps, caps = 8, [2, 3]
+    cases = [dict(stage=0, caps=caps, steps=steps), dict(stage=1, caps=caps, steps=steps)]
+    for case, (first, second) in zip(cases, run_subcases(train_within_memory, cases, world_size=2, timeout=600)):
+        plan = first["plan"]
+        assert plan == second["plan"]
+        # 2 + 3 samples fit per micro-step, fewer than the 16 of the global batch: the ranks
+        # accumulate, each within its own limit, the global batch unchanged.
+        assert all(m <= cap for m, cap in zip(plan["micro_batch_sizes"], caps)), plan
+        assert min(plan["gradient_accumulation_steps"]) > 1, plan
+        assert any("memory limits" in note for note in plan["notes"]), plan
+        assert sum(m * g for m, g in zip(plan["micro_batch_sizes"], plan["gradient_accumulation_steps"])) == 16
+        # Each rank ran its own number of micro-steps per optimizer step once the plan was in force.
+        assert first["micro_steps"][-1] == plan["gradient_accumulation_steps"][0], (first["micro_steps"], plan)
+        assert second["micro_steps"][-1] == plan["gradient_accumulation_steps"][1], (second["micro_steps"], plan)
+        step_indices = [a + b for a, b in zip(first["per_step"], second["per_step"])]
+        assert [len(step) for step in step_indices] == [TRAIN_BATCH] * steps
+        assert len({i for step in step_indices for i in step}) == steps * TRAIN_BATCH, case  # none repeated
+        for got, want in zip(first["params"], reference(step_indices)):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=lambda m: f"{case}: {m}")
+
+
+def _train_expecting_error(rank, world_size, config, steps=4):
+    import deepspeed
+
+    model = make_model()
+    try:
+        engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
+                                                    training_data=dataset())
+        batches = iter(loader)
+        while engine.global_steps < steps:
+            _, inputs, targets = next(batches)
+            engine.backward(torch.nn.functional.mse_loss(engine(inputs), targets))
+            engine.step()
+    except (ValueError, RuntimeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+@pytest.mark.multiprocess
+def test_memory_errors_stop_every_rank_with_the_reason():
+    cases = [
+        # Rank 1 cannot hold one sample: every rank stops after the first profiling step.
+        dict(config=memory_config(0, [4, 0])),
+        # ZeRO-2 needs equal gas, and 2 + 3 samples per micro-step cannot make 16.
+        dict(config=memory_config(2, [2, 3])),
+    ]
+    cannot_fit, zero2 = run_subcases(_train_expecting_error, cases, world_size=2, timeout=300)
+    for message in cannot_fit:
+        assert "data-parallel rank 1" in message and "cannot hold one sample" in message, message
+        assert "hbm_utilization_threshold" in message, message
+    for message in zero2:
+        assert "memory limits allow 5 samples per micro-step" in message, message
+        assert "gradient_accumulation_steps 4 would fit" in message, message
+
+
+def _over_emulated_memory(rank, world_size):
+    import deepspeed
+
+    model = make_model()
+    config = memory_config(0, [3, 16], profile_steps=0, load_balancing_strategy="manual", micro_batch_sizes=[8, 8])
+    engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
+                                                training_data=dataset())
+    _, inputs, targets = next(iter(loader))
+    engine.backward(torch.nn.functional.mse_loss(engine(inputs), targets))
+    engine.step()
+
+
+@pytest.mark.multiprocess
+def test_a_fixed_plan_over_emulated_memory_fails_as_out_of_memory():
+    with pytest.raises(AssertionError) as info:
+        run_ranks(_over_emulated_memory, world_size=2, timeout=180)
+    report = str(info.value)
+    # Rank 0 returns the error; its peer, left alone in a collective, fails rather than hangs.
+    assert "EmulatedOutOfMemoryError" in report or "out of memory" in report, report
