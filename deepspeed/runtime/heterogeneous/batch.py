@@ -10,6 +10,8 @@ every upstream reader of ``train_micro_batch_size_per_gpu`` and ``gradient_accum
 finds them.
 """
 
+from dataclasses import replace
+
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
@@ -19,25 +21,33 @@ from .planner import plan_micro_batches, time_models_from_scores
 _GAS = "gradient_accumulation_steps"
 
 
-def data_parallel_rank_and_group(mpu=None, mesh_device=None):
-    """This process's data-parallel rank and group (the group is None for the world)."""
+def data_parallel_rank(mpu=None, mesh_device=None):
+    """This process's data-parallel rank (its global rank without model parallelism)."""
     if mpu is not None and hasattr(mpu, "get_data_parallel_rank"):
-        return mpu.get_data_parallel_rank(), mpu.get_data_parallel_group()
+        return mpu.get_data_parallel_rank()
     if mesh_device is not None:
-        group = mesh_device.get_group(mesh_dim="data_parallel")
-        return dist.get_rank(group=group), group
-    return (dist.get_rank() if dist.is_initialized() else 0), None
+        return dist.get_rank(group=mesh_device.get_group(mesh_dim="data_parallel"))
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
-def gather_devices(group, world_size, memory_bytes=None):
+def gather_devices(dp_rank, world_size, memory_bytes=None):
     """Every data-parallel rank's DeviceDescription, in data-parallel rank order; ``memory_bytes``
-    replaces this rank's real capacity (emulated clusters)."""
+    replaces this rank's real capacity (emulated clusters).
+
+    All processes take part, so that the model-parallel members of a replica agree: a replica is
+    described by its slowest member's device, with its smallest memory.
+    """
     mine = describe_local_device(measure=False, memory_bytes=memory_bytes).to_dict()
-    if world_size == 1 or not dist.is_initialized():
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return [DeviceDescription.from_dict(mine)]
-    gathered = [None] * world_size
-    dist.all_gather_object(gathered, mine, group=group)
-    return [DeviceDescription.from_dict(d) for d in gathered]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (dp_rank, mine))
+    devices = []
+    for rank in range(world_size):
+        members = [DeviceDescription.from_dict(d) for r, d in gathered if r == rank]
+        slowest = min(members, key=lambda d: (d.spec_score, d.rank))
+        devices.append(replace(slowest, memory_bytes=min(d.memory_bytes for d in members)))
+    return devices
 
 
 def _needs_devices(settings):
@@ -96,11 +106,11 @@ def configure_heterogeneous_batch(ds_config, mpu=None, mesh_device=None):
         logger.warning("train_micro_batch_size_per_gpu is ignored with heterogeneous_config enabled: each rank's "
                        "micro-batch comes from the plan (train_batch_size stays the global batch)")
     world_size = int(ds_config.world_size)
-    dp_rank, group = data_parallel_rank_and_group(mpu, mesh_device)
+    dp_rank = data_parallel_rank(mpu, mesh_device)
     zero_stage = int(ds_config.zero_optimization_stage or 0)
     emulated = _emulated_memory(ds_config.heterogeneous)
     memory_bytes = None if emulated is None else int(emulated[dp_rank] * BYTES_PER_GB)
-    devices = gather_devices(group, world_size, memory_bytes) if _needs_devices(ds_config.heterogeneous) else None
+    devices = gather_devices(dp_rank, world_size, memory_bytes) if _needs_devices(ds_config.heterogeneous) else None
     plan = initial_plan(ds_config.heterogeneous, train_batch, gas, world_size, zero_stage, devices)
     ds_config.heterogeneous_dp_rank = dp_rank
     ds_config.heterogeneous_devices = devices

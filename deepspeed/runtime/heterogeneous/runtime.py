@@ -27,7 +27,7 @@ from .batch import apply_plan, memory_capacities
 from .emulation import start_emulation
 from .memory import (ActivationMeter, RankCannotFitError, fit_activation_model, max_micro_batch, model_state_bytes,
                      optimizer_state_bytes)
-from .planner import Plan, fit_time_model, plan_micro_batches
+from .planner import Plan, TimeModel, fit_time_model, plan_micro_batches
 
 
 class PlanAgreementError(RuntimeError):
@@ -45,7 +45,9 @@ class HeterogeneousRuntime:
         self.config = engine._config
         self.settings = self.config.heterogeneous.config
         self.rank = self.config.heterogeneous_dp_rank
-        self.group = engine.mpu.get_data_parallel_group() if engine.mpu is not None else None
+        # Measurements are pooled and the plan decided over the whole world: with model
+        # parallelism, the members of one data-parallel replica must run the same plan, and the
+        # slowest member sets the replica's pace.
         self.emulator = start_emulation(self.settings.emulation, self.rank)
         self.steps = 0
         self.profiling = self.settings.load_balancing_strategy == "compute_aware" and self.settings.profile_steps > 0
@@ -60,6 +62,7 @@ class HeterogeneousRuntime:
         self.meter = ActivationMeter()
         self._state_bytes = None
         self.gas_origin = 0  # the engine's micro-step count when this rank's current gas took effect
+        self._backward_done = None
         self.log_plan("plan at start-up", self.plan)
 
     @property
@@ -71,7 +74,7 @@ class HeterogeneousRuntime:
         return self.emulator.mode if self.emulator is not None else "none"
 
     def log_plan(self, title, plan):
-        if self.rank == 0:
+        if dist.get_rank() == 0:
             names = [d.name for d in self.config.heterogeneous_devices or []] or None
             logger.info(f"deepspeed-hetero {title} (strategy {plan.strategy}):\n{plan.format_table(names)}")
 
@@ -116,6 +119,17 @@ class HeterogeneousRuntime:
         # Measured after the emulated slow-down: the planner must see the slowed device.
         self._current.append((self.config.train_micro_batch_size_per_gpu, max(own_time(), 1e-9), activations))
         self._began = None
+        self._backward_done = (time.perf_counter(), comm_clock.seconds_in_collectives())
+
+    def _step_overhead(self):
+        """This rank's own time from the end of the last backward to here (the optimizer step and
+        the boundary's bookkeeping), less its time in collectives; 0 when not timed."""
+        if self._backward_done is None:
+            return 0.0
+        get_accelerator().synchronize()
+        began, in_collectives = self._backward_done
+        self._backward_done = None
+        return max(time.perf_counter() - began - (comm_clock.seconds_in_collectives() - in_collectives), 0.0)
 
     def _check_emulated_memory(self, activations):
         if self.emulated_capacity is None or self.profiling:
@@ -149,10 +163,11 @@ class HeterogeneousRuntime:
         mine, self._current = self._current, []
         if not self.profiling:
             return
-        mine = {"samples": mine, "state_bytes": self.model_state_bytes() if self.capacities else 0}
-        everyone = self._gather(mine)
+        mine = {"dp_rank": self.rank, "samples": mine, "step_overhead": self._step_overhead(),
+                "state_bytes": self.model_state_bytes() if self.capacities else 0}
+        everyone = _per_replica(self._gather(mine), self.plan.world_size)
         self.history.append(everyone)
-        new_plan = self._agree(self._decide() if self.rank == 0 else None)
+        new_plan = self._agree(self._decide() if dist.get_rank() == 0 else None)
         if (new_plan.micro_batch_sizes, new_plan.gradient_accumulation_steps) != (
                 self.plan.micro_batch_sizes, self.plan.gradient_accumulation_steps):
             self.switch_to(new_plan, f"plan after profiling step {self.steps}")
@@ -164,8 +179,16 @@ class HeterogeneousRuntime:
     def measured_time_models(self):
         """Per-rank fits; the first step is left out once later ones exist (it carries warm-up)."""
         steps = self._fit_steps()
-        return [fit_time_model([sample[:2] for step in steps for sample in step[rank]["samples"]])
-                for rank in range(len(steps[0]))]
+        gas = self.config.heterogeneous_base_gas
+        models = []
+        for rank in range(len(steps[0])):
+            model = fit_time_model([sample[:2] for step in steps for sample in step[rank]["samples"]])
+            # The optimizer step runs once per step on every rank, at the rank's own speed: a slow
+            # rank's is longer, and the others wait for it at the next collective. Spread over the
+            # micro-steps, it is part of the fixed cost a that the planner balances.
+            overhead = sum(step[rank]["step_overhead"] for step in steps) / len(steps)
+            models.append(TimeModel(model.a + overhead / gas, model.b))
+        return models
 
     def memory_limits(self):
         """Per-rank micro-batch limits from the measured activations, or None without capacities.
@@ -240,7 +263,7 @@ class HeterogeneousRuntime:
         gas = list(plan.gradient_accumulation_steps) if plan.per_rank_gas else None
         for sampler in self.loaders:
             sampler.set_micro_batch_sizes(list(plan.micro_batch_sizes), gradient_accumulation_steps=gas)
-        if self.rank == 0:
+        if dist.get_rank() == 0:
             logger.info(f"deepspeed-hetero {reason}: micro-batches {list(old.micro_batch_sizes)} -> "
                         f"{list(plan.micro_batch_sizes)}, gas {list(old.gradient_accumulation_steps)} -> "
                         f"{list(plan.gradient_accumulation_steps)}, predicted step time "
@@ -250,10 +273,9 @@ class HeterogeneousRuntime:
     # -- collectives (the edges) --------------------------------------------------------------
 
     def _gather(self, samples):
-        world = dist.get_world_size(group=self.group)
-        gathered = [None] * world
+        gathered = [None] * dist.get_world_size()
         try:
-            dist.all_gather_object(gathered, samples, group=self.group)
+            dist.all_gather_object(gathered, samples)
         except Exception as exc:
             raise PlanAgreementError(f"deepspeed-hetero: data-parallel rank {self.rank} could not gather the "
                                      f"profiling measurements; a peer rank failed or timed out ({exc})") from exc
@@ -269,8 +291,7 @@ class HeterogeneousRuntime:
     def _agree(self, decision):
         box = [decision.to_dict() if isinstance(decision, Plan) else None if decision is None else {"error": str(decision)}]
         try:
-            src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-            dist.broadcast_object_list(box, src=src, group=self.group)
+            dist.broadcast_object_list(box, src=0)
         except Exception as exc:
             raise PlanAgreementError(f"deepspeed-hetero: data-parallel rank {self.rank} did not receive the new "
                                      f"plan from rank 0; rank 0 failed or timed out ({exc})") from exc
@@ -282,3 +303,27 @@ class HeterogeneousRuntime:
         self.meter.stop()
         if self.emulator is not None:
             self.emulator.close()
+
+
+def _per_replica(gathered, data_parallel_size):
+    """One entry per data-parallel rank from every process's measurements: the members of a
+    replica (model-parallel peers) ran the same micro-steps; each micro-step counts at its slowest
+    member's time and largest activation bytes."""
+    replicas = [[entry for entry in gathered if entry["dp_rank"] == rank] for rank in range(data_parallel_size)]
+    merged = []
+    for rank, members in enumerate(replicas):
+        if not members or len({len(m["samples"]) for m in members}) != 1:
+            raise PlanAgreementError(f"deepspeed-hetero: the model-parallel members of data-parallel rank {rank} "
+                                     f"reported different micro-steps ({[len(m['samples']) for m in members]}); "
+                                     f"they must run the same plan")
+        samples = []
+        for steps in zip(*(m["samples"] for m in members)):
+            sizes = {size for size, _, _ in steps}
+            if len(sizes) != 1:
+                raise PlanAgreementError(f"deepspeed-hetero: the model-parallel members of data-parallel rank {rank} "
+                                         f"ran different micro-batch sizes {sorted(sizes)}")
+            activations = [b for _, _, b in steps if b is not None]
+            samples.append((sizes.pop(), max(t for _, t, _ in steps), max(activations) if activations else None))
+        merged.append({"samples": samples, "step_overhead": max(m["step_overhead"] for m in members),
+                       "state_bytes": max(m["state_bytes"] for m in members)})
+    return merged
