@@ -52,6 +52,54 @@ def triad_(a, b, c, scalar):
     return torch.add(b, c, alpha=scalar, out=a)
 
 
+def unscale_maxabs_(tensors, inv_scale):
+    """Unscale gradients in place and report what a dynamic loss scaler needs, in one pass.
+
+    Args:
+        tensors: floating-point tensors of one device (typically the gradients); empty tensors
+            and an empty list are allowed.
+        inv_scale: the multiplier (1 / loss scale). At exactly 1.0 nothing is written.
+
+    Returns:
+        ``(max_abs, found_nonfinite)``: the largest ``|x|`` over the finite elements after the
+        multiply, as a Python float (0.0 when there are none), and whether any element is inf or
+        nan after the multiply. A non-finite element does not stop the pass: every tensor is still
+        scaled, and ``max_abs`` still covers the finite ones. ``found_nonfinite`` also reports a
+        finite value that the multiply (``inv_scale > 1``) or the rounding to float16/bfloat16
+        overflows to inf.
+
+    The result equals ``unscale_maxabs_reference_`` (torch's unfused sequence) bit for bit: each
+    element becomes ``t.mul_(inv_scale)``'s value; for float32, float16 and bfloat16 that is the
+    float32 product with ``inv_scale`` rounded to float32, rounded once to the tensor's dtype,
+    denormals kept. Only nan bits may differ (torch itself writes different bfloat16 nan bits in
+    its vector and scalar loops). Contiguous float32, float16 and bfloat16 tensors on the CPU,
+    and on CUDA where the op was built with its CUDA kernel, take the fused pass; the native op
+    runs the torch sequence on the others (float64, strided views, other devices).
+    """
+    op = load_native_op()
+    if op is None:
+        return unscale_maxabs_reference_(tensors, inv_scale)
+    return op.unscale_maxabs_(list(tensors), float(inv_scale))
+
+
+def unscale_maxabs_reference_(tensors, inv_scale):
+    """``unscale_maxabs_`` as torch's unfused sequence: the fallback, and the reference for tests."""
+    maxima, nonfinite = [], []
+    for tensor in tensors:
+        if tensor.numel() == 0:
+            continue
+        if inv_scale != 1.0:
+            tensor.mul_(inv_scale)
+        magnitude = tensor.abs()
+        finite = torch.isfinite(magnitude)
+        maxima.append(torch.where(finite, magnitude, 0).max())
+        nonfinite.append(~finite.all())
+    if not maxima:
+        return 0.0, False
+    # stack promotes the maxima to a dtype that holds each of them exactly.
+    return torch.stack(maxima).max().item(), bool(torch.stack(nonfinite).any().item())
+
+
 def stream_triad_gbps(n_elems=1 << 24, repeats=5, device=None):
     """Memory bandwidth of ``device`` (default: the current accelerator) in GB/s, best of ``repeats``.
 

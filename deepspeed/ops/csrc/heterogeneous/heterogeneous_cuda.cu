@@ -1,0 +1,1 @@
+../../../../csrc/heterogeneous/heterogeneous_cuda.cu

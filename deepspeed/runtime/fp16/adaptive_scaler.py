@@ -1,0 +1,115 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Adaptive fp16 loss scaling (deepspeed-hetero, DESIGN.md 4.5).
+
+Upstream's dynamic scaler doubles the scale every ``loss_scale_window`` clean steps whatever the
+gradients look like, so it keeps climbing into overflows, skipping a step and halving each
+time, and it sits far below the range fp16 could use after a back-off. The adaptive scaler looks
+at the gradients instead: after every step it knows the largest absolute value of the un-scaled
+gradient over all ranks, and picks the next scale, a power of two, so that the scaled gradients
+would use about ``auto_scale_threshold`` of fp16's range::
+
+    scale = 2 ** floor(log2(threshold * 65504 / peak)),  peak = max of the last HISTORY max-abs values
+
+Taking the peak of a short history keeps one quiet step from raising the scale into the next
+ordinary one. An overflow still skips the step and halves the scale (the safety net), and it
+enters the history as what it proves: the un-scaled max-abs was at least ``65504 / scale``, so the
+scale cannot climb back to the overflowing value while that entry is in the window.
+
+Every rank ends with the same scale: the optimizers reduce the max-abs with MAX across the
+data-parallel (and model-parallel) groups in the same collective as the overflow flag
+(``overflow_and_max_abs`` below builds the tensor they reduce).
+"""
+
+import math
+from collections import deque
+
+import torch
+
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+from deepspeed.utils import logger
+
+FP16_MAX = float(torch.finfo(torch.float16).max)  # 65504
+HISTORY = 8
+"""Steps whose max-abs the next scale must accommodate."""
+MAX_SCALE = 2.0**24
+"""Upper bound of the scale: beyond it a tiny gradient would only buy fp32 overflow risk."""
+
+
+def next_power_of_two_scale(peak_max_abs, threshold, min_scale, max_scale=MAX_SCALE):
+    """The power of two ``s`` with ``peak * s <= threshold * 65504`` closest to it, in [min, max]."""
+    if not (peak_max_abs > 0 and math.isfinite(peak_max_abs)):
+        return max_scale  # all-zero gradients: nothing to protect, use the most resolution
+    exponent = math.floor(math.log2(threshold * FP16_MAX / peak_max_abs))
+    return float(min(max(2.0**exponent, min_scale), max_scale))
+
+
+class AdaptiveLossScaler(DynamicLossScaler):
+    """A ``DynamicLossScaler`` whose scale follows the measured gradient max-abs.
+
+    The optimizer calls ``observe(reduced)`` with the reduced ``[non-finite flag, scaled max-abs]``
+    tensor right after its overflow check, then ``update_scale(overflow)`` as for any scaler.
+    """
+
+    adaptive = True
+
+    def __init__(self, auto_scale_threshold, **dynamic_args):
+        super().__init__(**dynamic_args)
+        if not 0.0 < auto_scale_threshold <= 1.0:
+            raise ValueError(f"fp16.auto_scale_threshold = {auto_scale_threshold}: must be in (0, 1], the fraction of "
+                             f"fp16's range (65504) the scaled gradients may use")
+        self.auto_scale_threshold = float(auto_scale_threshold)
+        self.history = deque(maxlen=HISTORY)
+        self._observed = None
+
+    def observe(self, reduced):
+        """Take the reduced ``[non-finite, scaled max-abs]`` tensor; returns the overflow flag."""
+        flag, scaled_max_abs = (float(v) for v in reduced.float().tolist())
+        overflow = flag > 0 or not math.isfinite(scaled_max_abs)
+        self._observed = None if overflow else scaled_max_abs / self.cur_scale
+        return overflow
+
+    def update_scale(self, overflow):
+        if overflow:
+            # What the overflow proves about the un-scaled gradient (more than 65504 / scale), kept
+            # so that the scale does not climb straight back to the value that overflowed.
+            self.history.append(FP16_MAX / self.cur_scale * (1.0 + 2.0**-20))
+            if self.cur_scale <= self.min_scale and self.raise_error_at_min_scale:
+                raise Exception("Current loss scale already at minimum - cannot decrease scale anymore. Exiting run. "
+                                f"(deepspeed-hetero adaptive scaler: recent un-scaled gradient max-abs, oldest first: "
+                                f"{[float(f'{v:.4g}') for v in self.history]}; non-finite gradients at the minimum "
+                                f"scale usually mean a diverged model or an fp16-unsafe operation, not a scale problem)")
+            previous = self.cur_scale
+            self.cur_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
+            if _rank() == 0:
+                logger.info(f"[deepspeed] OVERFLOW! Skipping step. Adaptive loss scale {previous:g} -> {self.cur_scale:g}")
+            self.last_overflow_iter = self.cur_iter
+        else:
+            if self._observed is not None:
+                self.history.append(self._observed)
+            if self.history:
+                self.cur_scale = next_power_of_two_scale(max(self.history), self.auto_scale_threshold,
+                                                         self.min_scale)
+        self._observed = None
+        self.cur_iter += 1
+
+    def state_summary(self):
+        return {"cur_scale": self.cur_scale, "history": list(self.history), "cur_iter": self.cur_iter}
+
+
+def adaptive_scaler_in_use(loss_scaler):
+    return getattr(loss_scaler, "adaptive", False)
+
+
+def overflow_and_max_abs(grads):
+    """This rank's ``[non-finite flag, max |g|]`` over ``grads`` as a float32 tensor on the device,
+    ready for one MAX all-reduce. One fused pass when the native op is loaded."""
+    from deepspeed.runtime.heterogeneous.native import unscale_maxabs_
+    max_abs, nonfinite = unscale_maxabs_([g for g in grads if g is not None and g.numel()], 1.0)
+    return torch.tensor([1.0 if nonfinite else 0.0, max_abs], dtype=torch.float32,
+                        device=get_accelerator().current_device_name())
+
+
+def _rank():
+    from deepspeed import comm as dist
+    return dist.get_rank() if dist.is_initialized() else 0
