@@ -49,6 +49,7 @@ FIXED_DATE = "Wed, 1 Jan 2025 00:00:00 +0000"
 FORMAT_PATCH_ARGS = ("--zero-commit", "--full-index", "--no-signature", "--no-stat", "--keep-subject", "-M",
                      "--no-color", "--stdout")
 REQUIRED_TRAILERS = ("Origin", "Forwarded")
+STACK_TRAILER = "Stacked-files"
 
 
 class PatchSetError(Exception):
@@ -341,11 +342,37 @@ def materialise(files, dest):
             path.chmod(mode)
 
 
-def render_patch(meta, pristine, current, paths):
+def render_patch(meta, pristine, current, paths, stages=None, name=None):
+    """``meta``'s patch for ``paths``: pristine -> current, except where a file is stacked (see
+    ``ownership``): there the diff runs between the file's states around this patch."""
     before = {p: pristine[p] for p in paths if p in pristine}
     after = {p: current[p] for p in paths if p in current}
+    for path in paths:
+        if stages and path in stages:
+            before[path], frozen_after = stages[path][name]
+            if frozen_after is not None:  # an earlier patch of a stacked file: kept as written
+                after[path] = frozen_after
     message = meta.subject + ("\n\n" + meta.body if meta.body else "") + "\n"
     return format_patch(before, after, message, meta.author, meta.date)
+
+
+def stacked_stages(pristine, metas, stacked):
+    """For each stacked file: {patch: (state before it, state after it or None for the owner)},
+    from applying the series' current patch files in order."""
+    if not stacked:
+        return {}
+    stages = {path: {} for path in stacked}
+    with tempfile.TemporaryDirectory() as tmp:
+        write_tree(pristine, tmp)
+        for name in metas:
+            touched = [path for path in stacked if path in metas[name].owned]
+            before = read_tree(tmp, touched)
+            git_apply(PATCH_DIR / name, tmp, f"patches/{name}")
+            after = read_tree(tmp, touched)
+            for path in touched:
+                owner = stacked[path][-1] == name
+                stages[path][name] = (before[path], None if owner else after[path])
+    return stages
 
 
 # ----------------------------------------------------------------------------------------------
@@ -434,14 +461,26 @@ def load_series_meta():
 
 
 def ownership(metas):
-    owner = {}
+    """(owner, stacked): the patch whose diff a file's edits go to, and the files several patches
+    change, each with its patches in series order.
+
+    An upstream file belongs to one patch, with one exception: a patch that must stay separate
+    (an upstream bug fix, say) may change a file a later patch also changes when it names the file
+    in its ``Stacked-files:`` trailer. Its hunks are then kept as written; the last patch that
+    changes the file owns it, and its diff starts where the earlier ones leave the file."""
+    owner, stacked = {}, {}
     for name, meta in metas.items():
         for path in meta.owned:
             if path in owner:
-                raise PatchSetError(f"{path} is changed by both {owner[path]} and {name}; an upstream file "
-                                    f"belongs to one patch only (merge the two changes)")
+                declared = [p.strip() for p in metas[owner[path]].trailers().get(STACK_TRAILER, "").split(",")]
+                if path not in declared:
+                    raise PatchSetError(f"{path} is changed by both {owner[path]} and {name}; an upstream file "
+                                        f"belongs to one patch only (merge the two changes, or keep the earlier "
+                                        f"one as written by naming the file in its '{STACK_TRAILER}:' trailer)")
+                stacked.setdefault(path, [owner[path]])
+                stacked[path].append(name)
             owner[path] = name
-    return owner
+    return owner, stacked
 
 
 def current_upstream(paths):
@@ -495,7 +534,7 @@ def export(assign=None, new_meta=None, write=True, allow_orphans=False):
     metas = load_series_meta()
     if new_meta is not None:
         metas[new_meta[0]] = new_meta[1]
-    owner = ownership(metas)
+    owner, stacked = ownership(metas)
     for path, name in (assign or {}).items():
         if path not in pristine:
             raise PatchSetError(f"{path} is not an upstream file (a file of the fork's own is committed as is)")
@@ -517,13 +556,14 @@ def export(assign=None, new_meta=None, write=True, allow_orphans=False):
         raise PatchSetError(
             f"edited upstream file(s) without a patch: {', '.join(orphans)}; add them to a patch with "
             f"'python scripts/patchset.py new NAME --why TEXT FILE...' or '... assign PATCH FILE...'")
+    stages = stacked_stages(pristine, metas, stacked)
     texts = {}
     for name, meta in metas.items():
-        files = sorted(p for p in edited if owner.get(p) == name)
+        files = sorted({p for p in edited if owner.get(p) == name} | {p for p in stacked if name in stacked[p]})
         if not files:
             raise PatchSetError(f"patches/{name} has no edits left in the tree; remove it from patches/series "
                                 f"and delete the file, or restore its edits")
-        text = render_patch(meta, pristine, current, files)
+        text = render_patch(meta, pristine, current, files, stages, name)
         path = PATCH_DIR / name
         if not path.is_file() or path.read_text() != text:
             texts[name] = text
@@ -709,8 +749,9 @@ def cmd_check(_args):
     pristine = pristine_tree(pin)
     try:
         metas = load_series_meta()
-        ownership(metas)
+        _, stacked = ownership(metas)
         expected = expected_tree(pin, pristine)
+        stages = stacked_stages(pristine, metas, stacked)
     except PatchSetError as exc:
         problems.append(str(exc))
         expected = None
@@ -737,7 +778,8 @@ def cmd_check(_args):
                         problems.append(f"{rel} and its sdist copy {twin} differ in the series")
             if not drift and not problems:
                 for name, meta in metas.items():
-                    if render_patch(meta, pristine, expected, sorted(meta.owned)) != (PATCH_DIR / name).read_text():
+                    if render_patch(meta, pristine, expected, sorted(meta.owned), stages,
+                                    name) != (PATCH_DIR / name).read_text():
                         problems.append(f"patches/{name} is not in canonical export form; run 'make export'")
                 tree = assembled_tree(pin, expected)
                 _, patch = combined_patch(pin, pristine, tree)

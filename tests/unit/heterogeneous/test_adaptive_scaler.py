@@ -1,0 +1,175 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The adaptive loss scaler's policy, its configuration, and its use in ZeRO 1-3 training."""
+
+import pickle
+
+import pytest
+import torch
+
+from deepspeed.runtime.fp16.adaptive_scaler import (FP16_MAX, HISTORY, MAX_SCALE, AdaptiveLossScaler,
+                                                    next_power_of_two_scale)
+from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler, DynamicLossScaler
+from deepspeed.runtime.precision_config import DeepSpeedFP16Config
+from harness import run_subcases
+
+
+def make_scaler(threshold=0.95, init_scale=2.0**16, min_scale=1.0):
+    return AdaptiveLossScaler(threshold, init_scale=init_scale, scale_window=1000, min_scale=min_scale,
+                              delayed_shift=1, consecutive_hysteresis=False)
+
+
+def step(scaler, unscaled_max_abs=None, overflow=False):
+    """One optimizer step as the ZeRO optimizers drive the scaler."""
+    scaled = float("inf") if overflow else unscaled_max_abs * scaler.cur_scale
+    reported = scaler.observe(torch.tensor([1.0 if overflow else 0.0, scaled]))
+    assert reported == overflow
+    scaler.update_scale(reported)
+    return scaler.cur_scale
+
+
+def test_next_scale_is_the_power_of_two_under_the_threshold():
+    assert next_power_of_two_scale(1.0, 0.95, 1.0) == 2.0**15  # 0.95 * 65504 = 62228.8 -> 2**15
+    assert next_power_of_two_scale(1e-3, 0.95, 1.0) == MAX_SCALE  # 2**25 would fit; clamped at 2**24
+    assert next_power_of_two_scale(1e6, 0.95, 0.25) == 0.25  # clamped at the minimum
+    assert next_power_of_two_scale(0.0, 0.95, 1.0) == MAX_SCALE  # all-zero gradients
+    for peak in (3e-3, 0.1, 7.0, 1234.5):
+        scale = next_power_of_two_scale(peak, 0.95, 2.0**-24)
+        assert peak * scale <= 0.95 * FP16_MAX < peak * scale * 2
+
+
+def test_scale_follows_the_gradients_and_a_quiet_step_does_not_raise_it():
+    scaler = make_scaler()
+    assert step(scaler, 0.5) == 2.0**16  # 0.95 * 65504 / 0.5 = 124457 -> 2**16
+    assert step(scaler, 1e-4) == 2.0**16  # the peak of the history (0.5) still rules
+    for _ in range(HISTORY - 1):
+        step(scaler, 1e-4)
+    # Once the large value has left the window, the scale rises to what the gradients allow.
+    assert scaler.cur_scale == next_power_of_two_scale(1e-4, 0.95, 1.0)
+
+
+def test_overflow_skips_backs_off_and_is_not_repeated():
+    scaler = make_scaler(init_scale=2.0**20)
+    assert step(scaler, overflow=True) == 2.0**19
+    # A clean step with small gradients must not send the scale back to the value that overflowed.
+    for _ in range(HISTORY - 1):
+        assert step(scaler, 1e-3) < 2.0**20
+
+
+def test_threshold_one_never_returns_to_an_overflowing_scale():
+    scaler = make_scaler(threshold=1.0, init_scale=2.0**10)
+    step(scaler, overflow=True)
+    assert step(scaler, 1e-6) < 2.0**10
+
+
+def test_minimum_scale_error_names_the_history():
+    scaler = make_scaler(init_scale=2.0, min_scale=1.0)
+    assert step(scaler, 5e4) == 1.0  # gradients this large leave only the minimum scale
+    with pytest.raises(Exception, match=r"Current loss scale already at minimum.*recent un-scaled gradient max-abs"):
+        step(scaler, overflow=True)
+
+
+def test_state_survives_pickling_as_zero_checkpoints_store_it():
+    scaler = make_scaler()
+    for value in (0.5, 0.25, 2.0):
+        step(scaler, value)
+    restored = pickle.loads(pickle.dumps(scaler))
+    assert restored.state_summary() == scaler.state_summary()
+    assert step(restored, 0.1) == step(scaler, 0.1)
+
+
+def test_config_selects_the_scaler_and_rejects_bad_values():
+    args = DeepSpeedFP16Config(enabled=True, auto_scale_threshold=0.9).dynamic_loss_scale_args()
+    assert isinstance(CreateLossScaler(torch.half, 0, True, args), AdaptiveLossScaler)
+    plain = DeepSpeedFP16Config(enabled=True).dynamic_loss_scale_args()
+    assert type(CreateLossScaler(torch.half, 0, True, plain)) is DynamicLossScaler
+    for bad in (0.0, -0.5, 1.5, float("nan")):
+        with pytest.raises(ValueError, match=r"fp16.auto_scale_threshold.*\(0, 1\]"):
+            DeepSpeedFP16Config(enabled=True, auto_scale_threshold=bad)
+    with pytest.raises(ValueError, match="contradicts the static fp16.loss_scale 128"):
+        DeepSpeedFP16Config(enabled=True, auto_scale_threshold=0.95, loss_scale=128)
+
+
+# -- in training: ZeRO 1-3, fp16, two ranks ------------------------------------------------------
+
+WIDTH = 32
+THRESHOLD = 0.95
+
+
+def make_model():
+    torch.manual_seed(9)
+    return torch.nn.Sequential(torch.nn.Linear(WIDTH, 64), torch.nn.Tanh(), torch.nn.Linear(64, WIDTH))
+
+
+def batches(steps, batch=8):
+    generator = torch.Generator().manual_seed(4)
+    return [(torch.randn(batch, WIDTH, generator=generator), torch.randn(batch, WIDTH, generator=generator))
+            for _ in range(steps)]
+
+
+def reference_first_step_max_abs():
+    """The un-scaled gradient max-abs of the first global batch (fp32, one process)."""
+    model = make_model()
+    inputs, targets = batches(1)[0]
+    torch.nn.functional.mse_loss(model(inputs), targets).backward()
+    return max(p.grad.abs().max().item() for p in model.parameters())
+
+
+def fp16_config(stage):
+    return {"train_batch_size": 8, "gradient_clipping": 0.0, "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+            "fp16": {"enabled": True, "auto_scale_threshold": THRESHOLD, "initial_scale_power": 16}}
+
+
+def allow_fp16_on_cpu():
+    """The CPU accelerator reports fp16 only where oneDNN has fp16 kernels; torch's own CPU kernels
+    run fp16 everywhere (slower), which is all these small models need."""
+    from deepspeed.accelerator import get_accelerator
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu" and not accelerator.is_fp16_supported():
+        type(accelerator).is_fp16_supported = lambda self: True
+
+
+def train_fp16(rank, world_size, stage, checkpoint_dir):
+    import deepspeed
+
+    allow_fp16_on_cpu()
+
+    def parameters(engine):
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
+            return [p.detach().float().clone() for p in engine.module.parameters()]
+
+    model = make_model()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=fp16_config(stage))
+    scaler = engine.optimizer.loss_scaler
+    assert isinstance(scaler, AdaptiveLossScaler)
+    scales, skipped = [], []
+    for index, (inputs, targets) in enumerate(batches(5)):
+        mine = slice(rank * 4, rank * 4 + 4)
+        before = parameters(engine)
+        loss = torch.nn.functional.mse_loss(engine(inputs[mine].half()).float(), targets[mine])
+        if index == 2 and rank == 1:
+            loss = loss * float("inf")  # one rank overflows: every rank must skip the step
+        engine.backward(loss)
+        engine.step()
+        scales.append(scaler.cur_scale)
+        skipped.append(all(torch.equal(a, b) for a, b in zip(before, parameters(engine))))
+    engine.save_checkpoint(checkpoint_dir, tag="adaptive")
+    summary = scaler.state_summary()
+    model = make_model()
+    fresh, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=fp16_config(stage))
+    fresh.load_checkpoint(checkpoint_dir, tag="adaptive")
+    return {"scales": scales, "skipped": skipped, "summary": summary,
+            "restored": fresh.optimizer.loss_scaler.state_summary()}
+
+
+@pytest.mark.multiprocess
+def test_adaptive_scaler_in_zero_stages(tmp_path):
+    cases = [dict(stage=stage, checkpoint_dir=str(tmp_path / f"z{stage}")) for stage in (1, 2, 3)]
+    target = THRESHOLD * FP16_MAX / reference_first_step_max_abs()
+    for case, (first, second) in zip(cases, run_subcases(train_fp16, cases, world_size=2, timeout=600)):
+        assert first["scales"] == second["scales"], case  # one scale for all ranks
+        # After the first step the scale is the power of two just under the threshold.
+        assert target / 2 * 0.99 < first["scales"][0] <= target * 1.01, (case, first["scales"], target)
+        assert first["skipped"] == second["skipped"] == [False, False, True, False, False], case
+        assert first["scales"][2] == first["scales"][1] / 2, case  # the overflow halved the scale
+        assert first["summary"] == first["restored"], case  # checkpoints keep the history
