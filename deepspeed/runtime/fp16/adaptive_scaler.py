@@ -53,12 +53,19 @@ class AdaptiveLossScaler(DynamicLossScaler):
 
     adaptive = True
 
-    def __init__(self, auto_scale_threshold, **dynamic_args):
+    def __init__(self, auto_scale_threshold, reduction_headroom=1.0, **dynamic_args):
+        """``reduction_headroom``: how many times the observed (averaged) gradient the reduction
+        itself may hold in fp16: ZeRO-0 all-reduces fp16 gradients as a sum over the ranks
+        and divides afterwards, so the sum must fit, not just the average. 1 where the reduction
+        does not sum in fp16."""
         super().__init__(**dynamic_args)
         if not 0.0 < auto_scale_threshold <= 1.0:
             raise ValueError(f"fp16.auto_scale_threshold = {auto_scale_threshold}: must be in (0, 1], the fraction of "
                              f"fp16's range (65504) the scaled gradients may use")
+        if not reduction_headroom >= 1.0:
+            raise ValueError(f"reduction_headroom {reduction_headroom} must be >= 1")
         self.auto_scale_threshold = float(auto_scale_threshold)
+        self.reduction_headroom = float(reduction_headroom)
         self.history = deque(maxlen=HISTORY)
         self._observed = None
 
@@ -88,8 +95,8 @@ class AdaptiveLossScaler(DynamicLossScaler):
             if self._observed is not None:
                 self.history.append(self._observed)
             if self.history:
-                self.cur_scale = next_power_of_two_scale(max(self.history), self.auto_scale_threshold,
-                                                         self.min_scale)
+                self.cur_scale = next_power_of_two_scale(max(self.history), self.auto_scale_threshold /
+                                                         self.reduction_headroom, self.min_scale)
         self._observed = None
         self.cur_iter += 1
 
@@ -108,6 +115,45 @@ def overflow_and_max_abs(grads):
     max_abs, nonfinite = unscale_maxabs_([g for g in grads if g is not None and g.numel()], 1.0)
     return torch.tensor([1.0 if nonfinite else 0.0, max_abs], dtype=torch.float32,
                         device=get_accelerator().current_device_name())
+
+
+ADAPTIVE_LOSS_SCALER = "adaptive_loss_scaler"
+"""Checkpoint key of the ZeRO-0 fp16 optimizers' adaptive scaler (ZeRO 1-3 store their scaler whole)."""
+
+
+def zero0_adaptive_scaler(loss_scale_config, engine):
+    """The adaptive scaler for a ZeRO-0 fp16 optimizer (FP16_Optimizer, FP16_UnfusedOptimizer), or
+    None unless the engine's config sets ``fp16.auto_scale_threshold`` with dynamic scaling. Those
+    optimizers keep their scale in ``loss_scale_config``; the scaler starts from it."""
+    fp16 = getattr(getattr(engine, "_config", None), "float16_config", None)
+    threshold = getattr(fp16, "auto_scale_threshold", None)
+    if threshold is None or not (loss_scale_config.use_grad_scaling and loss_scale_config.dynamic_loss_scale):
+        return None
+    return AdaptiveLossScaler(threshold,
+                              reduction_headroom=_fp16_sum_headroom(engine),
+                              init_scale=loss_scale_config.cur_scale,
+                              scale_window=loss_scale_config.scale_window,
+                              min_scale=loss_scale_config.min_loss_scale,
+                              delayed_shift=1,
+                              consecutive_hysteresis=False)
+
+
+def _fp16_sum_headroom(engine):
+    """How many ranks' gradients ZeRO-0's all-reduce adds up in fp16 before dividing (engine
+    ``allreduce_bucket``): dp world / gradient_predivide_factor with post-scaling, else 1."""
+    if engine.communication_data_type != torch.float16 or not engine.postscale_gradients():
+        return 1.0
+    return max(1.0, engine.dp_world_size / engine.gradient_predivide_factor())
+
+
+def zero0_check_overflow(scaler, grads, mpu=None):
+    """ZeRO-0's gradients are already averaged over the data-parallel ranks, so the local pass sees
+    what every replica sees; model-parallel peers hold different slices and reduce with MAX."""
+    reduced = overflow_and_max_abs(grads)
+    if mpu is not None:
+        from deepspeed import comm as dist
+        dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=mpu.get_model_parallel_group())
+    return scaler.observe(reduced)
 
 
 def _rank():

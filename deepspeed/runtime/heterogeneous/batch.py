@@ -17,6 +17,7 @@ from deepspeed.utils import logger
 
 from .devices import BYTES_PER_GB, DeviceDescription, describe_local_device
 from .planner import plan_micro_batches, time_models_from_scores
+from .precision import apply_precision, choose_precision
 
 _GAS = "gradient_accumulation_steps"
 
@@ -53,7 +54,7 @@ def gather_devices(dp_rank, world_size, memory_bytes=None):
 def _needs_devices(settings):
     config = settings.config
     return (config.load_balancing_strategy == "compute_aware" or isinstance(config.micro_batch_sizes, dict)
-            or _emulated_memory(settings) is not None)
+            or _emulated_memory(settings) is not None or config.mixed_precision_support != "config")
 
 
 def _emulated_memory(settings):
@@ -111,12 +112,27 @@ def configure_heterogeneous_batch(ds_config, mpu=None, mesh_device=None):
     emulated = _emulated_memory(ds_config.heterogeneous)
     memory_bytes = None if emulated is None else int(emulated[dp_rank] * BYTES_PER_GB)
     devices = gather_devices(dp_rank, world_size, memory_bytes) if _needs_devices(ds_config.heterogeneous) else None
+    configure_precision(ds_config, devices)
     plan = initial_plan(ds_config.heterogeneous, train_batch, gas, world_size, zero_stage, devices)
     ds_config.heterogeneous_dp_rank = dp_rank
     ds_config.heterogeneous_devices = devices
     ds_config.heterogeneous_base_gas = gas  # the configured gas; a plan may raise a rank's own
     apply_plan(ds_config, plan)
     return plan
+
+
+def configure_precision(ds_config, devices):
+    """Apply ``mixed_precision_support`` (no-op for 'config'); the choice and its reason are logged."""
+    choice = choose_precision(ds_config.heterogeneous.config.mixed_precision_support, devices or [],
+                              ds_config.float16_config.enabled, ds_config.bfloat16_config.enabled)
+    ds_config.heterogeneous_precision = choice
+    if choice is None:
+        return
+    apply_precision(ds_config, choice)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logger.info(f"deepspeed-hetero precision: {choice.dtype} ({choice.reason})")
+        if choice.overridden:
+            logger.warning(f"deepspeed-hetero precision: {choice.overridden}")
 
 
 def apply_plan(ds_config, plan):

@@ -21,6 +21,7 @@ from deepspeed.accelerator import get_accelerator
 from .config import load_heterogeneous_settings
 from .devices import BYTES_PER_GB, describe_local_device
 from .native import native_op_status
+from .precision import choose_precision
 
 try:
     # DeepSpeed itself reads ds_config files with hjson, which also accepts comments.
@@ -119,6 +120,17 @@ def _config_options(settings):
     ]
 
 
+def _precision_line(settings, param_dict, devices):
+    """(what the ranks train in and why, what it overrides or None) for a config."""
+    fp16 = bool((param_dict.get("fp16") or {}).get("enabled", False))
+    bf16 = bool((param_dict.get("bf16") or param_dict.get("bfloat16") or {}).get("enabled", False))
+    mode = settings.config.mixed_precision_support if settings.enabled else "config"
+    choice = choose_precision(mode, devices, fp16, bf16)
+    if choice is None:
+        return f"{'fp16' if fp16 else 'bf16' if bf16 else 'fp32'} (the config's fp16/bf16 blocks)", None
+    return f"{choice.dtype} ({choice.reason})", choice.overridden
+
+
 def heterogeneous_report(config_path=None, file=None):
     """Print the heterogeneous environment report.
 
@@ -133,6 +145,7 @@ def heterogeneous_report(config_path=None, file=None):
     param_dict = read_config_file(config_path) if config_path is not None else {}
     settings = load_heterogeneous_settings(param_dict)
     rows = _device_rows(settings)
+    precision = _precision_line(settings, param_dict, [device for device, _, _ in rows])
     strategy = settings.config.load_balancing_strategy if settings.enabled else "uniform"
     device_names = dict.fromkeys(device.name for device, _, _ in rows)
 
@@ -154,6 +167,9 @@ def heterogeneous_report(config_path=None, file=None):
     emit(f"Load Balancing Strategy: {STRATEGY_LABELS[strategy]}")
     emit(f"Communication Optimization: {'Active' if communication_optimization_active(settings) else 'Inactive'}")
     if config_path is not None:
+        emit(f"Training Precision: {precision[0]}")
+        if precision[1]:
+            emit(f"note: {precision[1]}")
         emit()
         emit("Options selected by the config:")
         for key, value in _config_options(settings):

@@ -1,0 +1,76 @@
+# SPDX-License-Identifier: Apache-2.0
+"""mixed_precision_support: the choice per cluster, the errors, and the engine following it."""
+
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from deepspeed.runtime.heterogeneous.precision import choose_precision
+from harness import run_subcases
+
+
+def device(rank, name, bf16, fp16):
+    return SimpleNamespace(rank=rank, name=name, bf16=bf16, fp16=fp16)
+
+
+A100, V100, OLD = (lambda r: device(r, "A100", True, True), lambda r: device(r, "V100", False, True),
+                   lambda r: device(r, "K80", False, False))
+
+
+def test_adaptive_picks_what_every_rank_supports():
+    assert choose_precision("adaptive", [A100(0), A100(1)]).dtype == "bf16"
+    mixed = choose_precision("adaptive", [A100(0), V100(1)])
+    assert mixed.dtype == "fp16" and "rank 1 (V100) cannot run bf16" in mixed.reason
+    assert "adaptive loss scaler" in mixed.reason
+    assert choose_precision("adaptive", [A100(0), OLD(1)]).dtype == "fp32"
+    assert choose_precision("config", [A100(0)]) is None
+
+
+def test_conflicts_with_the_configs_blocks_are_named():
+    choice = choose_precision("adaptive", [A100(0), V100(1)], bf16_enabled=True)
+    assert choice.overridden.startswith("the config's bf16 block (bf16) is overridden")
+    assert "'adaptive' wins" in choice.overridden
+    assert choose_precision("adaptive", [A100(0), A100(1)], bf16_enabled=True).overridden is None
+    assert "enables no half type" in choose_precision("bf16", [A100(0)]).overridden
+
+
+@pytest.mark.parametrize("mode, devices, culprit", [("bf16", [A100(0), V100(1)], "rank 1 (V100) cannot run bf16"),
+                                                    ("fp16", [OLD(0), A100(1)], "rank 0 (K80) cannot run fp16")])
+def test_forced_type_a_rank_lacks_is_an_error(mode, devices, culprit):
+    with pytest.raises(ValueError, match=re.escape(f"mixed_precision_support '{mode}' is forced but {culprit}")):
+        choose_precision(mode, devices)
+
+
+def _initialize(rank, world_size, mode):
+    import deepspeed
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    model = torch.nn.Linear(4, 4)
+    config = {"train_batch_size": 4, "fp16": {"enabled": mode == "adaptive"},
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+              "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "uniform",
+                                       "mixed_precision_support": mode}}
+    accelerator = get_accelerator()
+    try:
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    except ValueError as exc:
+        return {"error": str(exc), "fp16_supported": bool(accelerator.is_fp16_supported())}
+    return {"bf16": engine.bfloat16_enabled(), "fp16": engine.fp16_enabled(),
+            "bf16_supported": bool(accelerator.is_bf16_supported()),
+            "fp16_supported": bool(accelerator.is_fp16_supported())}
+
+
+@pytest.mark.multiprocess
+def test_engine_trains_in_the_chosen_type():
+    adaptive, forced_fp16 = run_subcases(_initialize, [dict(mode="adaptive"), dict(mode="fp16")], world_size=2,
+                                         timeout=300)
+    for result in adaptive:
+        # The CPU accelerator supports bf16: adaptive overrides the config's fp16 block.
+        assert result["bf16_supported"] and result["bf16"] and not result["fp16"], result
+    for result in forced_fp16:
+        if result["fp16_supported"]:
+            assert result.get("fp16"), result
+        else:  # oneDNN without fp16 kernels: the forced type is refused at initialize, naming the rank
+            assert "mixed_precision_support 'fp16' is forced but rank 0" in result["error"], result
