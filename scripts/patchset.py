@@ -362,9 +362,11 @@ def stacked_stages(pristine, metas, stacked):
     if not stacked:
         return {}
     stages = {path: {} for path in stacked}
+    names = list(metas)
+    last = max(names.index(owners[-1]) for owners in stacked.values())
     with tempfile.TemporaryDirectory() as tmp:
         write_tree(pristine, tmp)
-        for name in metas:
+        for name in names[:last + 1]:
             touched = [path for path in stacked if path in metas[name].owned]
             before = read_tree(tmp, touched)
             git_apply(PATCH_DIR / name, tmp, f"patches/{name}")

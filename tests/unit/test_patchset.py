@@ -76,9 +76,11 @@ def test_series_and_patches_are_well_formed():
 
 def test_export_is_canonical_and_deterministic(pristine):
     expected = patchset.expected_tree(patchset.read_pin(), pristine)
-    for name, meta in patchset.load_series_meta().items():
-        first = patchset.render_patch(meta, pristine, expected, sorted(meta.owned))
-        again = patchset.render_patch(patchset.parse_patch(first), pristine, expected, sorted(meta.owned))
+    metas = patchset.load_series_meta()
+    stages = patchset.stacked_stages(pristine, metas, patchset.ownership(metas)[1])
+    for name, meta in metas.items():
+        first = patchset.render_patch(meta, pristine, expected, sorted(meta.owned), stages, name)
+        again = patchset.render_patch(patchset.parse_patch(first), pristine, expected, sorted(meta.owned), stages, name)
         assert first == again == (patchset.PATCH_DIR / name).read_text(), name
 
 
@@ -230,3 +232,26 @@ def test_dist_writes_both_artifacts(checkout):
     with tarfile.open(archive) as tar:
         assert f"deepspeed-{version}/setup.py" in tar.getnames()
     assert (checkout / "dist" / f"deepspeed-hetero-{version}.patch").read_text().startswith("From 0000000")
+
+
+def test_stacked_file_keeps_the_earlier_patch_as_written(checkout):
+    """engine.py is changed by fp16-zero0-loss-scaling.patch (an upstream bug fix kept apart, named
+    in its Stacked-files trailer) and by engine-heterogeneous-hooks.patch, which owns new edits."""
+    assert tool(checkout, "tree")[0] == 0
+    fix = checkout / "patches/fp16-zero0-loss-scaling.patch"
+    hooks = checkout / "patches/engine-heterogeneous-hooks.patch"
+    fix_before = fix.read_text()
+    assert "Stacked-files: deepspeed/runtime/engine.py" in fix_before
+    engine = checkout / "deepspeed/runtime/engine.py"
+    engine.write_text(engine.read_text() + "\n# a later edit\n")
+    code, out = tool(checkout, "export")
+    assert code == 0 and "engine-heterogeneous-hooks.patch" in out, out
+    assert "+# a later edit" in hooks.read_text() and fix.read_text() == fix_before
+    # The owner's diff starts where the fix leaves the file: the fix's lines are not in it.
+    assert "_zero0_fp16_scale_loss" not in hooks.read_text() and "_zero0_fp16_scale_loss" in fix_before
+    assert tool(checkout, "check")[0] == 0
+
+    # Without the trailer the same overlap is refused, naming both patches.
+    fix.write_text(fix_before.replace("Stacked-files: deepspeed/runtime/engine.py\n", ""))
+    code, out = tool(checkout, "check")
+    assert code == 2 and "changed by both fp16-zero0-loss-scaling.patch and engine-heterogeneous-hooks.patch" in out
