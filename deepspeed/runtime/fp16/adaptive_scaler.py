@@ -12,8 +12,15 @@ would use about ``auto_scale_threshold`` of fp16's range::
 
 Taking the peak of a short history keeps one quiet step from raising the scale into the next
 ordinary one. An overflow still skips the step and halves the scale (the safety net), and it
-enters the history as what it proves: the un-scaled max-abs was at least ``65504 / scale``, so the
-scale cannot climb back to the overflowing value while that entry is in the window.
+teaches the scaler two things:
+
+- the un-scaled max-abs was at least ``65504 / scale``: that enters the history, so the scale
+  cannot climb back to the overflowing value while the entry is in the window;
+- the backward's largest value (activation gradients, not only the parameter gradients measured
+  here) exceeded what the measured peak predicted: a safety ``margin`` (1 at first) grows to at
+  least twice that factor and divides the target from then on. It halves again only after
+  ``MARGIN_DECAY_WINDOWS * loss_scale_window`` clean steps, so the scaler does not keep probing
+  into overflows as upstream's doubling does.
 
 Every rank ends with the same scale: the optimizers reduce the max-abs with MAX across the
 data-parallel (and model-parallel) groups in the same collective as the overflow flag
@@ -34,6 +41,8 @@ HISTORY = 8
 """Steps whose max-abs the next scale must accommodate."""
 MAX_SCALE = 2.0**24
 """Upper bound of the scale: beyond it a tiny gradient would only buy fp32 overflow risk."""
+MARGIN_DECAY_WINDOWS = 10
+"""Clean steps, in loss_scale_windows, before a learned safety margin is halved."""
 
 
 def next_power_of_two_scale(peak_max_abs, threshold, min_scale, max_scale=MAX_SCALE):
@@ -67,6 +76,8 @@ class AdaptiveLossScaler(DynamicLossScaler):
         self.auto_scale_threshold = float(auto_scale_threshold)
         self.reduction_headroom = float(reduction_headroom)
         self.history = deque(maxlen=HISTORY)
+        self.margin = 1.0
+        self._clean_steps = 0
         self._observed = None
 
     def observe(self, reduced):
@@ -78,6 +89,12 @@ class AdaptiveLossScaler(DynamicLossScaler):
 
     def update_scale(self, overflow):
         if overflow:
+            if self.history:
+                # The measured peak predicted peak * scale * margin <= threshold * 65504, yet the
+                # backward overflowed: the margin must cover at least that surprise, twice over.
+                surprise = FP16_MAX / (self.cur_scale * max(self.history))
+                self.margin = max(2.0 * self.margin, 2.0 * surprise)
+            self._clean_steps = 0
             # What the overflow proves about the un-scaled gradient (more than 65504 / scale), kept
             # so that the scale does not climb straight back to the value that overflowed.
             self.history.append(FP16_MAX / self.cur_scale * (1.0 + 2.0**-20))
@@ -94,14 +111,18 @@ class AdaptiveLossScaler(DynamicLossScaler):
         else:
             if self._observed is not None:
                 self.history.append(self._observed)
+            self._clean_steps += 1
+            if self.margin > 1.0 and self._clean_steps % (MARGIN_DECAY_WINDOWS * self.scale_window) == 0:
+                self.margin = max(1.0, self.margin / 2.0)
             if self.history:
-                self.cur_scale = next_power_of_two_scale(max(self.history), self.auto_scale_threshold /
+                self.cur_scale = next_power_of_two_scale(max(self.history) * self.margin, self.auto_scale_threshold /
                                                          self.reduction_headroom, self.min_scale)
         self._observed = None
         self.cur_iter += 1
 
     def state_summary(self):
-        return {"cur_scale": self.cur_scale, "history": list(self.history), "cur_iter": self.cur_iter}
+        return {"cur_scale": self.cur_scale, "history": list(self.history), "cur_iter": self.cur_iter,
+                "margin": self.margin}
 
 
 def adaptive_scaler_in_use(loss_scaler):

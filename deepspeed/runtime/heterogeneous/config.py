@@ -49,6 +49,25 @@ class SchedulerConfig(DeepSpeedConfigModel):
     """Minimum predicted step-time gain (fraction) that justifies a new plan."""
     check_interval: PositiveInt = 20
     """Steps between two imbalance checks."""
+    cooldown_checks: int = Field(1, ge=0)
+    """Checks skipped after a rebalance: the new plan is measured for a whole interval before it
+    can be judged (and its observed gain logged)."""
+
+
+class SpeedChange(DeepSpeedConfigModel):
+    """One entry of ``emulation.speed_schedule``: from optimizer step ``step`` on, rank r runs at
+    ``speeds[r]``."""
+
+    step: PositiveInt
+    speeds: List[float]
+
+    @model_validator(mode="after")
+    def _speeds_in_range(self):
+        for index, speed in enumerate(self.speeds):
+            if not 0.0 < speed <= 1.0:
+                raise ValueError(f"speeds[{index}] = {speed}: each speed must be in (0, 1], relative to the "
+                                 f"fastest device")
+        return self
 
 
 class EmulationConfig(DeepSpeedConfigModel):
@@ -59,12 +78,18 @@ class EmulationConfig(DeepSpeedConfigModel):
     memory_gb: Optional[List[PositiveFloat]] = None
     """Emulated device memory of each data-parallel rank, in GB of 2**30 bytes (as the device table);
     the planner keeps each rank within it and a rank that exceeds it fails as out of memory."""
+    speed_schedule: Optional[List[SpeedChange]] = None
+    """Speed changes during training, e.g. [{"step": 30, "speeds": [1.0, 0.4]}]: a device that
+    throttles or gets a noisy neighbour, for tests and benchmarks of dynamic rebalancing."""
     mode: Literal["auto", "cgroup", "dilation"] = "auto"
     """cgroup: a CPU-quota cgroup per rank; dilation: the rank sleeps in proportion to its compute;
     auto: cgroup where the machine allows it, else dilation."""
 
     @model_validator(mode="after")
     def _speeds_in_range(self):
+        steps = [change.step for change in self.speed_schedule or []]
+        if steps != sorted(set(steps)):
+            raise ValueError(f"speed_schedule steps {steps} must be increasing, one entry per step")
         for index, speed in enumerate(self.speeds or []):
             if not 0.0 < speed <= 1.0:
                 raise ValueError(f"speeds[{index}] = {speed}: each speed must be in (0, 1], relative to the "
@@ -295,6 +320,8 @@ def _check_per_rank_lists(config, world_size):
     lists = {"micro_batch_sizes": config.micro_batch_sizes}
     if config.emulation is not None:
         lists.update({"emulation.speeds": config.emulation.speeds, "emulation.memory_gb": config.emulation.memory_gb})
+        for index, change in enumerate(config.emulation.speed_schedule or []):
+            lists[f"emulation.speed_schedule[{index}].speeds"] = change.speeds
     for key, values in lists.items():
         if isinstance(values, list) and len(values) != world_size:
             raise ValueError(f"invalid DeepSpeed config: {HETEROGENEOUS_CONFIG}.{key} has {len(values)} entries but "

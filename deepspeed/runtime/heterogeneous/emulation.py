@@ -62,18 +62,22 @@ class CpuQuotaCgroup:
         _remove_stale_cgroups(self.root)
         self.path = self.root / f"{CGROUP_PREFIX}{os.getpid()}"
         self.path.mkdir(exist_ok=True)
-        quota = max(1000, int(cpu_share * CFS_PERIOD_US))
         try:
-            if (self.path / "cpu.max").exists():
-                (self.path / "cpu.max").write_text(f"{quota} {CFS_PERIOD_US}")
-            else:
-                (self.path / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
-                (self.path / "cpu.cfs_quota_us").write_text(str(quota))
+            self.set_share(cpu_share)
             (self.path / "cgroup.procs").write_text(str(os.getpid()))
         except OSError:
             self.path.rmdir()
             raise
         atexit.register(self.close)
+
+    def set_share(self, cpu_share):
+        """Grant ``cpu_share`` CPUs from now on."""
+        quota = max(1000, int(cpu_share * CFS_PERIOD_US))
+        if (self.path / "cpu.max").exists():
+            (self.path / "cpu.max").write_text(f"{quota} {CFS_PERIOD_US}")
+        else:
+            (self.path / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
+            (self.path / "cpu.cfs_quota_us").write_text(str(quota))
 
     def close(self):
         if self.path is None:
@@ -90,20 +94,29 @@ class Emulator:
     """Slows this rank to ``speed``; ``mode`` is the means in force ('cgroup', 'dilation' or 'none')."""
 
     def __init__(self, speed, mode="auto", threads=None):
-        self.speed = float(speed)
+        import torch
+        self.speed = 1.0
         self.mode = "none"
+        self._requested = mode
+        self._threads = threads or torch.get_num_threads()
         self._cgroup = None
-        if self.speed >= 1.0:
+        self.set_speed(speed)
+
+    def set_speed(self, speed):
+        """Run at ``speed`` from now on (the emulated device slowed down or recovered)."""
+        self.speed = float(speed)
+        if self._cgroup is not None:
+            self._cgroup.set_share(self.speed * self._threads)
             return
-        if mode in ("auto", "cgroup"):
-            import torch
-            threads = threads or torch.get_num_threads()
+        if self.speed >= 1.0 or self.mode == "dilation":
+            return
+        if self._requested in ("auto", "cgroup"):
             try:
-                self._cgroup = CpuQuotaCgroup(self.speed * threads)
+                self._cgroup = CpuQuotaCgroup(self.speed * self._threads)
                 self.mode = "cgroup"
                 return
             except OSError as exc:
-                if mode == "cgroup":
+                if self._requested == "cgroup":
                     raise RuntimeError(f"heterogeneous_config.emulation.mode 'cgroup' is not possible here ({exc}); "
                                        "use 'dilation' or 'auto'") from exc
         self.mode = "dilation"
@@ -121,8 +134,16 @@ class Emulator:
 
 def start_emulation(emulation, rank):
     """The Emulator of data-parallel ``rank`` for an EmulationConfig (None: no emulation)."""
-    if emulation is None or not emulation.speeds:
+    if emulation is None or not (emulation.speeds or emulation.speed_schedule):
         return None
-    emulator = Emulator(emulation.speeds[rank], emulation.mode)
+    emulator = Emulator(emulation.speeds[rank] if emulation.speeds else 1.0, emulation.mode)
     logger.info(f"deepspeed-hetero emulation: rank {rank} runs at speed {emulator.speed} by {emulator.mode}")
     return emulator
+
+
+def scheduled_speed(emulation, rank, step):
+    """The speed ``emulation.speed_schedule`` gives ``rank`` from optimizer step ``step`` on, or None."""
+    for change in (emulation.speed_schedule or []) if emulation is not None else []:
+        if change.step == step:
+            return change.speeds[rank]
+    return None

@@ -41,6 +41,21 @@ class HeterogeneousEngineMixin:
         devices = [d if isinstance(d, DeviceDescription) else DeviceDescription.from_dict(d) for d in devices]
         return schedule_heterogeneous_tasks(devices, self.train_batch_size(), self._plan_gas())
 
+    def reschedule_workload(self, utilization_metrics=None):
+        """Re-plan the work split now, on every rank at the same step boundary (a collective).
+
+        Args:
+            utilization_metrics: per-rank busy seconds per optimizer step, as a list in
+                data-parallel rank order or a dict with ``busy_seconds`` (what
+                ``HeterogeneousProfiler`` measures); None: the steps measured since the last check.
+
+        Returns the plan in force afterwards; it changes when the new split is predicted faster.
+        """
+        runtime = self._heterogeneous_runtime()
+        if runtime is None:
+            raise RuntimeError("reschedule_workload() needs heterogeneous_config enabled")
+        return runtime.reschedule(utilization_metrics)
+
     def _samples_per_micro_step(self):
         """Samples all ranks process in one micro-step (the flops profiler's samples/s)."""
         plan = self.heterogeneous_plan

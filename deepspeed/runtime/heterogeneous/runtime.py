@@ -24,10 +24,11 @@ from deepspeed.utils import logger
 
 from . import comm_clock
 from .batch import apply_plan, memory_capacities
-from .emulation import start_emulation
+from .emulation import scheduled_speed, start_emulation
 from .memory import (ActivationMeter, RankCannotFitError, fit_activation_model, max_micro_batch, model_state_bytes,
                      optimizer_state_bytes)
 from .planner import Plan, TimeModel, fit_time_model, plan_micro_batches
+from .rebalance import RebalanceEvent, RebalancePolicy
 
 
 class PlanAgreementError(RuntimeError):
@@ -63,6 +64,15 @@ class HeterogeneousRuntime:
         self._state_bytes = None
         self.gas_origin = 0  # the engine's micro-step count when this rank's current gas took effect
         self._backward_done = None
+        scheduler = self.settings.scheduler
+        self.dynamic = scheduler.dynamic_rebalancing and self.settings.load_balancing_strategy == "compute_aware"
+        self.policy = RebalancePolicy(scheduler.imbalance_threshold, scheduler.cooldown_checks) if self.dynamic else None
+        self.events = []  # RebalanceEvent per plan change after profiling (every rank keeps them)
+        self.recording = False  # per-step records for the heterogeneous profiler
+        self.records = []
+        self._window = []  # this rank's steps since the last rebalancing check
+        self._last_step_end = (time.perf_counter(), comm_clock.seconds_in_collectives())
+        self._apply_speed_schedule(1)
         self.log_plan("plan at start-up", self.plan)
 
     @property
@@ -84,13 +94,15 @@ class HeterogeneousRuntime:
     def timing(self):
         """Micro-steps are timed (with a device synchronisation at both ends) only while profiling or
         when time dilation needs the compute time; otherwise the hooks cost nothing."""
-        return self.profiling or (self.emulator is not None and self.emulator.mode == "dilation")
+        return (self.profiling or self.dynamic or self.recording
+                or (self.emulator is not None and self.emulator.mode == "dilation"))
 
     @property
     def measuring_memory(self):
         """Activation bytes are counted while profiling with known capacities, or on a rank whose
         emulated memory is enforced after profiling."""
-        return (self.profiling and self.capacities is not None) or self.emulated_capacity is not None
+        return ((self.profiling and self.capacities is not None) or self.emulated_capacity is not None
+                or self.recording)
 
     def micro_step_begin(self):
         if self.measuring_memory:
@@ -161,9 +173,42 @@ class HeterogeneousRuntime:
     def step_end(self):
         self.steps += 1
         mine, self._current = self._current, []
-        if not self.profiling:
-            return
-        mine = {"dp_rank": self.rank, "samples": mine, "step_overhead": self._step_overhead(),
+        overhead = self._step_overhead()
+        now = (time.perf_counter(), comm_clock.seconds_in_collectives())
+        wall, in_collectives = now[0] - self._last_step_end[0], now[1] - self._last_step_end[1]
+        self._last_step_end = now
+        if self.recording:
+            self._record(mine, overhead, wall, in_collectives)
+        self._apply_speed_schedule(self.steps + 1)
+        if self.profiling:
+            self._profiling_step(mine, overhead)
+        elif self.dynamic:
+            self._window.append({"samples": mine, "step_overhead": overhead, "wall": wall})
+            if self.steps % self.settings.scheduler.check_interval == 0:
+                self._check_rebalance()
+
+    def _apply_speed_schedule(self, step):
+        speed = scheduled_speed(self.settings.emulation, self.rank, step) if self.emulator is not None else None
+        if speed is not None and speed != self.emulator.speed:
+            self.emulator.set_speed(speed)
+            logger.info(f"deepspeed-hetero emulation: rank {self.rank} runs at speed {speed} from step {step} "
+                        f"({self.emulator.mode})")
+
+    def _record(self, micro_steps, overhead, wall, in_collectives):
+        activations = [b for _, _, b in micro_steps if b is not None]
+        self.records.append({
+            "step": self.steps,
+            "micro_batch_size": self.config.train_micro_batch_size_per_gpu,
+            "samples": sum(m for m, _, _ in micro_steps),
+            "compute_s": sum(t for _, t, _ in micro_steps),
+            "optimizer_s": overhead,
+            "collective_s": in_collectives,
+            "wall_s": wall,
+            "activation_bytes": max(activations) if activations else None,
+        })
+
+    def _profiling_step(self, mine, overhead):
+        mine = {"dp_rank": self.rank, "samples": mine, "step_overhead": overhead,
                 "state_bytes": self.model_state_bytes() if self.capacities else 0}
         everyone = _per_replica(self._gather(mine), self.plan.world_size)
         self.history.append(everyone)
@@ -173,6 +218,109 @@ class HeterogeneousRuntime:
             self.switch_to(new_plan, f"plan after profiling step {self.steps}")
         if self.steps >= self.settings.profile_steps:
             self.profiling = False
+            self._window = []
+
+    # -- dynamic rebalancing ------------------------------------------------------------------
+
+    def _window_entry(self):
+        steps, self._window = self._window, []
+        return {"dp_rank": self.rank, "samples": [s for step in steps for s in step["samples"]],
+                "step_overhead": sum(step["step_overhead"] for step in steps) / max(len(steps), 1),
+                "wall": sum(step["wall"] for step in steps) / max(len(steps), 1),
+                "state_bytes": self.model_state_bytes() if self.capacities else 0}
+
+    def _check_rebalance(self, on_demand=False, forced_models=None):
+        """Every rank: pool the interval's measurements, let rank 0 decide, switch together."""
+        everyone = _per_replica(self._gather(self._window_entry()), self.plan.world_size)
+        box = None
+        if dist.get_rank() == 0:
+            box = self._decide_rebalance(everyone, on_demand, forced_models)
+        box = self._broadcast(box)
+        if "error" in box:
+            raise ValueError(f"deepspeed-hetero: rebalancing at step {self.steps} failed: {box['error']}")
+        if "plan" in box:
+            new_plan = Plan.from_dict(box["plan"])
+            old = self.plan
+            self.switch_to(new_plan, f"rebalance at step {self.steps} ({box['reason']})")
+            self.events.append(RebalanceEvent(self.steps, tuple(old.micro_batch_sizes),
+                                              tuple(new_plan.micro_batch_sizes), box["gain"], box["wall"]))
+        return self.plan
+
+    def _decide_rebalance(self, everyone, on_demand=False, forced_models=None):
+        try:
+            wall = max(entry["wall"] for entry in everyone)
+            self._observe_last_event(wall)
+            models = forced_models or self._window_models(everyone)
+            plan = self.plan
+            current = max(g * model.micro_step_time(m) for model, m, g in zip(
+                models, plan.micro_batch_sizes, plan.gradient_accumulation_steps))
+            best = plan_micro_batches(models, train_batch_size=plan.train_batch_size,
+                                      gradient_accumulation_steps=self.config.heterogeneous_base_gas,
+                                      strategy="compute_aware", max_micro_batch=self.memory_limits(),
+                                      allow_per_rank_gas=self.per_rank_gas_allowed)
+            if on_demand:
+                gain = 1.0 - best.predicted_step_time / current if current > 0 else 0.0
+                rebalance, reason = gain > 0, f"on demand, predicted gain {gain:.1%}"
+            else:
+                decision = self.policy.check(current, best.predicted_step_time)
+                gain, rebalance, reason = decision.predicted_gain, decision.rebalance, decision.reason
+            same = (best.micro_batch_sizes, best.gradient_accumulation_steps) == (
+                plan.micro_batch_sizes, plan.gradient_accumulation_steps)
+            if not rebalance or same:
+                return {"keep": reason, "gain": gain}
+            return {"plan": best.to_dict(), "reason": reason, "gain": gain, "wall": wall}
+        except ValueError as exc:
+            return {"error": str(exc)}
+
+    def _window_models(self, everyone):
+        """Per-rank models from an interval at (mostly) one micro-batch size per rank.
+
+        One size cannot separate the fixed cost from the per-sample cost; charging it all per
+        sample would make a rank with few samples look slower than it is, move work away from it,
+        and make it look slower still. So the fixed cost a_i fitted at two or more sizes during
+        profiling is kept, and the interval updates the per-sample cost b_i."""
+        gas = self.config.heterogeneous_base_gas
+        intercepts = getattr(self, "intercepts", None) or [0.0] * len(everyone)
+        models = []
+        for a, entry in zip(intercepts, everyone):
+            samples = [s[:2] for s in entry["samples"]]
+            if len({m for m, _ in samples}) > 1:
+                fitted = fit_time_model(samples)
+                a, b = fitted.a, fitted.b
+            else:
+                b = sum(t - a for _, t in samples) / sum(m for m, _ in samples)
+                if b <= 0:  # the fixed cost shrank (noise, warmer caches): all of it per sample
+                    a, b = 0.0, fit_time_model(samples).b
+            models.append(TimeModel(a + entry["step_overhead"] / gas, b))
+        return models
+
+    def _observe_last_event(self, wall):
+        """Log the observed gain of the last rebalance once an interval ran with its plan."""
+        event = self.events[-1] if self.events else None
+        if event is not None and event.step_time_after is None and event.step < self.steps:
+            event.step_time_after = wall
+            logger.info(f"deepspeed-hetero rebalance at step {event.step}: predicted gain "
+                        f"{event.predicted_gain:.1%}, observed {event.observed_gain:.1%} (step time "
+                        f"{event.step_time_before:.4g} s -> {wall:.4g} s)")
+
+    def reschedule(self, utilization_metrics=None):
+        """Re-plan now (every rank calls this at the same step boundary), from ``utilization_metrics``
+        (per-rank busy seconds per step: a list, or a dict with ``busy_seconds``) or, without them,
+        from the steps since the last check."""
+        forced = None
+        if utilization_metrics is not None:
+            busy = utilization_metrics.get("busy_seconds") if isinstance(utilization_metrics, dict) else \
+                utilization_metrics
+            busy = [float(b) for b in busy]
+            plan = self.plan
+            if len(busy) != plan.world_size or not all(b > 0 for b in busy):
+                raise ValueError(f"reschedule_workload: utilization_metrics needs one positive busy time per "
+                                 f"data-parallel rank ({plan.world_size}), got {busy}")
+            forced = [TimeModel(0.0, b / n) for b, n in zip(busy, plan.samples_per_rank)]
+        elif not self._window:
+            raise ValueError("reschedule_workload: no step was measured since the last check; pass "
+                             "utilization_metrics (per-rank busy seconds) or train some steps first")
+        return self._check_rebalance(on_demand=True, forced_models=forced)
 
     # -- planning -----------------------------------------------------------------------------
 
@@ -181,8 +329,10 @@ class HeterogeneousRuntime:
         steps = self._fit_steps()
         gas = self.config.heterogeneous_base_gas
         models = []
+        self.intercepts = []
         for rank in range(len(steps[0])):
             model = fit_time_model([sample[:2] for step in steps for sample in step[rank]["samples"]])
+            self.intercepts.append(model.a)
             # The optimizer step runs once per step on every rank, at the rank's own speed: a slow
             # rank's is longer, and the others wait for it at the next collective. Spread over the
             # micro-steps, it is part of the fixed cost a that the planner balances.
@@ -278,7 +428,8 @@ class HeterogeneousRuntime:
             dist.all_gather_object(gathered, samples)
         except Exception as exc:
             raise PlanAgreementError(f"deepspeed-hetero: data-parallel rank {self.rank} could not gather the "
-                                     f"profiling measurements; a peer rank failed or timed out ({exc})") from exc
+                                     f"measurements of step {self.steps} to agree on a plan; a peer rank failed or "
+                                     f"timed out ({exc})") from exc
         return gathered
 
     def _decide(self):
@@ -287,6 +438,15 @@ class HeterogeneousRuntime:
             return self._replan()
         except ValueError as exc:  # the planner's and the memory model's errors say what to change
             return exc
+
+    def _broadcast(self, box):
+        box = [box]
+        try:
+            dist.broadcast_object_list(box, src=0)
+        except Exception as exc:
+            raise PlanAgreementError(f"deepspeed-hetero: data-parallel rank {self.rank} did not receive the "
+                                     f"rebalancing decision from rank 0; rank 0 failed or timed out ({exc})") from exc
+        return box[0]
 
     def _agree(self, decision):
         box = [decision.to_dict() if isinstance(decision, Plan) else None if decision is None else {"error": str(decision)}]
@@ -325,5 +485,6 @@ def _per_replica(gathered, data_parallel_size):
             activations = [b for _, _, b in steps if b is not None]
             samples.append((sizes.pop(), max(t for _, t, _ in steps), max(activations) if activations else None))
         merged.append({"samples": samples, "step_overhead": max(m["step_overhead"] for m in members),
-                       "state_bytes": max(m["state_bytes"] for m in members)})
+                       "state_bytes": max(m["state_bytes"] for m in members),
+                       "wall": max(m.get("wall", 0.0) for m in members)})
     return merged

@@ -55,6 +55,22 @@ def test_overflow_skips_backs_off_and_is_not_repeated():
         assert step(scaler, 1e-3) < 2.0**20
 
 
+def test_an_overflow_the_gradients_did_not_predict_teaches_a_margin():
+    scaler = make_scaler()
+    peak = 0.5
+    step(scaler, peak)
+    chosen = scaler.cur_scale  # peak * chosen <= 0.95 * 65504
+    step(scaler, overflow=True)  # ...yet the backward overflowed (an activation gradient)
+    assert scaler.margin >= 2 * FP16_MAX / (chosen * peak)
+    for _ in range(3 * HISTORY):  # long after the overflow left the history
+        assert step(scaler, peak) <= chosen / 2
+    # The margin decays after MARGIN_DECAY_WINDOWS loss-scale windows of clean steps.
+    scaler.scale_window = 1
+    for _ in range(100):
+        step(scaler, peak)
+    assert scaler.margin == 1.0 and scaler.cur_scale == chosen
+
+
 def test_threshold_one_never_returns_to_an_overflowing_scale():
     scaler = make_scaler(threshold=1.0, init_scale=2.0**10)
     step(scaler, overflow=True)

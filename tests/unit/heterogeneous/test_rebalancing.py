@@ -1,0 +1,143 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Dynamic rebalancing: the hysteresis policy, and two ranks whose speeds change mid-run."""
+
+import os
+
+import pytest
+import torch
+
+from deepspeed.runtime.heterogeneous.rebalance import RebalancePolicy
+from harness import run_ranks, run_subcases
+
+# -- the policy -----------------------------------------------------------------------------------
+
+
+def test_one_noisy_check_never_rebalances():
+    policy = RebalancePolicy(0.1)
+    assert not policy.check(1.0, 0.5).rebalance  # a single interval, however bad
+    assert not policy.check(1.0, 0.97).rebalance  # back to noise: the streak is reset
+    assert not policy.check(1.0, 0.5).rebalance
+    decision = policy.check(1.0, 0.6)
+    assert decision.rebalance and decision.predicted_gain == pytest.approx(0.4)
+
+
+def test_cooldown_after_a_rebalance():
+    policy = RebalancePolicy(0.1, cooldown_checks=1)
+    policy.check(2.0, 1.0)
+    assert policy.check(2.0, 1.0).rebalance
+    assert "cool-down" in policy.check(2.0, 1.0).reason  # the new plan is measured first
+    assert not policy.check(2.0, 1.0).rebalance  # the streak starts again after the cool-down
+    assert policy.check(2.0, 1.0).rebalance
+
+
+def test_noise_below_the_threshold_never_rebalances():
+    generator = torch.Generator().manual_seed(0)
+    policy = RebalancePolicy(0.1)
+    # +-5% timing noise on both plans' predictions, 1000 checks.
+    for _ in range(1000):
+        current, best = (1.0 + 0.05 * (2 * torch.rand(2, generator=generator) - 1)).tolist()
+        assert not policy.check(current, min(best, current)).rebalance
+
+
+def test_threshold_is_validated():
+    with pytest.raises(ValueError, match="imbalance_threshold"):
+        RebalancePolicy(1.5)
+
+
+# -- end to end -----------------------------------------------------------------------------------
+
+WIDTH = 64
+TRAIN_BATCH = 16
+LR = 1e-3
+CHECK_INTERVAL = 4
+
+
+def make_model():
+    torch.manual_seed(5)
+    return torch.nn.Sequential(torch.nn.Linear(WIDTH, 256), torch.nn.Tanh(), torch.nn.Linear(256, WIDTH))
+
+
+def dataset(size):
+    generator = torch.Generator().manual_seed(3)
+    return torch.utils.data.TensorDataset(torch.arange(size), torch.randn(size, WIDTH, generator=generator),
+                                          torch.randn(size, WIDTH, generator=generator))
+
+
+def config(speeds, schedule=None, stage=1):
+    emulation = {"speeds": list(speeds), "mode": "dilation"}
+    if schedule:
+        emulation["speed_schedule"] = schedule
+    return {"train_batch_size": TRAIN_BATCH, "gradient_clipping": 0.0, "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "Adam", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}},
+            "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "compute_aware", "profile_steps": 3,
+                                     "scheduler": {"dynamic_rebalancing": True, "imbalance_threshold": 0.1,
+                                                   "check_interval": CHECK_INTERVAL},
+                                     "emulation": emulation}}
+
+
+def train(rank, world_size, speeds, schedule, steps, die_at=None, stage=1):
+    import deepspeed
+
+    model = make_model()
+    engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                config=config(speeds, schedule, stage),
+                                                training_data=dataset(steps * TRAIN_BATCH))
+    runtime = engine._heterogeneous_runtime()
+    seen, plans = [], []
+    batches = iter(loader)
+    for step in range(1, steps + 1):
+        index, inputs, targets = next(batches)
+        engine.backward(torch.nn.functional.mse_loss(engine(inputs), targets))
+        if step == die_at and rank == 1:
+            os._exit(23)  # killed at a check: the other rank is left in the gather
+        engine.step()
+        seen.append(index.tolist())
+        plans.append(list(engine.heterogeneous_plan.micro_batch_sizes))
+    return {"seen": seen, "plans": plans, "events": [(e.step, e.old_sizes, e.new_sizes) for e in runtime.events],
+            "params": [p.detach().clone() for p in engine.module.parameters()]}
+
+
+def reference(step_indices, size):
+    _, inputs, targets = dataset(size).tensors
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    for indices in step_indices:
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(inputs[indices]), targets[indices]).backward()
+        optimizer.step()
+    return list(model.parameters())
+
+
+@pytest.mark.multiprocess
+def test_speed_change_is_followed_within_two_checks_and_training_stays_exact():
+    change, steps = 9, 24
+    cases = [
+        # Rank 1 slows from 1.0 to 0.3 at step 9.
+        dict(speeds=[1.0, 1.0], schedule=[{"step": change, "speeds": [1.0, 0.3]}], steps=steps),
+        # Constant speeds: after profiling, no rebalance however noisy the timings.
+        dict(speeds=[1.0, 0.5], schedule=None, steps=steps),
+    ]
+    changed, steady = run_subcases(train, cases, world_size=2, timeout=600)
+    fast, slow = changed
+    assert fast["events"] == slow["events"] and fast["plans"] == slow["plans"]
+    assert len(fast["events"]) >= 1, fast["plans"]
+    step, old, new = fast["events"][0]
+    assert change <= step <= change - 1 + 2 * CHECK_INTERVAL + CHECK_INTERVAL - (change - 1) % CHECK_INTERVAL, step
+    assert new[0] > old[0] and new[1] < old[1], (old, new)  # work moved to the rank that stayed fast
+    step_indices = [a + b for a, b in zip(fast["seen"], slow["seen"])]
+    assert sorted(i for s in step_indices for i in s) == list(range(steps * TRAIN_BATCH))
+    for got, want in zip(fast["params"], reference(step_indices, steps * TRAIN_BATCH)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert steady[0]["events"] == [], steady[0]["plans"]
+
+
+@pytest.mark.multiprocess
+def test_a_rank_dying_at_a_rebalancing_check_stops_the_other_with_its_name():
+    with pytest.raises(AssertionError) as info:
+        # ZeRO-0 without clipping: after backward's all-reduce, the next collective is the gather of
+        # the interval's measurements at the check, where rank 1 will be missing.
+        run_ranks(train, world_size=2, timeout=300, args=([1.0, 0.5], None, 12, 2 * CHECK_INTERVAL, 0))
+    report = str(info.value)
+    assert "rank 1 exited with code 23" in report
+    assert "PlanAgreementError: deepspeed-hetero: data-parallel rank 0 could not gather the measurements of step 8" \
+        in report
