@@ -31,7 +31,7 @@ $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
 	@# torch first and pinned: an unpinned dependency would pull a multi-GB CUDA build.
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q pytest pytest-timeout
+	$(PIP) install -q pytest pytest-timeout matplotlib
 	@touch $@
 
 venv: $(VENV)/.torch

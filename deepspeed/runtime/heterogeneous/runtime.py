@@ -187,6 +187,17 @@ class HeterogeneousRuntime:
             if self.steps % self.settings.scheduler.check_interval == 0:
                 self._check_rebalance()
 
+    def start_recording(self):
+        """Record every step from the next one on (the heterogeneous profiler); the first record's
+        wall time starts now, not at the last step end (anything done in between is not a step)."""
+        self.records = []
+        self.recording = True
+        self._last_step_end = (time.perf_counter(), comm_clock.seconds_in_collectives())
+
+    def stop_recording(self):
+        self.recording = False
+        return list(self.records)
+
     def _apply_speed_schedule(self, step):
         speed = scheduled_speed(self.settings.emulation, self.rank, step) if self.emulator is not None else None
         if speed is not None and speed != self.emulator.speed:
@@ -273,25 +284,21 @@ class HeterogeneousRuntime:
             return {"error": str(exc)}
 
     def _window_models(self, everyone):
-        """Per-rank models from an interval at (mostly) one micro-batch size per rank.
+        """Per-rank models from an interval, as drift from the models fitted while profiling.
 
-        One size cannot separate the fixed cost from the per-sample cost; charging it all per
-        sample would make a rank with few samples look slower than it is, move work away from it,
-        and make it look slower still. So the fixed cost a_i fitted at two or more sizes during
-        profiling is kept, and the interval updates the per-sample cost b_i."""
+        An interval runs (mostly) one micro-batch size per rank, which cannot separate a rank's
+        fixed cost from its per-sample cost; fitting both anew would charge the fixed cost per
+        sample, make a rank with few samples look slower than it is, move work away from it and
+        make it look slower still. A device that slows down (throttling, a neighbour) slows all
+        of its compute, so each rank's profiled model is scaled by measured / predicted time over
+        the interval: about 1 for every rank when nothing changed, whatever the split."""
         gas = self.config.heterogeneous_base_gas
-        intercepts = getattr(self, "intercepts", None) or [0.0] * len(everyone)
         models = []
-        for a, entry in zip(intercepts, everyone):
+        for rank, entry in enumerate(everyone):
             samples = [s[:2] for s in entry["samples"]]
-            if len({m for m, _ in samples}) > 1:
-                fitted = fit_time_model(samples)
-                a, b = fitted.a, fitted.b
-            else:
-                b = sum(t - a for _, t in samples) / sum(m for m, _ in samples)
-                if b <= 0:  # the fixed cost shrank (noise, warmer caches): all of it per sample
-                    a, b = 0.0, fit_time_model(samples).b
-            models.append(TimeModel(a + entry["step_overhead"] / gas, b))
+            base = self.base_models[rank] if getattr(self, "base_models", None) else fit_time_model(samples)
+            drift = sum(t for _, t in samples) / sum(base.micro_step_time(m) for m, _ in samples)
+            models.append(TimeModel(drift * base.a + entry["step_overhead"] / gas, drift * base.b))
         return models
 
     def _observe_last_event(self, wall):
@@ -329,10 +336,10 @@ class HeterogeneousRuntime:
         steps = self._fit_steps()
         gas = self.config.heterogeneous_base_gas
         models = []
-        self.intercepts = []
+        self.base_models = []  # the fits alone: what dynamic rebalancing measures drift against
         for rank in range(len(steps[0])):
             model = fit_time_model([sample[:2] for step in steps for sample in step[rank]["samples"]])
-            self.intercepts.append(model.a)
+            self.base_models.append(model)
             # The optimizer step runs once per step on every rank, at the rank's own speed: a slow
             # rank's is longer, and the others wait for it at the next collective. Spread over the
             # micro-steps, it is part of the fixed cost a that the planner balances.
