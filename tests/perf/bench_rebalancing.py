@@ -131,7 +131,8 @@ def run(quick=False):
     ideal_before, ideal_after = 2 * fast, fast + slow
     runs = {}
     for label, dynamic in (("static", False), ("dynamic", True)):
-        runs[label] = run_ranks(_speed_change, world_size=2, timeout=1200, args=(dynamic, steps))[0]
+        fast_rank, slow_rank = run_ranks(_speed_change, world_size=2, timeout=1200, args=(dynamic, steps))
+        runs[label] = {**fast_rank, "emulation": slow_rank["emulation"]}  # the rank that slows down
     # Phases: before (after profiling, before the change), right after (the first check interval
     # after the change), rebalanced (from two check intervals after the change to the end).
     phases = {"before": (PROFILE_STEPS + 2, CHANGE_STEP - 1),

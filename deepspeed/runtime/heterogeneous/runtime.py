@@ -312,12 +312,14 @@ class HeterogeneousRuntime:
 
     def reschedule(self, utilization_metrics=None):
         """Re-plan now (every rank calls this at the same step boundary), from ``utilization_metrics``
-        (per-rank busy seconds per step: a list, or a dict with ``busy_seconds``) or, without them,
-        from the steps since the last check."""
+        (per-rank busy seconds per step: a list, a dict with ``busy_seconds``, or the heterogeneous
+        profiler's ``get_metrics()``) or, without them, from the steps since the last check."""
         forced = None
         if utilization_metrics is not None:
-            busy = utilization_metrics.get("busy_seconds") if isinstance(utilization_metrics, dict) else \
-                utilization_metrics
+            busy = utilization_metrics
+            if isinstance(busy, dict):  # {"busy_seconds": [...]} or HeterogeneousProfiler.get_metrics()
+                busy = busy["busy_seconds"] if "busy_seconds" in busy else [
+                    rank["busy_s_per_step"] for rank in busy.get("ranks", ())]
             busy = [float(b) for b in busy]
             plan = self.plan
             if len(busy) != plan.world_size or not all(b > 0 for b in busy):

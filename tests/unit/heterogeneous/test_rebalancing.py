@@ -141,3 +141,38 @@ def test_a_rank_dying_at_a_rebalancing_check_stops_the_other_with_its_name():
     assert "rank 1 exited with code 23" in report
     assert "PlanAgreementError: deepspeed-hetero: data-parallel rank 0 could not gather the measurements of step 8" \
         in report
+
+
+def _reschedule(rank, world_size):
+    import deepspeed
+
+    model = make_model()
+    cfg = config([1.0, 1.0])
+    cfg["heterogeneous_config"]["scheduler"]["dynamic_rebalancing"] = False
+    cfg["heterogeneous_config"]["profile_steps"] = 0
+    engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg,
+                                                training_data=dataset(8 * TRAIN_BATCH))
+    batches = iter(loader)
+    for _ in range(2):
+        _, inputs, targets = next(batches)
+        engine.backward(torch.nn.functional.mse_loss(engine(inputs), targets))
+        engine.step()
+    before = list(engine.heterogeneous_plan.micro_batch_sizes)
+    try:
+        engine.reschedule_workload([1.0])
+        bad = None
+    except ValueError as exc:
+        bad = str(exc)
+    # Rank 1 reports three times rank 0's busy time for the same share: it gets about a quarter.
+    after = list(engine.reschedule_workload({"busy_seconds": [1.0, 3.0]}).micro_batch_sizes)
+    _, inputs, targets = next(batches)  # the loader follows the new plan at the next step
+    return {"before": before, "after": after, "bad": bad, "next_batch": len(inputs)}
+
+
+@pytest.mark.multiprocess
+def test_reschedule_workload_on_demand():
+    results = run_ranks(_reschedule, world_size=2, timeout=300)
+    assert results[0]["after"] == results[1]["after"]
+    assert results[0]["before"] == [8, 8] and results[0]["after"] == [12, 4], results
+    assert [r["next_batch"] for r in results] == [12, 4]
+    assert all("one positive busy time per data-parallel rank (2)" in r["bad"] for r in results), results
