@@ -17,7 +17,9 @@ Start between optimizer steps: the first profiled step is timed from the call to
 
 Definitions (sums run over the profiled steps; ``N`` data-parallel ranks):
 
-- ``busy_{i,s} = compute_s + optimizer_s``: what rank ``i`` itself computed in step ``s``.
+- ``busy_{i,s} = compute_s + optimizer_s``: what rank ``i`` itself computed in step ``s``;
+  ``compute_s = forward_s + backward_s`` when the step ran through ``engine.backward()`` (a
+  torch-style ``loss.backward()`` leaves them one span, counted as forward).
 - Step time ``T_s = max_i wall_s``: a step is over when its slowest rank is; every share below
   is relative to ``sum_s T_s``, so the shares of one rank add up to at most 1.
 - Compute utilisation of rank ``i``: ``sum_s busy_{i,s} / sum_s T_s``
@@ -69,7 +71,7 @@ HEALTH_TARGETS = {
     "memory_balance": (0.8, True),
 }
 
-_RECORD_FIELDS = ("compute_s", "optimizer_s", "collective_s", "wall_s", "activation_bytes")
+_RECORD_FIELDS = ("compute_s", "forward_s", "backward_s", "optimizer_s", "collective_s", "wall_s", "activation_bytes")
 
 # -- pure metrics -----------------------------------------------------------------------------
 
@@ -174,6 +176,9 @@ def compute_metrics(ranks, capacities=None, plan=None, device_names=None, events
             "micro_batch_sizes": sorted({r["micro_batch_size"] for r in records}),
             "samples_per_step": math.fsum(r["samples"] for r in records) / len(records),
             "busy_s_per_step": math.fsum(busy) / len(records),
+            "forward_s_per_step": math.fsum(r.get("forward_s") or 0.0 for r in records) / len(records),
+            "backward_s_per_step": math.fsum(r.get("backward_s") or 0.0 for r in records) / len(records),
+            "optimizer_s_per_step": math.fsum(r["optimizer_s"] for r in records) / len(records),
             "compute_utilization": utilization,
             "communication_share": transfer_share + waiting_share,
             "transfer_share": transfer_share,
@@ -253,10 +258,11 @@ def format_metrics(metrics):
     lines = [f"deepspeed-hetero profile: steps {steps[0]}-{steps[-1]} ({len(steps)}), {metrics['world_size']} "
              f"data-parallel ranks, mean step time {metrics['mean_step_time_s']:.4g} s, "
              f"{metrics['samples_per_s']:.4g} samples/s"]
-    header = ("rank", "device", "mbs", "samples/step", "busy/step", "utilisation", "comm", "transfer", "waiting",
-              "peak mem", "mem util")
+    header = ("rank", "device", "mbs", "samples/step", "fwd/bwd/opt per step", "utilisation", "comm", "transfer",
+              "waiting", "peak mem", "mem util")
     rows = [(str(r["rank"]), r["device"], ",".join(map(str, r["micro_batch_sizes"])), f"{r['samples_per_step']:.4g}",
-             f"{r['busy_s_per_step']:.4g} s", f"{_percent(r['compute_utilization'])} {r['health']['utilization']}",
+             f"{r.get('forward_s_per_step', 0):.3g}/{r.get('backward_s_per_step', 0):.3g}/"
+             f"{r.get('optimizer_s_per_step', 0):.3g} s", f"{_percent(r['compute_utilization'])} {r['health']['utilization']}",
              f"{_percent(r['communication_share'])} {r['health']['communication_share']}",
              _percent(r["transfer_share"]), _percent(r["waiting_share"]), _bytes(r["peak_memory_bytes"]),
              _percent(r["memory_utilization"])) for r in metrics["ranks"]]

@@ -85,6 +85,11 @@ class HeterogeneousEngineMixin:
         if runtime is not None:
             runtime.micro_step_begin()
 
+    def _heterogeneous_backward_begin(self):
+        runtime = self._heterogeneous_runtime()
+        if runtime is not None:
+            runtime.backward_begin()
+
     def _heterogeneous_micro_step_end(self):
         runtime = self._heterogeneous_runtime()
         if runtime is not None:

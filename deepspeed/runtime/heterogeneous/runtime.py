@@ -64,6 +64,8 @@ class HeterogeneousRuntime:
         self._state_bytes = None
         self.gas_origin = 0  # the engine's micro-step count when this rank's current gas took effect
         self._backward_done = None
+        self._forward_s = None
+        self._split = []  # (forward, backward) own seconds per micro-step, while recording
         scheduler = self.settings.scheduler
         self.dynamic = scheduler.dynamic_rebalancing and self.settings.load_balancing_strategy == "compute_aware"
         self.policy = RebalancePolicy(scheduler.imbalance_threshold, scheduler.cooldown_checks) if self.dynamic else None
@@ -111,6 +113,16 @@ class HeterogeneousRuntime:
             return
         get_accelerator().synchronize()
         self._began = (time.perf_counter(), comm_clock.seconds_in_collectives())
+        self._forward_s = None
+
+    def backward_begin(self):
+        """engine.backward() starts: the forward part of the micro-step ends here (recorded only;
+        a torch-style loss.backward() leaves forward and backward as one span)."""
+        if self._began is None or not self.recording:
+            return
+        get_accelerator().synchronize()
+        began, in_collectives = self._began
+        self._forward_s = time.perf_counter() - began - (comm_clock.seconds_in_collectives() - in_collectives)
 
     def micro_step_end(self):
         """This rank's own time for the micro-step: wall time minus time inside collectives, where
@@ -129,7 +141,11 @@ class HeterogeneousRuntime:
         if self.emulator is not None:
             self.emulator.after_compute(own_time())
         # Measured after the emulated slow-down: the planner must see the slowed device.
-        self._current.append((self.config.train_micro_batch_size_per_gpu, max(own_time(), 1e-9), activations))
+        own = max(own_time(), 1e-9)
+        self._current.append((self.config.train_micro_batch_size_per_gpu, own, activations))
+        if self.recording:
+            forward = own if self._forward_s is None else min(max(self._forward_s, 0.0), own)
+            self._split.append((forward, own - forward))
         self._began = None
         self._backward_done = (time.perf_counter(), comm_clock.seconds_in_collectives())
 
@@ -177,8 +193,9 @@ class HeterogeneousRuntime:
         now = (time.perf_counter(), comm_clock.seconds_in_collectives())
         wall, in_collectives = now[0] - self._last_step_end[0], now[1] - self._last_step_end[1]
         self._last_step_end = now
+        split, self._split = self._split, []
         if self.recording:
-            self._record(mine, overhead, wall, in_collectives)
+            self._record(mine, split, overhead, wall, in_collectives)
         self._apply_speed_schedule(self.steps + 1)
         if self.profiling:
             self._profiling_step(mine, overhead)
@@ -191,6 +208,7 @@ class HeterogeneousRuntime:
         """Record every step from the next one on (the heterogeneous profiler); the first record's
         wall time starts now, not at the last step end (anything done in between is not a step)."""
         self.records = []
+        self._split = []
         self.recording = True
         self._last_step_end = (time.perf_counter(), comm_clock.seconds_in_collectives())
 
@@ -205,13 +223,15 @@ class HeterogeneousRuntime:
             logger.info(f"deepspeed-hetero emulation: rank {self.rank} runs at speed {speed} from step {step} "
                         f"({self.emulator.mode})")
 
-    def _record(self, micro_steps, overhead, wall, in_collectives):
+    def _record(self, micro_steps, split, overhead, wall, in_collectives):
         activations = [b for _, _, b in micro_steps if b is not None]
         self.records.append({
             "step": self.steps,
             "micro_batch_size": self.config.train_micro_batch_size_per_gpu,
             "samples": sum(m for m, _, _ in micro_steps),
             "compute_s": sum(t for _, t, _ in micro_steps),
+            "forward_s": sum(f for f, _ in split),
+            "backward_s": sum(b for _, b in split),
             "optimizer_s": overhead,
             "collective_s": in_collectives,
             "wall_s": wall,

@@ -221,6 +221,9 @@ def test_two_ranks_see_the_same_profile(tmp_path):
         # Busy time and time in collectives are disjoint parts of the step.
         assert rank["compute_utilization"] + rank["communication_share"] <= 1 + 1e-6, rank
         assert rank["peak_memory_bytes"] > 0 and rank["memory_utilization"] is None  # CPU: capacity unknown
+        # engine.backward() splits the compute span into forward and backward.
+        assert rank["forward_s_per_step"] > 0 and rank["backward_s_per_step"] > 0, rank
+        assert rank["forward_s_per_step"] + rank["backward_s_per_step"] <= rank["busy_s_per_step"] + 1e-9, rank
     assert 0 < metrics["memory_balance"] <= 1 and metrics["samples_per_s"] > 0
     assert metrics["plan"]["micro_batch_sizes"] == fast["plan"] and sum(fast["plan"]) == 16
     assert fast["loaded"] == metrics
