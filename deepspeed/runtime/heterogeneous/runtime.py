@@ -70,6 +70,8 @@ class HeterogeneousRuntime:
         self.dynamic = scheduler.dynamic_rebalancing and self.settings.load_balancing_strategy == "compute_aware"
         self.policy = RebalancePolicy(scheduler.imbalance_threshold, scheduler.cooldown_checks) if self.dynamic else None
         self.events = []  # RebalanceEvent per plan change after profiling (every rank keeps them)
+        self.reference_models = None  # rank 0: the time models that chose the plan in force
+        self.baseline = None  # rank 0: per-rank time per micro-step in the plan's first interval
         self.recording = False  # per-step records for the heterogeneous profiler
         self.records = []
         self._window = []  # this rank's steps since the last rebalancing check
@@ -201,7 +203,9 @@ class HeterogeneousRuntime:
             self._profiling_step(mine, overhead)
         elif self.dynamic:
             self._window.append({"samples": mine, "step_overhead": overhead, "wall": wall})
-            if self.steps % self.settings.scheduler.check_interval == 0:
+            # A check needs a whole interval at the plan in force (the same on every rank: the
+            # window restarts at the end of profiling and at every check).
+            if len(self._window) >= self.settings.scheduler.check_interval:
                 self._check_rebalance()
 
     def start_recording(self):
@@ -281,8 +285,18 @@ class HeterogeneousRuntime:
         try:
             wall = max(entry["wall"] for entry in everyone)
             self._observe_last_event(wall)
-            models = forced_models or self._window_models(everyone)
             plan = self.plan
+            if forced_models is None and not on_demand:
+                times = self._micro_step_times(everyone)
+                if self.baseline is None:
+                    self.baseline = times
+                    if self.reference_models is None:  # no profiling steps: per-sample cost only
+                        self.reference_models = [TimeModel(0.0, t / m) for t, m in zip(times, plan.micro_batch_sizes)]
+                    return {"keep": "baseline of the plan in force measured", "gain": 0.0}
+                models = [TimeModel(ref.a * t / base, ref.b * t / base)
+                          for ref, t, base in zip(self.reference_models, times, self.baseline)]
+            else:
+                models = forced_models or self._window_models(everyone)
             current = max(g * model.micro_step_time(m) for model, m, g in zip(
                 models, plan.micro_batch_sizes, plan.gradient_accumulation_steps))
             best = plan_micro_batches(models, train_batch_size=plan.train_batch_size,
@@ -299,19 +313,31 @@ class HeterogeneousRuntime:
                 plan.micro_batch_sizes, plan.gradient_accumulation_steps)
             if not rebalance or same:
                 return {"keep": reason, "gain": gain}
+            self.reference_models, self.baseline = models, None
             return {"plan": best.to_dict(), "reason": reason, "gain": gain, "wall": wall}
         except ValueError as exc:
             return {"error": str(exc)}
 
-    def _window_models(self, everyone):
-        """Per-rank models from an interval, as drift from the models fitted while profiling.
+    def _micro_step_times(self, everyone):
+        """Each rank's mean own time per micro-step at its size in the plan in force.
 
-        An interval runs (mostly) one micro-batch size per rank, which cannot separate a rank's
-        fixed cost from its per-sample cost; fitting both anew would charge the fixed cost per
-        sample, make a rank with few samples look slower than it is, move work away from it and
-        make it look slower still. A device that slows down (throttling, a neighbour) slows all
-        of its compute, so each rank's profiled model is scaled by measured / predicted time over
-        the interval: about 1 for every rank when nothing changed, whatever the split."""
+        Drift is measured against the first whole interval of a plan (the baseline), not against
+        the models' predictions: an interval runs one size per rank, which cannot separate a
+        rank's fixed cost from its per-sample cost, and a prediction error of the profiled fit at
+        that size would read as drift. A device that slows down (throttling, a neighbour) slows
+        all of its compute, so the models that chose the plan are scaled by time / baseline: 1
+        for every rank when nothing changed, whatever the split, so noise alone predicts no gain."""
+        times = []
+        for entry, size in zip(everyone, self.plan.micro_batch_sizes):
+            at_size = [t for m, t in (s[:2] for s in entry["samples"]) if m == size] or [
+                t for _, t in (s[:2] for s in entry["samples"])]
+            times.append(sum(at_size) / len(at_size))
+        return times
+
+    def _window_models(self, everyone):
+        """Per-rank models for an on-demand re-plan: the profiled models scaled by measured /
+        predicted time over the interval (see ``_micro_step_times`` for why a and b are not
+        refitted from one size)."""
         gas = self.config.heterogeneous_base_gas
         models = []
         for rank, entry in enumerate(everyone):
@@ -393,6 +419,7 @@ class HeterogeneousRuntime:
     def _replan(self):
         plan = self.plan
         models = self.measured_time_models()
+        self.reference_models, self.baseline = models, None  # what dynamic rebalancing scales
         gas = self.config.heterogeneous_base_gas
         caps = self.memory_limits()
         best = plan_micro_batches(models, train_batch_size=plan.train_batch_size, gradient_accumulation_steps=gas,
