@@ -3,6 +3,10 @@
 logged step and a summary line, for examples/heterogeneous_demo.py.
 
     deepspeed --num_gpus 2 examples/train_heterogeneous.py --deepspeed_config ds_config.json --steps 40
+
+With ``--profile DIR`` the heterogeneous profiler records every step from step 5 on and writes
+``DIR/profile.json`` and ``DIR/timeline.png`` (the PNG needs matplotlib), and rank 0 prints its
+report.
 """
 
 import argparse
@@ -26,6 +30,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--local_rank", type=int, default=-1)
+    parser.add_argument("--profile", metavar="DIR", help="profile from step 5 on; JSON and PNG timeline into DIR")
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
 
@@ -36,11 +41,15 @@ def main():
                                                 training_data=dataset)
     rank = engine.global_rank
     batches = iter(loader)
-    start = None
+    start = profiler = None
     for step in range(args.steps):
         if step == MEASURE_FROM:
             dist.barrier()
             start = time.perf_counter()
+            if args.profile:
+                from deepspeed.profiling.heterogeneous_profiler import HeterogeneousProfiler
+                profiler = HeterogeneousProfiler(engine)
+                profiler.start_heterogeneous_profile()
         inputs, targets = split_batch(next(batches).to(engine.device))
         loss = engine(inputs, targets)
         engine.backward(loss)
@@ -54,6 +63,16 @@ def main():
                               "plan": list(plan.micro_batch_sizes) if plan else None}), flush=True)
     dist.barrier()
     elapsed = time.perf_counter() - start
+    if profiler is not None:
+        profiler.stop_profile()
+        profiler.print_heterogeneous_metrics()
+        if rank == 0:
+            os.makedirs(args.profile, exist_ok=True)
+            profiler.export_json(os.path.join(args.profile, "profile.json"))
+            try:
+                profiler.save_timeline(os.path.join(args.profile, "timeline.png"))
+            except ImportError as exc:
+                print(f"no timeline: {exc}", flush=True)
     runtime = engine._heterogeneous_runtime()
     modes = [None] * dist.get_world_size()
     dist.all_gather_object(modes, runtime.emulation_mode if runtime else "none")
