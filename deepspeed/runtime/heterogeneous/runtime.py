@@ -431,17 +431,23 @@ class HeterogeneousRuntime:
                                                                           f"per rank): {shown}"]})
         if self.steps >= self.settings.profile_steps or set(best.gradient_accumulation_steps) != {gas}:
             return best
-        # Fitting a + b * mbs needs two sizes per rank; a rank timed at one size only so far trades
-        # one sample with its neighbour for the next profiling step (any split is exact).
+        # Fitting a + b * mbs needs sizes far enough apart per rank: sizes one sample apart leave
+        # the split between fixed and per-sample cost to noise, and a model scaled later (dynamic
+        # rebalancing) or used far from those sizes then misplaces work. A rank whose timed sizes
+        # span less than a quarter of its size trades that many samples with its neighbour for
+        # the next profiling step (any split is exact).
         sizes, seen = list(best.micro_batch_sizes), self._sizes_seen()
         for left in range(0, len(sizes) - 1, 2):
             pair = (left, left + 1)
-            if all(len(seen[r] | {sizes[r]}) > 1 for r in pair):
+            if all(_spread(seen[r] | {sizes[r]}) >= _wanted_spread(sizes[r]) for r in pair):
                 continue
             big, small = sorted(pair, key=lambda r: (-sizes[r], r))
-            if sizes[big] > 1 and (caps is None or caps[small] is None or sizes[small] < caps[small]):
-                sizes[big] -= 1
-                sizes[small] += 1
+            delta = min(_wanted_spread(sizes[big]), sizes[big] - 1)
+            if caps is not None and caps[small] is not None:
+                delta = min(delta, caps[small] - sizes[small])
+            if delta > 0:
+                sizes[big] -= delta
+                sizes[small] += delta
         if sizes == list(best.micro_batch_sizes):
             return best
         return plan_micro_batches(models, train_batch_size=plan.train_batch_size, gradient_accumulation_steps=gas,
@@ -519,6 +525,15 @@ class HeterogeneousRuntime:
         self.meter.stop()
         if self.emulator is not None:
             self.emulator.close()
+
+
+def _spread(sizes):
+    return max(sizes) - min(sizes)
+
+
+def _wanted_spread(size):
+    """How far apart the profiled sizes of a rank running ``size`` should be: a quarter of it."""
+    return max(1, size // 4)
 
 
 def _per_replica(gathered, data_parallel_size):
