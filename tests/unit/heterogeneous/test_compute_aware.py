@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from harness import run_ranks, run_subcases
+from references import adam_mse_reference
 
 WIDTH = 64
 DATASET = 96
@@ -65,13 +66,7 @@ def train_compute_aware(rank, world_size, stage, steps):
 def reference(step_indices):
     """One process; step k trains on exactly the samples the ranks took at step k."""
     _, inputs, targets = dataset().tensors
-    model = make_model()
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
-    for indices in step_indices:
-        optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(inputs[indices]), targets[indices]).backward()
-        optimizer.step()
-    return list(model.parameters())
+    return adam_mse_reference(make_model(), inputs, targets, step_indices, LR)
 
 
 @pytest.mark.multiprocess

@@ -10,6 +10,7 @@ from deepspeed.runtime.heterogeneous.memory import (ActivationMeter, ActivationM
                                                     fit_activation_model, max_micro_batch, model_state_bytes,
                                                     optimizer_state_bytes)
 from harness import run_ranks, run_subcases
+from references import adam_mse_reference
 
 # -- the pure model -------------------------------------------------------------------------------
 
@@ -72,8 +73,6 @@ def test_activation_meter_counts_saved_activations_not_weights():
     # weights the linears save (weight.t() views) are model state.
     assert counted == {1: (64 + 256 + 64 + 64) * 4, 3: 3 * (64 + 256 + 64 + 64) * 4}
     assert not meter.active and meter.stop() == 0
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-        pass  # the meter left no hooks behind: a fresh push/pop pair still balances
 
 
 # -- end to end: memory forces per-rank gas -------------------------------------------------------
@@ -135,13 +134,7 @@ def train_within_memory(rank, world_size, stage, caps, steps):
 
 def reference(step_indices):
     _, inputs, targets = dataset().tensors
-    model = make_model()
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
-    for indices in step_indices:
-        optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(inputs[indices]), targets[indices]).backward()
-        optimizer.step()
-    return list(model.parameters())
+    return adam_mse_reference(make_model(), inputs, targets, step_indices, LR)
 
 
 @pytest.mark.multiprocess

@@ -8,6 +8,7 @@ import torch
 
 from deepspeed.runtime.heterogeneous.rebalance import RebalancePolicy
 from harness import run_ranks, run_subcases
+from references import adam_mse_reference
 
 # -- the policy -----------------------------------------------------------------------------------
 
@@ -101,13 +102,7 @@ def train(rank, world_size, speeds, schedule, steps, die_at=None, stage=1):
 
 def reference(step_indices, size):
     _, inputs, targets = dataset(size).tensors
-    model = make_model()
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
-    for indices in step_indices:
-        optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(inputs[indices]), targets[indices]).backward()
-        optimizer.step()
-    return list(model.parameters())
+    return adam_mse_reference(make_model(), inputs, targets, step_indices, LR)
 
 
 @pytest.mark.multiprocess
