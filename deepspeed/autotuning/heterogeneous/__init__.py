@@ -1,0 +1,11 @@
+# SPDX-License-Identifier: Apache-2.0
+"""deepspeed-hetero's autotuner (``deepspeed --autotuning tune|run``).
+
+Modules, pure logic first:
+  space        the tuning space read from the user's ds_config, experiments and their configs
+  costmodel    per-rank time and memory models from one profiling run; predictions
+  results      metric selection, failure classification, summary table, learning-rate advice
+  experiments  engine side: times a window of optimizer steps, gathers every rank, writes JSON
+  runner       one experiment = one ``deepspeed`` launcher process group, with a time-out
+  tuner        the search (fast, gridsearch, random, model_based) and its outputs
+"""

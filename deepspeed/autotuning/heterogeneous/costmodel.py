@@ -1,0 +1,146 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Predict an experiment's step time and per-rank memory from one profiling run (pure).
+
+The profiling run is a compute_aware experiment: its profiling steps fit every rank's
+``a + b * mbs`` seconds per micro-step (optimizer step included) and its activation bytes
+``base + per_sample * mbs`` (deepspeed/runtime/heterogeneous). Ranks of one device class get
+one measurement each in the same run, so each class is profiled once. A candidate (stage, gas,
+per-rank sizes) is predicted as::
+
+    step time  = max_i gas * (a_i + b_i * mbs_i)
+    memory_i   = model state of stage s on rank i + base_i + per_sample_i * mbs_i
+    fits       = memory_i <= hbm_utilization_threshold * capacity_i on every rank
+
+ZeRO stages differ in communication the compute models do not see; the tuner therefore ranks
+candidates within a stage by prediction and lets real experiments rank the stages.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+from deepspeed.runtime.heterogeneous.memory import model_state_bytes
+from deepspeed.runtime.heterogeneous.planner import TimeModel, plan_micro_batches
+
+SPEED_SPREAD_HETEROGENEOUS = 0.25
+"""Ranks whose per-sample times differ by more than this are treated as different devices."""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    step_seconds: float
+    throughput: float
+    memory_bytes: Tuple[float, ...]
+    fits: bool
+
+    def metric(self, name):
+        if name == "latency":
+            return self.step_seconds
+        return self.throughput  # flops per second is proportional to samples per second
+
+
+@dataclass
+class ClusterProfile:
+    time_models: List[TimeModel]
+    activation_base: List[float]
+    activation_per_sample: List[float]
+    capacities: List[Optional[float]]
+    utilization: float
+    num_parameters: int
+    param_bytes: int
+    optimizer_bytes: int
+    master_bytes: int
+    optimizer_offloaded: bool
+    devices: List[str]
+
+    @classmethod
+    def from_metrics(cls, metrics):
+        """From an experiment's metrics JSON (its ``profile`` and ``ranks`` entries)."""
+        profile = metrics.get("profile")
+        if not profile:
+            raise ValueError("the profiling experiment wrote no per-rank profile (heterogeneous_config compute_aware "
+                             "with profile_steps > 0 must run before end_profile_step)")
+        ranks = profile["ranks"]
+        capacities = []
+        for entry, measured in zip(ranks, metrics["ranks"]):
+            # The rank's device (or emulated) capacity; else its share of the host (CPU).
+            capacities.append(entry["capacity_bytes"] if entry["capacity_bytes"] is not None else
+                              measured.get("memory_capacity_bytes"))
+        first = ranks[0]
+        return cls(time_models=[TimeModel(r["a"], r["b"]) for r in ranks],
+                   activation_base=[r["activation_base"] for r in ranks],
+                   activation_per_sample=[r["activation_per_sample"] for r in ranks],
+                   capacities=capacities, utilization=first["utilization"],
+                   num_parameters=first["num_parameters"], param_bytes=first["param_bytes"],
+                   optimizer_bytes=first["optimizer_bytes"], master_bytes=first["master_bytes"],
+                   optimizer_offloaded=first["optimizer_offloaded"], devices=list(profile["devices"]))
+
+    @property
+    def world_size(self):
+        return len(self.time_models)
+
+    @property
+    def heterogeneous(self):
+        """Different per-sample speeds, memories or device names."""
+        speeds = [m.b for m in self.time_models]
+        spread = max(speeds) / min(speeds) - 1.0
+        known = {c for c in self.capacities if c is not None}
+        return (spread > SPEED_SPREAD_HETEROGENEOUS or len(set(self.devices)) > 1 or
+                (len(known) > 1 and max(known) > 1.1 * min(known)))
+
+    def state_bytes(self, stage):
+        return model_state_bytes(self.num_parameters, stage, self.world_size, param_bytes=self.param_bytes,
+                                 optimizer_bytes=self.optimizer_bytes, master_bytes=self.master_bytes,
+                                 optimizer_offloaded=self.optimizer_offloaded)
+
+    def max_micro_batch(self, stage):
+        """Per rank, the largest micro-batch predicted to fit (None: no limit known)."""
+        caps = []
+        for rank, capacity in enumerate(self.capacities):
+            if capacity is None:
+                caps.append(None)
+                continue
+            room = capacity * self.utilization - self.state_bytes(stage) - self.activation_base[rank]
+            per_sample = max(self.activation_per_sample[rank], 1.0)
+            caps.append(max(0, int(room // per_sample)))
+        return caps
+
+    def predict(self, stage, gas, sizes):
+        if len(sizes) != self.world_size:
+            raise ValueError(f"{len(sizes)} micro-batch sizes for {self.world_size} ranks")
+        step = max(gas * model.micro_step_time(m) for model, m in zip(self.time_models, sizes))
+        state = self.state_bytes(stage)
+        memory = tuple(state + base + per * m
+                       for base, per, m in zip(self.activation_base, self.activation_per_sample, sizes))
+        fits = all(c is None or used <= self.utilization * c for used, c in zip(memory, self.capacities))
+        return Prediction(step_seconds=step, throughput=sum(sizes) * gas / step, memory_bytes=memory, fits=fits)
+
+    def balanced_sizes(self, stage, gas, per_micro_step):
+        """The planner's compute-aware split of ``per_micro_step`` samples, within memory; None
+        when no split fits."""
+        caps = self.max_micro_batch(stage)
+        if any(c is not None and c < 1 for c in caps):
+            return None
+        known = [c for c in caps if c is not None]
+        if len(known) == len(caps) and sum(known) < per_micro_step:
+            return None
+        try:
+            plan = plan_micro_batches(self.time_models, train_batch_size=per_micro_step * gas,
+                                      gradient_accumulation_steps=gas, strategy="compute_aware",
+                                      max_micro_batch=None if not known else caps)
+        except ValueError:
+            return None
+        return tuple(plan.micro_batch_sizes)
+
+    def summary(self):
+        rows = []
+        for rank, (model, device) in enumerate(zip(self.time_models, self.devices)):
+            cap = self.capacities[rank]
+            rows.append(f"rank {rank} ({device}): {model.a * 1e3:.1f} ms + {model.b * 1e3:.2f} ms/sample, "
+                        f"activations {self.activation_per_sample[rank] / 2**20:.2f} MiB/sample, capacity "
+                        f"{'unknown' if cap is None else f'{cap / 2**30:.3g} GiB'}")
+        return rows
+
+
+def speedup(best, reference):
+    return best / reference if reference and math.isfinite(reference) else float("nan")

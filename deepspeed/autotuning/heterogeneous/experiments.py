@@ -1,0 +1,161 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Engine side of an autotuning experiment: measure, gather from every rank, write, exit.
+
+Upstream takes its metric from the timers of the last optimizer step (they are reset at every
+step) on rank 0 only. Here every rank times a window of whole optimizer steps, wall clock from
+one step's end to the next (the user's data loading included: it is part of what training
+costs), with the accelerator synchronised at both ends. The window is the optimizer steps
+``start_profile_step + 2 .. end_profile_step + 1`` (1-based): step ``start_profile_step + 1``
+carries the FLOPS profiler's hooks on rank 0 and is left out. Rank 0 writes one JSON file::
+
+    latency         mean seconds per optimizer step over the window (slowest rank)
+    throughput      train_batch_size / latency (samples per second)
+    flops           model FLOPs per second per rank (alias FLOPS_per_gpu, upstream's key)
+    step_seconds    rank 0's seconds per window step
+    ranks           per rank: micro-batch, gas, seconds per step, peak memory, capacity, device
+    profile         with a heterogeneous compute_aware plan: the measured per-rank time and
+                    activation models the tuner predicts candidates with (costmodel.py)
+"""
+
+import json
+import os
+import sys
+import time
+
+from deepspeed.accelerator import get_accelerator
+
+_STATE = "_autotuning_window"
+
+
+def _window(engine):
+    start = engine.autotuning_start_profile_step()
+    end = engine.autotuning_end_profile_step()
+    if not (isinstance(start, int) and isinstance(end, int) and 0 <= start < end):
+        raise ValueError(f"autotuning.start_profile_step ({start!r}) and autotuning.end_profile_step ({end!r}) must be "
+                         f"integers with 0 <= start_profile_step < end_profile_step: the metric is the mean over "
+                         f"the optimizer steps between them")
+    return start, end
+
+
+def step_end(engine):
+    """Called by the engine after every ``step()`` while autotuning is enabled."""
+    state = engine.__dict__.setdefault(_STATE, {"last": None, "marks": []})
+    steps = engine.global_steps
+    if steps == state["last"]:
+        return  # not an accumulation boundary
+    state["last"] = steps
+    start, end = _window(engine)
+    if start + 1 <= steps <= end + 1:
+        get_accelerator().synchronize()
+        if steps == start + 1:
+            get_accelerator().reset_peak_memory_stats()
+        state["marks"].append(time.perf_counter())
+    if steps == end + 1:
+        _finish(engine, state["marks"])
+
+
+def _rank_profile(engine):
+    runtime = engine._heterogeneous_runtime() if hasattr(engine, "_heterogeneous_runtime") else None
+    if runtime is None or not runtime.history or runtime.settings.load_balancing_strategy != "compute_aware":
+        return None
+    from deepspeed.runtime.heterogeneous.memory import fit_activation_model, optimizer_state_bytes
+    rank = runtime.rank
+    measured = [(m, b) for step in runtime.history for m, _, b in step[rank]["samples"] if b is not None]
+    activations = fit_activation_model(measured) if measured else None
+    model = runtime.measured_time_models()[rank]
+    params = [p for p in engine.module.parameters() if p.requires_grad]
+    half = engine.fp16_enabled() or engine.bfloat16_enabled()
+    optimizer = engine.basic_optimizer if engine.basic_optimizer is not None else engine.optimizer
+    return {
+        "a": model.a,
+        "b": model.b,
+        "activation_base": activations.base if activations else 0.0,
+        "activation_per_sample": activations.per_sample if activations else 0.0,
+        "num_parameters": sum(getattr(p, "ds_numel", p.numel()) for p in params),
+        "param_bytes": 2 if half else 4,
+        "optimizer_bytes": optimizer_state_bytes(optimizer),
+        "master_bytes": 4 if half else 0,
+        "optimizer_offloaded": bool(engine.zero_use_cpu_optimizer()),
+        "capacity_bytes": None if runtime.capacities is None else runtime.capacities[rank],
+        "utilization": runtime.config.heterogeneous.memory.hbm_utilization_threshold,
+        "profile_gas": runtime.config.heterogeneous_base_gas,
+    }
+
+
+def rank_memory_capacity(device_bytes, accelerator_name, ranks_on_host):
+    """Memory one rank may use: a GPU's own memory; on the CPU accelerator the host's RAM, which
+    every rank on the host shares (upstream gave each rank all of it)."""
+    if device_bytes is None:
+        return None
+    if accelerator_name == "cpu":
+        return int(device_bytes // max(1, int(ranks_on_host)))
+    return int(device_bytes)
+
+
+def _device_name(engine, dp_rank):
+    devices = getattr(engine._config, "heterogeneous_devices", None)
+    if devices and dp_rank is not None and dp_rank < len(devices):
+        return devices[dp_rank].name
+    return get_accelerator().device_name()
+
+
+def _finish(engine, marks):
+    from deepspeed import comm as dist
+    accelerator = get_accelerator()
+    intervals = [later - earlier for earlier, later in zip(marks, marks[1:])]
+    plan = engine.heterogeneous_plan
+    rank = dist.get_rank()
+    dp_rank = engine._config.heterogeneous_dp_rank if plan is not None else None
+    mbs = plan.micro_batch_sizes[dp_rank] if plan is not None else engine.train_micro_batch_size_per_gpu()
+    gas = plan.gradient_accumulation_steps[dp_rank] if plan is not None else engine.gradient_accumulation_steps()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")) or 1)
+    try:
+        device_bytes = accelerator.total_memory()
+    except Exception:  # an accelerator without the query: no limit known
+        device_bytes = None
+    mine = {
+        "rank": rank,
+        "device": _device_name(engine, dp_rank),
+        "micro_batch_size": int(mbs),
+        "gradient_accumulation_steps": int(gas),
+        "step_seconds": sum(intervals) / len(intervals),
+        "peak_memory_bytes": int(accelerator.max_memory_allocated()),
+        "memory_capacity_bytes": rank_memory_capacity(device_bytes, accelerator.device_name(), local),
+        "flops_per_micro_step": float(getattr(engine, "flops", 0) or 0) if rank == 0 else None,
+        "profile": _rank_profile(engine),
+    }
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        latency = max(entry["step_seconds"] for entry in everyone)
+        batch = engine.train_batch_size()
+        # The FLOPS profiler counts rank 0's micro-step; FLOPs scale with samples, and ranks may
+        # hold different micro-batches, so the step's total follows from rank 0's per sample.
+        flops_per_sample = mine["flops_per_micro_step"] / max(1, mine["micro_batch_size"])
+        flops = flops_per_sample * batch / latency / len(everyone)
+        profiles = [entry.pop("profile") for entry in everyone]
+        metrics = {
+            "latency": latency,
+            "throughput": batch / latency,
+            "flops": flops,
+            "FLOPS_per_gpu": flops,
+            "train_batch_size": batch,
+            "window_steps": len(intervals),
+            "step_seconds": intervals,
+            "ranks": everyone,
+            "profile": None if any(p is None for p in profiles) else {
+                "ranks": profiles,
+                "devices": [entry["device"] for entry in everyone],
+                "zero_stage": int(engine.zero_optimization_stage()),
+                "plan": plan.to_dict() if plan is not None else None,
+            },
+        }
+        path = engine.autotuning_metric_path()
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as handle:
+            json.dump(metrics, handle, indent=2)
+        os.replace(tmp, path)  # the tuner never reads a half-written file
+        print(f"Autotuning: wrote metrics of {len(intervals)} steps to {os.path.abspath(path)}", flush=True)
+    dist.barrier()
+    sys.stdout.flush()
+    sys.exit(0)

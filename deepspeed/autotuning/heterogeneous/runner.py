@@ -1,0 +1,175 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Run one experiment: the ``deepspeed`` launcher in its own process group, with a time-out.
+
+Each experiment is the user's command line launched again through DeepSpeed's own runner with
+the same resources: on one node that is the local launcher (no pdsh, no ssh), on several nodes
+the launcher the user chose. The launcher and every rank it starts share a new session; when the
+experiment ends, times out or the tuner is interrupted, the whole group is killed, so no rank is
+left behind.
+"""
+
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from .results import NO_METRICS, OK, TIMEOUT, classify
+from .space import BATCH, GAS, MBS, AutotuningConfigError
+
+CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed")
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def find_config_path(user_args):
+    """The ds_config file the user's script is given, or None."""
+    for i, arg in enumerate(user_args):
+        for flag in CONFIG_FLAGS:
+            if arg == flag and i + 1 < len(user_args) and user_args[i + 1].endswith(".json"):
+                return user_args[i + 1]
+            if arg.startswith(flag + "=") and arg.endswith(".json"):
+                return arg.split("=", 1)[1]
+    return None
+
+
+def experiment_args(user_args, config_path, arg_mappings, experiment):
+    """The user's arguments with the experiment's ds_config and the mapped flags' values."""
+    args = list(user_args)
+    replaced = False
+    for i, arg in enumerate(args):
+        for flag in CONFIG_FLAGS:
+            if arg == flag and i + 1 < len(args) and args[i + 1].endswith(".json"):
+                args[i + 1] = config_path
+                replaced = True
+            elif arg.startswith(flag + "=") and arg.endswith(".json"):
+                args[i] = f"{flag}={config_path}"
+                replaced = True
+    if not replaced:
+        raise AutotuningConfigError("the script's arguments do not name a ds_config: pass it as --deepspeed_config "
+                                    "FILE.json (or --deepspeed FILE.json) so every experiment can replace it")
+    # One value per flag for all ranks: with per-rank micro-batches a mapped micro-batch flag gets
+    # the largest (the engine's heterogeneous sampler sizes each rank's batches itself).
+    values = {MBS: max(experiment.micro_batch_sizes), GAS: experiment.gas, BATCH: experiment.train_batch_size}
+    for key, flag in arg_mappings.items():
+        value = str(values[key])
+        if flag in args:
+            index = args.index(flag)
+            if index + 1 < len(args):
+                args[index + 1] = value
+                continue
+        prefixed = [i for i, arg in enumerate(args) if arg.startswith(flag + "=")]
+        if prefixed:
+            args[prefixed[0]] = f"{flag}={value}"
+        else:
+            args += [flag, value]
+    return args
+
+
+def kill_group(process, grace=10.0):
+    """SIGTERM the experiment's process group, then SIGKILL whatever is left."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if process.poll() is not None and not _group_alive(process.pid):
+            return
+        time.sleep(0.1)
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _group_alive(pgid):
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+class ExperimentRunner:
+
+    def __init__(self, launcher_args, user_script, user_args, arg_mappings, timeout, env=None):
+        self.launcher_args = list(launcher_args)
+        self.user_script = user_script
+        self.user_args = list(user_args)
+        self.arg_mappings = dict(arg_mappings)
+        self.timeout = timeout
+        self.env = dict(os.environ if env is None else env)
+
+    def command(self, experiment, config_path, port):
+        return [sys.executable, "-u", "-m", "deepspeed.launcher.runner", *self.launcher_args, "--master_port",
+                str(port), self.user_script, *experiment_args(self.user_args, config_path, self.arg_mappings,
+                                                              experiment)]
+
+    def run(self, experiment, config, exp_dir):
+        """Run and classify; returns (status, message, metrics or None, seconds)."""
+        os.makedirs(exp_dir, exist_ok=True)
+        config_path = os.path.join(exp_dir, "ds_config.json")
+        metric_path = config["autotuning"]["metric_path"]
+        if os.path.exists(metric_path):
+            os.remove(metric_path)  # a file left by an earlier run must never be read as this one's
+        with open(config_path, "w") as handle:
+            json.dump(config, handle, indent=2)
+        port = free_port()
+        command = self.command(experiment, config_path, port)
+        with open(os.path.join(exp_dir, "cmd.txt"), "w") as handle:
+            handle.write(" ".join(command) + "\n")
+        began = time.monotonic()
+        timed_out = False
+        with open(os.path.join(exp_dir, "stdout.log"), "w") as out, open(os.path.join(exp_dir, "stderr.log"),
+                                                                           "w") as err:
+            process = subprocess.Popen(command, stdout=out, stderr=err, env=self.env, start_new_session=True)
+            try:
+                process.wait(timeout=self.timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            except BaseException:
+                kill_group(process, grace=2.0)
+                raise
+            finally:
+                # The launcher may be gone while a rank still hangs in a collective: the whole
+                # group goes, every time.
+                kill_group(process, grace=0.0 if not timed_out else 10.0)
+                process.wait()
+                for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+                    try:
+                        os.unlink(path)  # upstream's CPU shared-memory all-reduce leaks these
+                    except OSError:
+                        pass
+        seconds = time.monotonic() - began
+        stdout = _read(os.path.join(exp_dir, "stdout.log"))
+        stderr = _read(os.path.join(exp_dir, "stderr.log"))
+        metrics = None
+        if not timed_out and os.path.exists(metric_path):
+            with open(metric_path) as handle:
+                metrics = json.load(handle)
+        status, message = classify(process.returncode, stderr, stdout, metrics_present=metrics is not None,
+                                   timed_out=timed_out)
+        if status != OK:
+            metrics = None
+        return status, message, metrics, seconds
+
+
+def _read(path):
+    try:
+        with open(path, errors="replace") as handle:
+            return handle.read()
+    except OSError:
+        return ""
+
+
+__all__ = ["ExperimentRunner", "experiment_args", "find_config_path", "kill_group", "NO_METRICS", "TIMEOUT"]

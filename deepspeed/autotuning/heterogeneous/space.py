@@ -1,0 +1,295 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The tuning space, read from the user's ds_config, and the experiments in it (pure).
+
+Tunable values are given where DeepSpeed reads them, as ``"auto"`` or as a list of candidates,
+either at the top level or inside the ``autotuning`` block (which wins)::
+
+    "train_micro_batch_size_per_gpu": "auto" | 4 | [2, 4, 8]
+    "gradient_accumulation_steps":    "auto" | 1 | [1, 2]
+    "zero_optimization": {"stage": [1, 2], ...the user's other ZeRO settings, kept...}
+
+An experiment is one (ZeRO stage, gas, per-rank micro-batch sizes) point. Its ds_config is the
+user's config with exactly those values replaced: every other ZeRO setting (offload, buckets,
+overlap) is kept, where upstream's micro-batch experiments replaced the whole block by
+``{"stage": n}``.
+"""
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+AUTO = "auto"
+MBS = "train_micro_batch_size_per_gpu"
+GAS = "gradient_accumulation_steps"
+BATCH = "train_batch_size"
+ZERO = "zero_optimization"
+HETERO = "heterogeneous_config"
+
+# Keys of the autotuning block: upstream's, and the fork's additions (documented in the README).
+AUTOTUNING_KEYS = {
+    "enabled": "bool",
+    "fast": "bool",
+    "metric": "'throughput', 'latency' or 'flops'",
+    "arg_mappings": "a map from ds_config key to the script's flag",
+    "results_dir": "a directory",
+    "exps_dir": "a directory",
+    "overwrite": "bool",
+    "start_profile_step": "int >= 0",
+    "end_profile_step": "int > start_profile_step",
+    "metric_path": "a file (set per experiment by the tuner)",
+    "model_info_path": "a file",
+    "model_info": "a map (upstream; not used)",
+    "tuner_type": "'gridsearch', 'random' or 'model_based'",
+    "tuner_early_stopping": "int >= 1",
+    "tuner_num_trials": "int >= 1",
+    "mp_size": "int >= 1",
+    "max_train_batch_size": "int",
+    "min_train_batch_size": "int",
+    "max_train_micro_batch_size_per_gpu": "int >= 1",
+    "min_train_micro_batch_size_per_gpu": "int >= 1",
+    "num_tuning_micro_batch_sizes": "int >= 1",
+    "experiment_timeout": "seconds > 0 (default 1800)",
+    "seed": "int (random and model_based tuners)",
+    MBS: "'auto', an int or a list of ints",
+    GAS: "'auto', an int or a list of ints",
+    ZERO: "{'stage': int or list of 0-3}",
+}
+METRICS = ("throughput", "latency", "flops")
+TUNERS = ("gridsearch", "random", "model_based")
+STAGES = (0, 1, 2, 3)
+
+
+class AutotuningConfigError(ValueError):
+    """The autotuning settings or the tuning space are wrong; the message names the key."""
+
+
+@dataclass
+class Settings:
+    fast: bool = True
+    metric: str = "throughput"
+    arg_mappings: Dict[str, str] = field(default_factory=dict)
+    results_dir: str = "autotuning_results"
+    exps_dir: str = "autotuning_exps"
+    overwrite: bool = True
+    start_profile_step: int = 3
+    end_profile_step: int = 5
+    tuner_type: str = "gridsearch"
+    tuner_early_stopping: int = 5
+    tuner_num_trials: int = 50
+    max_train_batch_size: Optional[int] = None
+    min_train_batch_size: int = 1
+    max_train_micro_batch_size_per_gpu: int = 1024
+    min_train_micro_batch_size_per_gpu: int = 1
+    num_tuning_micro_batch_sizes: int = 3
+    experiment_timeout: float = 1800.0
+    seed: int = 0
+
+
+def _int(value, key, low):
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise AutotuningConfigError(f"autotuning.{key} = {value!r}: must be an integer >= {low}")
+    return value
+
+
+def parse_settings(ds_config):
+    """The ``autotuning`` block as Settings; AutotuningConfigError names a wrong key or value."""
+    block = ds_config.get("autotuning")
+    if not isinstance(block, dict):
+        raise AutotuningConfigError("the ds_config has no 'autotuning' block: add \"autotuning\": {\"enabled\": true} "
+                                    "(see the README's autotuning section)")
+    unknown = sorted(set(block) - set(AUTOTUNING_KEYS))
+    if unknown:
+        raise AutotuningConfigError(f"autotuning: unknown key(s) {unknown}; allowed keys: "
+                                    f"{', '.join(sorted(AUTOTUNING_KEYS))}")
+    settings = Settings()
+    for key in ("fast", "overwrite"):
+        if key in block:
+            if not isinstance(block[key], bool):
+                raise AutotuningConfigError(f"autotuning.{key} = {block[key]!r}: must be true or false")
+            setattr(settings, key, block[key])
+    if "metric" in block:
+        if block["metric"] not in METRICS:
+            raise AutotuningConfigError(f"autotuning.metric = {block['metric']!r}: use one of {', '.join(METRICS)}")
+        settings.metric = block["metric"]
+    if "tuner_type" in block:
+        if block["tuner_type"] not in TUNERS:
+            raise AutotuningConfigError(f"autotuning.tuner_type = {block['tuner_type']!r}: use one of "
+                                        f"{', '.join(TUNERS)}")
+        settings.tuner_type = block["tuner_type"]
+    mappings = block.get("arg_mappings") or {}
+    if not isinstance(mappings, dict) or not all(isinstance(k, str) and isinstance(v, str) and v.startswith("-")
+                                                 for k, v in mappings.items()):
+        raise AutotuningConfigError(f"autotuning.arg_mappings = {mappings!r}: must map ds_config keys to the "
+                                    f"script's flags, e.g. {{\"{MBS}\": \"--per_device_train_batch_size\"}}")
+    bad = sorted(set(mappings) - {MBS, GAS, BATCH})
+    if bad:
+        raise AutotuningConfigError(f"autotuning.arg_mappings: {bad} cannot be mapped; mappable keys: {MBS}, {GAS}, "
+                                    f"{BATCH}")
+    settings.arg_mappings = dict(mappings)
+    for key in ("results_dir", "exps_dir"):
+        if key in block:
+            if not isinstance(block[key], str) or not block[key]:
+                raise AutotuningConfigError(f"autotuning.{key} = {block[key]!r}: must be a non-empty path")
+            setattr(settings, key, block[key])
+    for key, low in (("start_profile_step", 0), ("end_profile_step", 1), ("tuner_early_stopping", 1),
+                     ("tuner_num_trials", 1), ("min_train_batch_size", 1), ("max_train_micro_batch_size_per_gpu", 1),
+                     ("min_train_micro_batch_size_per_gpu", 1), ("num_tuning_micro_batch_sizes", 1), ("seed", 0)):
+        if key in block and block[key] is not None:
+            setattr(settings, key, _int(block[key], key, low))
+    if block.get("max_train_batch_size") is not None:
+        settings.max_train_batch_size = _int(block["max_train_batch_size"], "max_train_batch_size", 1)
+    if settings.end_profile_step <= settings.start_profile_step:
+        raise AutotuningConfigError(f"autotuning.end_profile_step ({settings.end_profile_step}) must exceed "
+                                    f"start_profile_step ({settings.start_profile_step}): the metric is the mean "
+                                    f"over the steps between them")
+    if settings.min_train_micro_batch_size_per_gpu > settings.max_train_micro_batch_size_per_gpu:
+        raise AutotuningConfigError("autotuning.min_train_micro_batch_size_per_gpu exceeds "
+                                    "max_train_micro_batch_size_per_gpu")
+    if "experiment_timeout" in block:
+        value = block["experiment_timeout"]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise AutotuningConfigError(f"autotuning.experiment_timeout = {value!r}: must be a number of seconds > 0")
+        settings.experiment_timeout = float(value)
+    return settings
+
+
+def _candidates(value, key, default):
+    """'auto' -> default; int -> [int]; list of ints -> sorted unique list."""
+    if value is None or value == AUTO:
+        return list(default)
+    values = value if isinstance(value, list) else [value]
+    if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values):
+        raise AutotuningConfigError(f"{key} = {value!r}: use 'auto', a positive integer or a list of them")
+    return sorted(set(values))
+
+
+@dataclass
+class TuningSpace:
+    stages: List[int]
+    gas: List[int]
+    micro_batch_sizes: Optional[List[int]]
+    """Per-rank (uniform) sizes to try; None: 'auto' (the tuner derives them from memory)."""
+    train_batch_size: Optional[int]
+    """Fixed by the user: every experiment keeps it (sum(mbs) * gas == train_batch_size)."""
+    world_size: int
+    heterogeneous: bool
+    """The user's config enables heterogeneous_config: per-rank allocations are tuned."""
+
+    @property
+    def user_global_batch(self):
+        """The global batch the user's config implies, or None when it is left to the tuner."""
+        return self.train_batch_size
+
+
+def parse_space(ds_config, settings, world_size):
+    block = ds_config.get("autotuning") or {}
+
+    def pick(key):
+        return block[key] if key in block else ds_config.get(key)
+
+    zero = block.get(ZERO) if isinstance(block.get(ZERO), dict) else ds_config.get(ZERO) or {}
+    if not isinstance(zero, dict):
+        raise AutotuningConfigError(f"{ZERO} = {zero!r}: must be a map")
+    stage = zero.get("stage", AUTO)
+    # Upstream tuned only ZeRO-0 unless stages were named; "auto" or no stage means all of them.
+    stages = list(STAGES) if stage in (None, AUTO) else _candidates(stage, f"{ZERO}.stage", STAGES)
+    if any(s not in STAGES for s in stages):
+        raise AutotuningConfigError(f"{ZERO}.stage = {stage!r}: stages are 0, 1, 2 and 3")
+    gas = _candidates(pick(GAS), GAS, [1] if settings.fast else [1, 2])
+    mbs_value = pick(MBS)
+    mbs = None if mbs_value in (None, AUTO) else _candidates(mbs_value, MBS, [])
+    batch = ds_config.get(BATCH)
+    if batch == AUTO:
+        batch = None
+    if batch is not None:
+        batch = _candidates(batch, BATCH, [])
+        if len(batch) != 1:
+            raise AutotuningConfigError(f"{BATCH} = {ds_config.get(BATCH)!r}: give one global batch or 'auto'")
+        batch = batch[0]
+        gas = [g for g in gas if batch % g == 0 and batch // g >= world_size]
+        if not gas:
+            raise AutotuningConfigError(f"{BATCH} {batch} leaves no gradient_accumulation_steps in "
+                                        f"{_candidates(pick(GAS), GAS, [1])} with at least one sample per rank")
+    hetero = ds_config.get(HETERO) or {}
+    return TuningSpace(stages=stages, gas=gas, micro_batch_sizes=mbs, train_batch_size=batch, world_size=world_size,
+                       heterogeneous=bool(hetero.get("enabled")))
+
+
+@dataclass(frozen=True)
+class Experiment:
+    stage: int
+    gas: int
+    micro_batch_sizes: Tuple[int, ...]
+    """One size per data-parallel rank; all equal for a uniform experiment."""
+    heterogeneous: bool = False
+    """Run through heterogeneous_config (manual plan, or uniform on an emulated cluster)."""
+    profile: bool = False
+    """The profiling run: compute_aware with profiling steps; measures every rank's models."""
+
+    @property
+    def uniform(self):
+        return len(set(self.micro_batch_sizes)) == 1
+
+    @property
+    def train_batch_size(self):
+        return sum(self.micro_batch_sizes) * self.gas
+
+    @property
+    def name(self):
+        if self.profile:
+            return f"profile_z{self.stage}_gas{self.gas}_tbs{self.train_batch_size}"
+        sizes = str(self.micro_batch_sizes[0]) if self.uniform else "-".join(map(str, self.micro_batch_sizes))
+        return f"z{self.stage}_gas{self.gas}_tmbspg{sizes}"
+
+    def ds_config(self, user_config, metric_path, settings, profile_steps=3):
+        """The user's config with this experiment's values; tuning lists and 'auto' removed."""
+        config = copy.deepcopy(user_config)
+        block = config.get("autotuning") or {}
+        for key in (MBS, GAS, ZERO):
+            block.pop(key, None)
+        block.update(enabled=True, metric=settings.metric, metric_path=metric_path,
+                     start_profile_step=settings.start_profile_step, end_profile_step=settings.end_profile_step)
+        block.pop("model_info", None)  # upstream's model-info run stops the script after one step
+        config["autotuning"] = block
+        zero = dict(config.get(ZERO) or {})
+        zero["stage"] = self.stage
+        config[ZERO] = zero
+        config[BATCH] = self.train_batch_size
+        config[GAS] = self.gas
+        hetero = dict(config.get(HETERO) or {})
+        if self.profile:
+            config.pop(MBS, None)
+            hetero.update(enabled=True, load_balancing_strategy="compute_aware", profile_steps=profile_steps)
+            hetero.pop("micro_batch_sizes", None)
+        elif self.heterogeneous:
+            config.pop(MBS, None)
+            hetero.update(enabled=True)
+            if self.uniform:
+                hetero.update(load_balancing_strategy="uniform")
+                hetero.pop("micro_batch_sizes", None)
+            else:
+                hetero.update(load_balancing_strategy="manual", micro_batch_sizes=list(self.micro_batch_sizes))
+        else:
+            config[MBS] = self.micro_batch_sizes[0]
+        if self.profile or self.heterogeneous:
+            scheduler = dict(hetero.get("scheduler") or {})
+            scheduler.pop("type", None)
+            scheduler["dynamic_rebalancing"] = False  # an experiment measures one fixed plan
+            hetero["scheduler"] = scheduler
+            config[HETERO] = hetero
+        return config
+
+
+def interpolate(uniform, target, fraction):
+    """Integer sizes on the line from ``uniform`` to ``target`` at ``fraction`` (may exceed 1),
+    each >= 1, summing to sum(uniform); None when the point leaves the valid range."""
+    total = sum(uniform)
+    raw = [u + fraction * (t - u) for u, t in zip(uniform, target)]
+    if any(value < 1 for value in raw):
+        return None
+    sizes = [max(1, int(math.floor(value))) for value in raw]
+    order = sorted(range(len(raw)), key=lambda i: (-(raw[i] - math.floor(raw[i])), i))
+    for i in order[:total - sum(sizes)]:
+        sizes[i] += 1
+    return tuple(sizes) if sum(sizes) == total else None

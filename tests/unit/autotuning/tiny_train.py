@@ -1,0 +1,92 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A small training script for the autotuning tests, with switches that misbehave on purpose.
+
+    deepspeed --autotuning tune --num_gpus 2 tiny_train.py --deepspeed_config ds_config.json
+
+--ignore-deepspeed  trains without passing the ds_config to deepspeed.initialize (exits 0, no metrics)
+--hang-at-step N    sleeps forever at step N (the per-experiment time-out must kill it)
+--oom-above N       raises MemoryError when a rank's micro-batch exceeds N samples
+--print-error       writes lines containing "error" to stderr and still trains normally
+--sleep-schedule    per optimizer step k, sleeps SCHEDULE[k % len] seconds in the forward (comma list)
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+import deepspeed
+
+
+class Net(torch.nn.Module):
+
+    def __init__(self, sleeps=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+        self.sleeps = sleeps
+        self.calls = 0
+
+    def forward(self, x, y):
+        if self.sleeps:
+            time.sleep(self.sleeps[self.calls % len(self.sleeps)])
+        self.calls += 1
+        return torch.nn.functional.mse_loss(self.layers(x), y)
+
+
+class Data(torch.utils.data.Dataset):
+
+    def __init__(self, size=4096):
+        generator = torch.Generator().manual_seed(1)
+        self.x = torch.randn(size, 64, generator=generator)
+        self.y = torch.randn(size, 64, generator=generator)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, index):
+        return self.x[index], self.y[index]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--local_rank", type=int, default=-1)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--ignore-deepspeed", action="store_true")
+    parser.add_argument("--hang-at-step", type=int, default=None)
+    parser.add_argument("--oom-above", type=int, default=None)
+    parser.add_argument("--print-error", action="store_true")
+    parser.add_argument("--sleep-schedule", default=None)
+    parser.add_argument("--batch", type=int, default=None, help="mapped by arg_mappings in a test")
+    parser = deepspeed.add_config_arguments(parser)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    sleeps = [float(s) for s in args.sleep_schedule.split(",")] if args.sleep_schedule else None
+    model = Net(sleeps)
+    if args.ignore_deepspeed:
+        config = {"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.01}}}
+        engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                    training_data=Data(), config=config)
+    else:
+        engine, _, loader, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters(),
+                                                    training_data=Data())
+    if args.print_error:
+        print("warning: no error here, just the word error", file=sys.stderr, flush=True)
+    batches = iter(loader)
+    for step in range(args.steps):
+        if args.hang_at_step is not None and step == args.hang_at_step:
+            print(f"rank {engine.global_rank} pid {os.getpid()} hanging", flush=True)
+            time.sleep(3600)
+        for _ in range(engine.gradient_accumulation_steps()):
+            x, y = next(batches)
+            if args.oom_above is not None and len(x) > args.oom_above:
+                raise MemoryError(f"DefaultCPUAllocator: can't allocate memory for a micro-batch of {len(x)}")
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+
+
+if __name__ == "__main__":
+    main()
