@@ -53,6 +53,8 @@ class Outcome:
     micro_batch_sizes: Optional[List[int]] = None
     gas: Optional[int] = None
     metrics: Dict = field(default_factory=dict)
+    folder: str = ""
+    """The experiment's folder under exps_dir (logs, ds_config.json, metrics.json)."""
 
     def to_dict(self):
         return asdict(self)

@@ -193,9 +193,14 @@ def parse_space(ds_config, settings, world_size):
         raise AutotuningConfigError(f"{ZERO} = {zero!r}: must be a map")
     stage = zero.get("stage", AUTO)
     # Upstream tuned only ZeRO-0 unless stages were named; "auto" or no stage means all of them.
-    stages = list(STAGES) if stage in (None, AUTO) else _candidates(stage, f"{ZERO}.stage", STAGES)
-    if any(s not in STAGES for s in stages):
-        raise AutotuningConfigError(f"{ZERO}.stage = {stage!r}: stages are 0, 1, 2 and 3")
+    if stage in (None, AUTO):
+        stages = list(STAGES)
+    else:
+        stages = stage if isinstance(stage, list) else [stage]
+        if not stages or not all(s in STAGES and not isinstance(s, bool) for s in stages):
+            raise AutotuningConfigError(f"{ZERO}.stage = {stage!r}: use 'auto', a stage (0, 1, 2 or 3) or a list "
+                                        f"of them")
+        stages = sorted(set(stages))
     gas = _candidates(pick(GAS), GAS, [1] if settings.fast else [1, 2])
     mbs_value = pick(MBS)
     mbs = None if mbs_value in (None, AUTO) else _candidates(mbs_value, MBS, [])

@@ -136,7 +136,7 @@ class HeterogeneousAutotuner:
         outcome = Outcome(name=name, stage=experiment.stage, status=status, value=value, seconds=seconds,
                           error=message, predicted=predicted, train_batch_size=experiment.train_batch_size,
                           micro_batch_sizes=list(experiment.micro_batch_sizes), gas=experiment.gas,
-                          metrics=metrics or {})
+                          metrics=metrics or {}, folder=exp_dir)
         self.outcomes.append(outcome)
         self.configs[name] = config
         with open(os.path.join(exp_dir, "result.json"), "w") as handle:

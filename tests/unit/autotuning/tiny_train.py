@@ -7,7 +7,9 @@
 --hang-at-step N    sleeps forever at step N (the per-experiment time-out must kill it)
 --oom-above N       raises MemoryError when a rank's micro-batch exceeds N samples
 --print-error       writes lines containing "error" to stderr and still trains normally
---sleep-schedule    per optimizer step k, sleeps SCHEDULE[k % len] seconds in the forward (comma list)
+--sleep-schedule    per forward call k, sleeps SCHEDULE[k % len] seconds (comma list)
+--sleep-per-sample  sleeps S seconds per sample in the forward: compute that dominates, and that the
+                    emulation's time dilation stretches like real compute
 """
 
 import argparse
@@ -22,17 +24,20 @@ import deepspeed
 
 class Net(torch.nn.Module):
 
-    def __init__(self, sleeps=None):
+    def __init__(self, sleeps=None, per_sample=0.0):
         super().__init__()
         torch.manual_seed(0)
         self.layers = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
         self.sleeps = sleeps
+        self.per_sample = per_sample
         self.calls = 0
 
     def forward(self, x, y):
         if self.sleeps:
             time.sleep(self.sleeps[self.calls % len(self.sleeps)])
         self.calls += 1
+        if self.per_sample:
+            time.sleep(self.per_sample * len(x))
         return torch.nn.functional.mse_loss(self.layers(x), y)
 
 
@@ -59,12 +64,13 @@ def main():
     parser.add_argument("--oom-above", type=int, default=None)
     parser.add_argument("--print-error", action="store_true")
     parser.add_argument("--sleep-schedule", default=None)
+    parser.add_argument("--sleep-per-sample", type=float, default=0.0)
     parser.add_argument("--batch", type=int, default=None, help="mapped by arg_mappings in a test")
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
     sleeps = [float(s) for s in args.sleep_schedule.split(",")] if args.sleep_schedule else None
-    model = Net(sleeps)
+    model = Net(sleeps, args.sleep_per_sample)
     if args.ignore_deepspeed:
         config = {"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.01}}}
         engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
@@ -86,6 +92,8 @@ def main():
             loss = engine(x, y)
             engine.backward(loss)
             engine.step()
+    if engine.global_rank == 0:
+        print(f"training finished after {args.steps} steps", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,223 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``deepspeed --autotuning tune|run`` end to end, on this machine's CPU ranks, no pdsh or ssh.
+
+Every run here is real: the launcher, deepspeed.initialize, gloo, the experiments' own
+launchers. Spaces are tiny (a small MLP, windows of two or four steps) to keep the time in CI
+down; each experiment costs ~15-25 s of start-up on two cores.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from harness import _merged_environ, deepspeed_launcher, fork_environment, launch_deepspeed
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
+
+SCRIPT = Path(__file__).resolve().parent / "tiny_train.py"
+
+
+def _env():
+    return _merged_environ({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}, fork_environment())
+
+
+def _config(**autotuning):
+    block = {"enabled": True, "start_profile_step": 1, "end_profile_step": 3, "experiment_timeout": 240}
+    block.update(autotuning)
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "steps_per_print": 10**6,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.001}},
+        "autotuning": block,
+    }
+
+
+def _tune(tmp_path, config, script_args=(), mode="tune", timeout=800, script=SCRIPT):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config, indent=2))
+    command = [deepspeed_launcher(), "--autotuning", mode, "--num_nodes", "1", "--num_gpus", "2",
+               str(script), "--deepspeed_config", str(path), *map(str, script_args)]
+    proc = subprocess.run(command, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def _results(tmp_path):
+    return json.loads((tmp_path / "autotuning_results" / "results.json").read_text())
+
+
+def _live_processes(marker):
+    """Processes whose command line contains ``marker`` (this test's temporary directory)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline and int(pid) != os.getpid():
+            found.append(f"{pid}: {cmdline}")
+    return found
+
+
+def test_metric_is_a_window_mean_from_every_rank_and_upstream_takes_one_step_on_rank_0(pristine_upstream, tmp_path):
+    """Upstream: the metric comes from the last optimizer step's timers on rank 0, and there is no
+    'flops' key for metric 'flops' (KeyError). The forward here sleeps 0.05 s and 0.25 s on
+    alternate steps, so one step's time is far from the window's mean (0.15 s + compute)."""
+    config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 10**6,
+              "optimizer": {"type": "Adam", "params": {"lr": 0.001}}, "zero_optimization": {"stage": 1},
+              "autotuning": {"enabled": True, "start_profile_step": 1, "end_profile_step": 5}}
+    results = {}
+    for label, root, env in (("fork", None, None), ("upstream", pristine_upstream.root, pristine_upstream.env)):
+        metric_path = tmp_path / f"{label}.json"
+        path = tmp_path / f"{label}_config.json"
+        path.write_text(json.dumps({**config, "autotuning": {**config["autotuning"], "metric_path": str(metric_path)}}))
+        code, output = launch_deepspeed(SCRIPT, ["--deepspeed_config", path, "--sleep-schedule", "0.05,0.25"],
+                                        timeout=300, env=env, cwd=root)
+        assert code == 0, output[-4000:]
+        results[label] = json.loads(metric_path.read_text())
+    fork, upstream = results["fork"], results["upstream"]
+    steps = fork["step_seconds"]
+    assert len(steps) == 4 == fork["window_steps"]
+    assert min(steps) < 0.15 < max(steps)  # the schedule is visible step by step
+    assert fork["latency"] == pytest.approx(max(rank["step_seconds"] for rank in fork["ranks"]))
+    assert fork["latency"] == pytest.approx(statistics.mean(steps), rel=0.05)
+    assert 0.13 < fork["latency"] < 0.22
+    assert fork["throughput"] == pytest.approx(8 / fork["latency"])
+    assert fork["flops"] > 0 and fork["flops"] == fork["FLOPS_per_gpu"]
+    assert [rank["rank"] for rank in fork["ranks"]] == [0, 1]
+    assert all(rank["peak_memory_bytes"] > 0 and rank["micro_batch_size"] == 4 for rank in fork["ranks"])
+    # The CPU accelerator's "device memory" is the host's RAM: two ranks share it.
+    assert all(rank["memory_capacity_bytes"] <= 0.51 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+               for rank in fork["ranks"])
+    # Upstream, same run: no 'flops' key, rank 0 only, and the time of the last (slow) step.
+    assert "flops" not in upstream and "ranks" not in upstream
+    assert 8 / upstream["throughput"] > 0.24
+
+
+def test_tune_then_run_on_an_emulated_mixed_cluster(tmp_path):
+    """Rank 1 runs at 0.4 (time dilation); the tuner profiles both ranks once, predicts the
+    candidates, runs few, and writes the per-rank plan; 'run' then trains with it. A script that
+    prints 'error' on stderr is not a failed experiment."""
+    config = _config(fast=True, metric="throughput")
+    config.update(train_batch_size=16, zero_optimization={"stage": 1, "contiguous_gradients": False},
+                  heterogeneous_config={"enabled": True,
+                                        "emulation": {"speeds": [1.0, 0.4], "memory_gb": [16, 8],
+                                                      "mode": "dilation"}})
+    code, output = _tune(tmp_path, config, ["--sleep-per-sample", "0.004", "--print-error", "--steps", "12"],
+                         mode="run")
+    assert code == 0, output[-6000:]
+    results = _results(tmp_path)
+    ran = [e for e in results["experiments"] if e["status"] != "predicted out of memory"]
+    assert all(e["status"] == "ok" for e in ran), ran
+    assert 2 <= len(ran) <= 4  # the profiling run, the stage's best prediction, its runner-up
+    for line in ("| tuning space | experiments | best metric value (throughput) | best experiment name |",
+                 "| z1 ", "| global "):
+        assert line in output
+    assert "[autotuning] experiment 2/" in output and "ETA" in output
+    optimal = json.loads((tmp_path / "autotuning_results" / "ds_config_optimal.json").read_text())
+    plan = optimal["heterogeneous_config"]
+    assert optimal["train_batch_size"] == 16 and optimal["zero_optimization"]["stage"] == 1
+    assert optimal["zero_optimization"]["contiguous_gradients"] is False  # the user's ZeRO settings kept
+    assert optimal["autotuning"]["enabled"] is False and "train_micro_batch_size_per_gpu" not in optimal
+    assert plan["emulation"]["speeds"] == [1.0, 0.4]
+    sizes = plan.get("micro_batch_sizes")
+    assert plan["load_balancing_strategy"] == "manual" and sum(sizes) == 16 and sizes[0] > sizes[1], plan
+    best = max((e for e in ran), key=lambda e: e["value"])
+    assert sizes == best["micro_batch_sizes"]
+    assert (tmp_path / "autotuning_results" / "cmd_optimal.txt").read_text().count("ds_config_optimal.json") == 1
+    for experiment in ran:
+        folder = Path(experiment["folder"])
+        assert folder.parent == tmp_path / "autotuning_exps"
+        assert {"ds_config.json", "cmd.txt", "stdout.log", "stderr.log", "metrics.json"} <= set(os.listdir(folder))
+    assert "launching the optimal configuration" in output
+    assert "training finished after 12 steps" in output  # 'run' trained with it, without stopping
+
+
+def test_gridsearch_on_latency_keeps_user_zero_settings_and_picks_the_smallest(tmp_path):
+    """Non-fast mode (upstream: no hostfile, KeyError) with metric latency (upstream: the largest
+    latency won). No stage named: ZeRO 0-3 would be tuned (upstream: only 0); here two are named."""
+    config = _config(fast=False, tuner_type="gridsearch", metric="latency")
+    config.update(train_micro_batch_size_per_gpu=[2], zero_optimization={"stage": [0, 1], "reduce_bucket_size": 123456})
+    code, output = _tune(tmp_path, config, ["--sleep-per-sample", "0.002"])
+    assert code == 0, output[-6000:]
+    results = _results(tmp_path)
+    experiments = {e["name"]: e for e in results["experiments"]}
+    assert {"z0_gas1_tmbspg2", "z1_gas1_tmbspg2"} <= set(experiments)
+    assert experiments["z0_gas1_tmbspg2"]["status"] == experiments["z1_gas1_tmbspg2"]["status"] == "ok"
+    profile = [e for e in results["experiments"] if e["name"].startswith("profile_")]
+    assert profile and profile[0]["status"] == "profiling only"  # heterogeneous_config is off: not a candidate
+    fastest = min(("z0_gas1_tmbspg2", "z1_gas1_tmbspg2"), key=lambda n: experiments[n]["value"])
+    summary = (tmp_path / "autotuning_results" / "summary.txt").read_text()
+    assert summary.splitlines()[-2].split("|")[4].strip() == fastest
+    for name in ("z0_gas1_tmbspg2", "z1_gas1_tmbspg2"):
+        exp_config = json.loads((tmp_path / "autotuning_exps" / name / "ds_config.json").read_text())
+        assert exp_config["zero_optimization"]["reduce_bucket_size"] == 123456
+        assert "heterogeneous_config" not in exp_config
+
+
+@pytest.mark.parametrize("case", ["missing_script", "no_autotuning_block", "unknown_key"])
+def test_bad_input_is_refused_before_any_launch(tmp_path, case):
+    config = _config()
+    script = SCRIPT
+    if case == "missing_script":
+        script = tmp_path / "no_such_train.py"
+    elif case == "no_autotuning_block":
+        del config["autotuning"]
+    else:
+        config["autotuning"]["fast_mode"] = True
+    code, output = _tune(tmp_path, config, script=script, timeout=120)
+    assert code == 2, output[-3000:]
+    expected = {"missing_script": "no_such_train.py", "no_autotuning_block": "'autotuning' block",
+                "unknown_key": "unknown key(s) ['fast_mode']"}[case]
+    assert "deepspeed autotuning: error:" in output and expected in output, output[-3000:]
+    assert not (tmp_path / "autotuning_exps").exists() or not any((tmp_path / "autotuning_exps").iterdir())
+
+
+@pytest.mark.parametrize("case", ["ignores_deepspeed", "unknown_flag"])
+def test_a_script_that_cannot_be_tuned_stops_after_two_experiments(tmp_path, case):
+    config = _config()
+    config["zero_optimization"] = {"stage": [1]}
+    config["autotuning"]["train_micro_batch_size_per_gpu"] = [2, 4]
+    args = []
+    if case == "ignores_deepspeed":
+        args = ["--ignore-deepspeed"]
+    else:
+        config["autotuning"]["arg_mappings"] = {"gradient_accumulation_steps": "--grad-accum"}
+    code, output = _tune(tmp_path, config, args)
+    assert code == 1, output[-4000:]
+    expected = {"ignores_deepspeed": "exited 0 without writing metrics",
+                "unknown_flag": "unrecognized arguments: --grad-accum"}[case]
+    assert expected in output, output[-4000:]
+    if case == "unknown_flag":
+        assert "hint: autotuning.arg_mappings" in output
+    results = _results(tmp_path)
+    assert len(results["experiments"]) == 2  # stopped early, and says what it tried
+    assert all((tmp_path / "autotuning_exps" / e["name"] / "stderr.log").is_file() for e in results["experiments"])
+
+
+def test_every_candidate_out_of_memory_is_reported_as_such(tmp_path):
+    config = _config()
+    config["zero_optimization"] = {"stage": [1]}
+    config["autotuning"]["train_micro_batch_size_per_gpu"] = [2, 4]
+    code, output = _tune(tmp_path, config, ["--oom-above", "1"])
+    assert code == 1, output[-4000:]
+    assert "every candidate ran out of memory" in output
+    statuses = [e["status"] for e in _results(tmp_path)["experiments"]]
+    assert statuses and set(statuses) == {"out of memory"}, statuses
+    assert "can't allocate memory for a micro-batch" in _results(tmp_path)["experiments"][0]["error"]
+
+
+def test_a_hanging_experiment_is_killed_with_all_its_ranks(tmp_path):
+    config = _config(experiment_timeout=20)
+    config["zero_optimization"] = {"stage": [1]}
+    config["autotuning"]["train_micro_batch_size_per_gpu"] = [2]
+    code, output = _tune(tmp_path, config, ["--hang-at-step", "2"])
+    assert code == 1, output[-4000:]
+    statuses = [e["status"] for e in _results(tmp_path)["experiments"]]
+    assert statuses == ["timed out", "timed out"], statuses
+    assert "timed out" in output and "experiment_timeout" in output
+    assert _live_processes(str(tmp_path)) == []
