@@ -33,7 +33,8 @@ def find_config_path(user_args):
     """The ds_config file the user's script is given, or None."""
     for i, arg in enumerate(user_args):
         for flag in CONFIG_FLAGS:
-            if arg == flag and i + 1 < len(user_args) and user_args[i + 1].endswith(".json"):
+            if (arg == flag and i + 1 < len(user_args) and user_args[i + 1].endswith(".json")
+                    and not user_args[i + 1].startswith("-")):
                 return user_args[i + 1]
             if arg.startswith(flag + "=") and arg.endswith(".json"):
                 return arg.split("=", 1)[1]
@@ -46,7 +47,7 @@ def experiment_args(user_args, config_path, arg_mappings, experiment):
     replaced = False
     for i, arg in enumerate(args):
         for flag in CONFIG_FLAGS:
-            if arg == flag and i + 1 < len(args) and args[i + 1].endswith(".json"):
+            if arg == flag and i + 1 < len(args) and args[i + 1].endswith(".json") and not args[i + 1].startswith("-"):
                 args[i + 1] = config_path
                 replaced = True
             elif arg.startswith(flag + "=") and arg.endswith(".json"):

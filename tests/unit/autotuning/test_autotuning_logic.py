@@ -1,0 +1,231 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The autotuner's pure parts: settings, space, experiment configs, selection, failure
+classification, the cost model, the model-based choice, the summary and the lr advice.
+Each upstream defect named in the issue has a test here or in test_autotuning_runs.py."""
+
+import json
+import math
+import random
+
+import pytest
+
+from deepspeed.autotuning.heterogeneous import results as R
+from deepspeed.autotuning.heterogeneous.costmodel import ClusterProfile
+from deepspeed.autotuning.heterogeneous.experiments import rank_memory_capacity
+from deepspeed.autotuning.heterogeneous.runner import experiment_args, find_config_path
+from deepspeed.autotuning.heterogeneous.space import (AutotuningConfigError, Experiment, interpolate, parse_settings,
+                                                      parse_space)
+from deepspeed.autotuning.heterogeneous.tuner import EXPLORATION, _launcher_args, choose_next
+from deepspeed.runtime.heterogeneous.planner import TimeModel
+
+
+def _config(**block):
+    return {"train_micro_batch_size_per_gpu": "auto", "autotuning": {"enabled": True, **block}}
+
+
+# -- settings and space --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block, words", [
+    ({"metric": "speed"}, "autotuning.metric = 'speed': use one of throughput, latency, flops"),
+    ({"tuner_type": "bayes"}, "autotuning.tuner_type = 'bayes'"),
+    ({"fastt": True}, "unknown key(s) ['fastt']"),
+    ({"start_profile_step": 5, "end_profile_step": 5}, "end_profile_step (5) must exceed start_profile_step (5)"),
+    ({"experiment_timeout": 0}, "autotuning.experiment_timeout = 0"),
+    ({"arg_mappings": {"train_micro_batch_size_per_gpu": "batch"}}, "autotuning.arg_mappings"),
+    ({"arg_mappings": {"lr": "--lr"}}, "['lr'] cannot be mapped"),
+])
+def test_bad_settings_name_the_key_and_what_is_allowed(block, words):
+    with pytest.raises(AutotuningConfigError, match=None) as error:
+        parse_settings(_config(**block))
+    assert words in str(error.value)
+
+
+def test_no_stage_named_tunes_every_stage_and_named_stages_are_kept():
+    settings = parse_settings(_config())
+    assert parse_space(_config(), settings, 2).stages == [0, 1, 2, 3]  # upstream: ZeRO-0 only
+    named = {**_config(), "zero_optimization": {"stage": [2, 1]}}
+    assert parse_space(named, settings, 2).stages == [1, 2]
+    inside = _config(zero_optimization={"stage": 3})
+    assert parse_space(inside, settings, 2).stages == [3]
+    with pytest.raises(AutotuningConfigError, match="zero_optimization.stage = \\[4\\]"):
+        parse_space({**_config(), "zero_optimization": {"stage": [4]}}, settings, 2)
+
+
+def test_space_lists_and_fixed_global_batch():
+    settings = parse_settings(_config())
+    space = parse_space({**_config(train_micro_batch_size_per_gpu=[8, 2, 4]), "gradient_accumulation_steps": [1, 2]},
+                        settings, 2)
+    assert space.micro_batch_sizes == [2, 4, 8] and space.gas == [1, 2] and space.train_batch_size is None
+    fixed = parse_space({**_config(), "train_batch_size": 6, "gradient_accumulation_steps": [1, 2, 3, 4]}, settings, 2)
+    assert fixed.train_batch_size == 6 and fixed.gas == [1, 2, 3]  # 4 does not divide 6
+    with pytest.raises(AutotuningConfigError, match="train_micro_batch_size_per_gpu"):
+        parse_space(_config(train_micro_batch_size_per_gpu=[0]), settings, 2)
+
+
+def test_experiment_config_keeps_the_users_zero_settings_and_removes_tuning_values():
+    """Upstream replaced zero_optimization by {"stage": n}, dropping offload and bucket sizes."""
+    user = {**_config(train_micro_batch_size_per_gpu=[2, 4], fast=True),
+            "gradient_accumulation_steps": "auto",
+            "zero_optimization": {"stage": [1, 2], "offload_optimizer": {"device": "cpu"}, "reduce_bucket_size": 7},
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
+    settings = parse_settings(user)
+    config = Experiment(stage=2, gas=2, micro_batch_sizes=(4, 4)).ds_config(user, "/x/metrics.json", settings)
+    assert config["zero_optimization"] == {"stage": 2, "offload_optimizer": {"device": "cpu"}, "reduce_bucket_size": 7}
+    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
+            config["train_batch_size"]) == (4, 2, 16)
+    assert "train_micro_batch_size_per_gpu" not in config["autotuning"] and config["autotuning"]["metric_path"] == \
+        "/x/metrics.json"
+    assert '"auto"' not in json.dumps(config)
+    assert user["zero_optimization"]["stage"] == [1, 2]  # the user's dict is not modified
+
+
+def test_heterogeneous_experiment_config_carries_the_plan_and_the_emulation():
+    user = {**_config(), "heterogeneous_config": {"enabled": True, "emulation": {"speeds": [1.0, 0.4]},
+                                                  "scheduler": {"dynamic_rebalancing": True}}}
+    settings = parse_settings(user)
+    config = Experiment(stage=1, gas=1, micro_batch_sizes=(12, 4), heterogeneous=True).ds_config(user, "m", settings)
+    hetero = config["heterogeneous_config"]
+    assert hetero["load_balancing_strategy"] == "manual" and hetero["micro_batch_sizes"] == [12, 4]
+    assert hetero["emulation"] == {"speeds": [1.0, 0.4]} and hetero["scheduler"]["dynamic_rebalancing"] is False
+    assert "train_micro_batch_size_per_gpu" not in config and config["train_batch_size"] == 16
+    uniform = Experiment(stage=1, gas=1, micro_batch_sizes=(8, 8), heterogeneous=True).ds_config(user, "m", settings)
+    assert uniform["heterogeneous_config"]["load_balancing_strategy"] == "uniform"
+    assert Experiment(stage=1, gas=2, micro_batch_sizes=(12, 4)).name == "z1_gas2_tmbspg12-4"
+    assert Experiment(stage=0, gas=1, micro_batch_sizes=(3, 3)).name == "z0_gas1_tmbspg3"
+
+
+def test_interpolate_keeps_the_sum_and_stays_positive():
+    assert interpolate((8, 8), (12, 4), 1.0) == (12, 4)
+    assert interpolate((8, 8), (12, 4), 0.5) == (10, 6)
+    assert interpolate((8, 8), (12, 4), 1.5) == (14, 2)
+    assert interpolate((8, 8), (12, 4), 2.5) is None
+    assert sum(interpolate((5, 5, 5), (9, 4, 2), 0.7)) == 15
+
+
+# -- arguments -----------------------------------------------------------------------------------
+
+
+def test_experiment_arguments_replace_the_config_and_set_mapped_flags():
+    experiment = Experiment(stage=1, gas=2, micro_batch_sizes=(6, 2))
+    args = ["--deepspeed_config", "ds.json", "--per_device_train_batch_size", "1", "--x"]
+    out = experiment_args(args, "/e/ds_config.json", {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size",
+                                                     "gradient_accumulation_steps": "--gas"}, experiment)
+    assert out == ["--deepspeed_config", "/e/ds_config.json", "--per_device_train_batch_size", "6", "--x", "--gas", "2"]
+    assert find_config_path(["--deepspeed", "--deepspeed_config=a.json"]) == "a.json"
+    assert experiment_args(["--deepspeed_config=a.json"], "b.json", {}, experiment) == ["--deepspeed_config=b.json"]
+    with pytest.raises(AutotuningConfigError, match="do not name a ds_config"):
+        experiment_args(["--lr", "1"], "b.json", {}, experiment)
+
+
+def test_launcher_arguments_drop_autotuning_and_the_port():
+    argv = ["--autotuning", "tune", "--num_nodes", "1", "--num_gpus", "2", "--master_port", "29500", "train.py",
+            "--deepspeed_config", "ds.json"]
+    assert _launcher_args(argv, "train.py") == ["--num_nodes", "1", "--num_gpus", "2"]
+
+
+# -- outcomes ------------------------------------------------------------------------------------
+
+
+def _outcome(name, value, status=R.OK, stage=1):
+    return R.Outcome(name=name, stage=stage, status=status, value=value)
+
+
+def test_latency_picks_the_smallest_and_throughput_the_largest():
+    """Upstream chose the largest latency."""
+    outcomes = [_outcome("a", 3.0), _outcome("b", 1.0), _outcome("c", 2.0), _outcome("d", 0.5, R.FAILED)]
+    assert R.select_best(outcomes, "latency").name == "b"
+    assert R.select_best(outcomes, "throughput").name == "a"
+    assert R.select_best(outcomes, "flops").name == "a"
+    assert R.select_best([_outcome("x", None, R.OOM)], "latency") is None
+
+
+def test_flops_metric_is_read_from_the_metrics_file():
+    """Upstream looked up results['flops'], which its engine never wrote (KeyError)."""
+    assert R.metric_value({"flops": 5.0, "FLOPS_per_gpu": 5.0}, "flops") == 5.0
+    assert R.metric_value({"FLOPS_per_gpu": 7.0}, "flops") == 7.0
+    with pytest.raises(ValueError, match="no finite 'latency'"):
+        R.metric_value({"throughput": 1.0}, "latency")
+
+
+def test_exit_status_decides_failure_not_the_word_error():
+    """Upstream marked a run failed when any stderr line contained 'error'."""
+    assert R.classify(0, "UserWarning: error-prone API\nerror: nothing", metrics_present=True) == (R.OK, "")
+    status, message = R.classify(0, "", metrics_present=False)
+    assert status == R.NO_METRICS and "without writing metrics" in message
+    status, message = R.classify(1, "Traceback (most recent call last):\n  File x\ntorch.OutOfMemoryError: CUDA out "
+                                 "of memory. Tried to allocate 2.00 GiB")
+    assert status == R.OOM and "Tried to allocate 2.00 GiB" in message
+    status, message = R.classify(1, "noise\nTraceback (most recent call last):\n  File \"t.py\"\nValueError: bad "
+                                 "shape (3, 4)")
+    assert status == R.FAILED and message.endswith("ValueError: bad shape (3, 4)") and "noise" not in message
+    assert R.classify(-9, "", timed_out=True)[0] == R.TIMEOUT
+    assert R.classify(137, "Killed")[0] == R.OOM
+
+
+def test_cpu_memory_is_divided_among_the_ranks_on_a_host():
+    """Upstream gave every rank the whole host's RAM on the CPU accelerator."""
+    assert rank_memory_capacity(64 * 2**30, "cpu", 4) == 16 * 2**30
+    assert rank_memory_capacity(80 * 2**30, "cuda", 8) == 80 * 2**30
+    assert rank_memory_capacity(None, "cpu", 2) is None
+
+
+def test_summary_table_has_a_row_per_stage_and_a_global_row():
+    outcomes = [_outcome("z0_gas1_tmbspg4", 10.0, stage=0), _outcome("z1_gas1_tmbspg8", 12.5, stage=1),
+                _outcome("z1_gas1_tmbspg16", None, R.OOM, stage=1),
+                R.Outcome(name="z1_gas1_tmbspg32", stage=1, status=R.PREDICTED_OOM)]
+    table = R.format_summary(outcomes, "throughput", [0, 1])
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in table.splitlines() if line.startswith("|")]
+    assert rows[0] == ["tuning space", "experiments", "best metric value (throughput)", "best experiment name"]
+    assert rows[1] == ["z0", "1", "10", "z0_gas1_tmbspg4"]
+    assert rows[2] == ["z1", "2", "12.5", "z1_gas1_tmbspg8"]
+    assert rows[3] == ["global", "3", "12.5", "z1_gas1_tmbspg8"]
+
+
+def test_learning_rate_advice_fills_in_the_numbers():
+    config = {"optimizer": {"params": {"lr": 0.001}}}
+    assert R.lr_advice(config, 32, 32) is None
+    text = R.lr_advice(config, 64, 16)
+    assert "lr_new = lr_old * sqrt(B_new / B_old) = 0.001 * sqrt(64 / 16) = 0.002" in text
+    assert "sqrt(64 / B_old)" in R.lr_advice(config, 64, None)
+
+
+# -- cost model and model-based choice ------------------------------------------------------------
+
+
+def _profile(capacities=(None, None)):
+    return ClusterProfile(time_models=[TimeModel(0.01, 0.001), TimeModel(0.01, 0.0025)], activation_base=[1e6, 1e6],
+                          activation_per_sample=[1e6, 1e6], capacities=list(capacities), utilization=1.0,
+                          num_parameters=1_000_000, param_bytes=4, optimizer_bytes=8, master_bytes=0,
+                          optimizer_offloaded=False, devices=["A100", "V100"])
+
+
+def test_cost_model_predicts_the_slowest_rank_and_memory_per_stage():
+    profile = _profile()
+    assert profile.heterogeneous
+    prediction = profile.predict(1, 2, (12, 4))
+    assert prediction.step_seconds == pytest.approx(2 * max(0.01 + 0.012, 0.01 + 0.010))
+    assert prediction.throughput == pytest.approx(32 / prediction.step_seconds)
+    # Stage 0: params + grads 8 B and Adam 8 B per parameter; stage 3 shards all three over 2 ranks.
+    assert profile.state_bytes(0) == 16_000_000 and profile.state_bytes(3) == 8_000_000
+    assert prediction.memory_bytes[0] == pytest.approx(profile.state_bytes(1) + 1e6 + 12e6)
+    # The compute-aware split puts more on the faster rank; memory caps it.
+    assert profile.balanced_sizes(1, 1, 16) == (12, 4)  # 22 ms vs 20 ms; (11, 5) would be 21 vs 22.5
+    small = _profile(capacities=(12e6 + 16e6, None))  # room for 11 samples at stage 0
+    assert small.max_micro_batch(0)[0] == 11
+    assert not small.predict(0, 1, (12, 4)).fits and small.predict(0, 1, (11, 5)).fits
+
+
+def test_model_based_choice_follows_corrected_predictions_and_really_explores():
+    """Upstream's exploration branch computed a feature and never used it."""
+    profile = _profile()
+    todo = [(Experiment(stage=s, gas=1, micro_batch_sizes=(11, 5)), profile.predict(s, 1, (11, 5))) for s in (0, 1, 2)]
+    # Stage 2 measured at half its prediction, stage 0 at 90%: the model's choice is stage 0.
+    corrections = {0: 0.9, 2: 0.5}
+    picks = [choose_next(todo, corrections, "throughput", random.Random(seed)) for seed in range(200)]
+    exploit = picks.count(0) / len(picks)
+    assert exploit == pytest.approx(1 - EXPLORATION, abs=0.08)
+    assert {1, 2} <= set(picks)  # exploration reaches candidates the model ranks lower
+    latency_pick = choose_next(todo, {0: 1.0, 1: 0.5, 2: 1.0}, "latency", random.Random(1))
+    assert latency_pick in (0, 1, 2)
+    assert math.isfinite(todo[0][1].metric("latency"))
