@@ -197,8 +197,10 @@ class HeterogeneousAutotuner:
         if space.train_batch_size is not None:
             per_step = space.train_batch_size // gas
         else:
-            smallest = (space.micro_batch_sizes or [max(2, self.settings.min_train_micro_batch_size_per_gpu)])[0]
-            per_step = smallest * self.dp_world
+            # The fit a + b * mbs is used at the candidates' sizes: profile near their middle (the
+            # largest could run out of memory before anything is known).
+            sizes = space.micro_batch_sizes or [max(2, self.settings.min_train_micro_batch_size_per_gpu)]
+            per_step = sizes[(len(sizes) - 1) // 2] * self.dp_world
         stage = space.stages[0]
         experiment = Experiment(stage=stage, gas=gas, micro_batch_sizes=_even_split(per_step, self.dp_world),
                                 profile=True)
