@@ -36,6 +36,7 @@ from .runner import ExperimentRunner, find_config_path
 from .space import AutotuningConfigError, Experiment, interpolate, parse_settings, parse_space
 
 EXPLORATION = 0.2
+RESULT_FILES = ("summary.txt", "results.json", "ds_config_optimal.json", "cmd_optimal.txt")
 AUTO_MBS_LIMIT_WITHOUT_CAPACITY = 32
 PROFILE_STEPS = 3
 
@@ -92,13 +93,7 @@ class HeterogeneousAutotuner:
         self.space = parse_space(self.user_config, self.settings, self.dp_world)
         self.results_dir = os.path.abspath(self.settings.results_dir)
         self.exps_dir = os.path.abspath(self.settings.exps_dir)
-        for folder in (self.results_dir, self.exps_dir):
-            if os.path.isdir(folder) and os.listdir(folder):
-                if not self.settings.overwrite:
-                    raise AutotuningConfigError(f"{folder} is not empty and autotuning.overwrite is false: move it "
-                                                f"or set overwrite to true")
-                shutil.rmtree(folder)
-            os.makedirs(folder, exist_ok=True)
+        self._clear_previous_results()
         self.runner = ExperimentRunner(_launcher_args(argv, script), script, args.user_args,
                                        self.settings.arg_mappings, self.settings.experiment_timeout)
         self.outcomes = []
@@ -107,6 +102,21 @@ class HeterogeneousAutotuner:
         self.planned = 0
         self.durations = []
         self.rng = random.Random(self.settings.seed)
+
+    def _clear_previous_results(self):
+        """Remove an earlier tuning's files (only those: results_dir may be a shared folder)."""
+        stale = [os.path.join(self.results_dir, name) for name in RESULT_FILES]
+        if os.path.isdir(self.exps_dir):
+            stale += [os.path.join(self.exps_dir, name) for name in os.listdir(self.exps_dir)
+                      if os.path.isfile(os.path.join(self.exps_dir, name, "cmd.txt"))]
+        stale = [path for path in stale if os.path.exists(path)]
+        if stale and not self.settings.overwrite:
+            raise AutotuningConfigError(f"results of an earlier tuning are in the way ({stale[0]}, ...) and "
+                                        f"autotuning.overwrite is false: move them or set overwrite to true")
+        for path in stale:
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        for folder in (self.results_dir, self.exps_dir):
+            os.makedirs(folder, exist_ok=True)
 
     # -- experiments ----------------------------------------------------------------------------
 
@@ -162,6 +172,13 @@ class HeterogeneousAutotuner:
 
     def tune(self):
         self.began = time.monotonic()
+        try:
+            self._tune()
+        except KeyboardInterrupt:
+            self._write_results()  # what was tried, up to the interruption
+            raise
+
+    def _tune(self):
         space = self.space
         _say(f"tuning {self.world_size} rank(s): ZeRO stages {space.stages}, gas {space.gas}, micro-batch sizes "
              f"{space.micro_batch_sizes or 'auto'}, train_batch_size {space.train_batch_size or 'tuned'}, metric "
@@ -509,6 +526,12 @@ def _clock(seconds):
 
 def run_autotuning(args, active_resources, argv):
     """Entry point from the launcher; exits with a message instead of a traceback on bad input."""
+    import signal
+
+    def _terminate(signum, frame):
+        raise KeyboardInterrupt  # a killed tuner still stops its running experiment's process group
+
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         tuner = HeterogeneousAutotuner(args, active_resources, argv)
         tuner.tune()

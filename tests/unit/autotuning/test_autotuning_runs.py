@@ -8,8 +8,10 @@ down; each experiment costs ~15-25 s of start-up on two cores.
 
 import json
 import os
+import signal
 import statistics
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -211,13 +213,39 @@ def test_every_candidate_out_of_memory_is_reported_as_such(tmp_path):
     assert "can't allocate memory for a micro-batch" in _results(tmp_path)["experiments"][0]["error"]
 
 
-def test_a_hanging_experiment_is_killed_with_all_its_ranks(tmp_path):
+def test_a_hanging_experiment_is_killed_and_an_interrupted_tuner_leaves_no_rank_behind(tmp_path):
+    """The first experiment hangs past experiment_timeout and is killed with its ranks; the tuner
+    is then interrupted (SIGINT) while the second hangs: it stops that one too and says so."""
     config = _config(experiment_timeout=20)
     config["zero_optimization"] = {"stage": [1]}
     config["autotuning"]["train_micro_batch_size_per_gpu"] = [2]
-    code, output = _tune(tmp_path, config, ["--hang-at-step", "2"])
-    assert code == 1, output[-4000:]
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config))
+    log = tmp_path / "tuner.log"
+    command = [deepspeed_launcher(), "--autotuning", "tune", "--num_gpus", "2", str(SCRIPT), "--deepspeed_config",
+               str(path), "--hang-at-step", "2"]
+    with open(log, "w") as out:
+        tuner = subprocess.Popen(command, cwd=tmp_path, env=_env(), stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 300
+            while "hanging" not in _second_experiment_log(tmp_path) and time.monotonic() < deadline:
+                assert tuner.poll() is None, log.read_text()[-4000:]
+                time.sleep(1)
+            assert time.monotonic() < deadline, log.read_text()[-4000:]
+            tuner.send_signal(signal.SIGINT)
+            code = tuner.wait(timeout=60)
+        finally:
+            if tuner.poll() is None:
+                tuner.kill()
+    output = log.read_text()
+    assert code == 130, output[-4000:]
+    assert "interrupted; the running experiment was stopped" in output
     statuses = [e["status"] for e in _results(tmp_path)["experiments"]]
-    assert statuses == ["timed out", "timed out"], statuses
-    assert "timed out" in output and "experiment_timeout" in output
+    assert statuses == ["timed out"], statuses
+    assert "experiment_timeout" in _results(tmp_path)["experiments"][0]["error"]
     assert _live_processes(str(tmp_path)) == []
+
+
+def _second_experiment_log(tmp_path):
+    folders = [p for p in (tmp_path / "autotuning_exps").glob("z*") if (p / "stdout.log").is_file()]
+    return folders[0].joinpath("stdout.log").read_text() if folders else ""
