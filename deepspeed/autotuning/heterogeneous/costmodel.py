@@ -26,6 +26,22 @@ SPEED_SPREAD_HETEROGENEOUS = 0.25
 """Ranks whose per-sample times differ by more than this are treated as different devices."""
 
 
+FIXED_SHARE_LIMIT = 0.5
+"""A fitted fixed cost above this share of the micro-step it was measured at is taken as noise."""
+
+
+def plausible_time_model(model, size):
+    """The profiled fit, or the proportional model through its point at ``size``.
+
+    A few profiling steps at sizes close together leave the split between fixed and per-sample
+    cost to noise; extrapolated to other allocations, a large fitted fixed cost makes a slow
+    rank look cheap per sample. Proportional time is the safe side (as in the planner's fit).
+    """
+    if not size or model.a <= FIXED_SHARE_LIMIT * model.micro_step_time(size):
+        return model
+    return TimeModel(0.0, model.micro_step_time(size) / size)
+
+
 @dataclass(frozen=True)
 class Prediction:
     step_seconds: float
@@ -67,7 +83,9 @@ class ClusterProfile:
             capacities.append(entry["capacity_bytes"] if entry["capacity_bytes"] is not None else
                               measured.get("memory_capacity_bytes"))
         first = ranks[0]
-        return cls(time_models=[TimeModel(r["a"], r["b"]) for r in ranks],
+        sizes = ((profile.get("plan") or {}).get("micro_batch_sizes") or [None] * len(ranks))
+        models = [plausible_time_model(TimeModel(r["a"], r["b"]), size) for r, size in zip(ranks, sizes)]
+        return cls(time_models=models,
                    activation_base=[r["activation_base"] for r in ranks],
                    activation_per_sample=[r["activation_per_sample"] for r in ranks],
                    capacities=capacities, utilization=first["utilization"],

@@ -298,3 +298,30 @@ def interpolate(uniform, target, fraction):
     for i in order[:total - sum(sizes)]:
         sizes[i] += 1
     return tuple(sizes) if sum(sizes) == total else None
+
+
+def optimal_ds_config(experiment_config, user_config):
+    """The best experiment's config made for training: autotuning off, and the user's own
+    heterogeneous scheduler settings back (experiments measure one fixed plan).
+
+    With the user's dynamic rebalancing on, the plan cannot be a fixed (manual) one: the config
+    keeps the tuned stage, gas and global batch and lets compute_aware find and follow the plan.
+    """
+    config = copy.deepcopy(experiment_config)
+    block = config.get("autotuning") or {}
+    block["enabled"] = False  # trains; does not stop after the measuring window
+    block.pop("metric_path", None)
+    config["autotuning"] = block
+    hetero = config.get(HETERO)
+    if hetero is None:
+        return config
+    scheduler = copy.deepcopy((user_config.get(HETERO) or {}).get("scheduler"))
+    if scheduler is None:
+        hetero.pop("scheduler", None)
+        return config
+    scheduler.pop("type", None)  # the strategy is load_balancing_strategy's
+    hetero["scheduler"] = scheduler
+    if scheduler.get("dynamic_rebalancing"):
+        hetero["load_balancing_strategy"] = "compute_aware"
+        hetero.pop("micro_batch_sizes", None)
+    return config

@@ -33,12 +33,12 @@ from .costmodel import ClusterProfile
 from .results import (FAILED, NO_METRICS, OK, OOM, PREDICTED_OOM, PROFILED, TIMEOUT, Outcome, format_summary, is_better,
                       lr_advice, lower_is_better, metric_value, select_best)
 from .runner import ExperimentRunner, find_config_path
-from .space import AutotuningConfigError, Experiment, interpolate, parse_settings, parse_space
+from .space import AutotuningConfigError, Experiment, interpolate, optimal_ds_config, parse_settings, parse_space
 
 EXPLORATION = 0.2
 RESULT_FILES = ("summary.txt", "results.json", "ds_config_optimal.json", "cmd_optimal.txt")
 AUTO_MBS_LIMIT_WITHOUT_CAPACITY = 32
-PROFILE_STEPS = 3
+PROFILE_STEPS = 5  # fitted from steps 2-5: four points per rank at sizes a quarter apart
 
 
 class AutotuningError(RuntimeError):
@@ -322,7 +322,7 @@ class HeterogeneousAutotuner:
             mine = [item for item in ranked if item[0].stage == stage]
             if mine:
                 firsts.append(mine)
-        self.planned += len(firsts) + 1
+        self.planned += len([mine for mine in firsts if not self._already(mine[0][0])]) + 1
         for mine in firsts:
             experiment, prediction = mine[0]
             if not self._already(experiment):
@@ -423,12 +423,7 @@ class HeterogeneousAutotuner:
 
     def optimal_config(self):
         best = self.best()
-        config = json.loads(json.dumps(self.configs[best.name]))
-        block = config.get("autotuning") or {}
-        block["enabled"] = False  # the optimal config trains; it does not stop after the window
-        block.pop("metric_path", None)
-        config["autotuning"] = block
-        return config
+        return optimal_ds_config(self.configs[best.name], self.user_config)
 
     def optimal_command(self):
         from .runner import experiment_args

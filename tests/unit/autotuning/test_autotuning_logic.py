@@ -13,8 +13,8 @@ from deepspeed.autotuning.heterogeneous import results as R
 from deepspeed.autotuning.heterogeneous.costmodel import ClusterProfile
 from deepspeed.autotuning.heterogeneous.experiments import rank_memory_capacity
 from deepspeed.autotuning.heterogeneous.runner import experiment_args, find_config_path
-from deepspeed.autotuning.heterogeneous.space import (AutotuningConfigError, Experiment, interpolate, parse_settings,
-                                                      parse_space)
+from deepspeed.autotuning.heterogeneous.space import (AutotuningConfigError, Experiment, interpolate,
+                                                      optimal_ds_config, parse_settings, parse_space)
 from deepspeed.autotuning.heterogeneous.tuner import EXPLORATION, _launcher_args, choose_next
 from deepspeed.runtime.heterogeneous.planner import TimeModel
 
@@ -93,6 +93,33 @@ def test_heterogeneous_experiment_config_carries_the_plan_and_the_emulation():
     assert uniform["heterogeneous_config"]["load_balancing_strategy"] == "uniform"
     assert Experiment(stage=1, gas=2, micro_batch_sizes=(12, 4)).name == "z1_gas2_tmbspg12-4"
     assert Experiment(stage=0, gas=1, micro_batch_sizes=(3, 3)).name == "z0_gas1_tmbspg3"
+
+
+def test_optimal_config_trains_and_gives_back_the_users_scheduler():
+    from deepspeed.runtime.heterogeneous.config import HeterogeneousConfig
+    fixed = {**_config(), "heterogeneous_config": {"enabled": True, "scheduler": {"imbalance_threshold": 0.2}}}
+    dynamic = {**_config(), "heterogeneous_config": {"enabled": True, "scheduler": {"type": "compute_aware",
+                                                                                    "dynamic_rebalancing": True}}}
+    experiment = Experiment(stage=1, gas=1, micro_batch_sizes=(12, 4), heterogeneous=True)
+    for user, strategy in ((fixed, "manual"), (dynamic, "compute_aware")):
+        config = optimal_ds_config(experiment.ds_config(user, "m.json", parse_settings(user)), user)
+        assert config["autotuning"]["enabled"] is False and "metric_path" not in config["autotuning"]
+        hetero = config["heterogeneous_config"]
+        assert hetero["load_balancing_strategy"] == strategy and config["train_batch_size"] == 16
+        HeterogeneousConfig(**hetero)  # valid as the fork's config block
+    assert optimal_ds_config(experiment.ds_config(fixed, "m", parse_settings(fixed)), fixed)[
+        "heterogeneous_config"]["scheduler"] == {"imbalance_threshold": 0.2}
+    assert optimal_ds_config(experiment.ds_config(dynamic, "m", parse_settings(dynamic)), dynamic)[
+        "heterogeneous_config"]["scheduler"]["dynamic_rebalancing"] is True
+
+
+def test_implausible_profiled_fixed_cost_falls_back_to_proportional_time():
+    from deepspeed.autotuning.heterogeneous.costmodel import plausible_time_model
+    noisy = TimeModel(0.748, 0.0252)  # measured at 8 samples: 0.95 s, 79% of it "fixed"
+    fallback = plausible_time_model(noisy, 8)
+    assert fallback.a == 0.0 and fallback.b == pytest.approx((0.748 + 8 * 0.0252) / 8)
+    sound = TimeModel(0.1, 0.03)
+    assert plausible_time_model(sound, 24) is sound and plausible_time_model(noisy, None) is noisy
 
 
 def test_interpolate_keeps_the_sum_and_stays_positive():
