@@ -249,3 +249,26 @@ def test_a_hanging_experiment_is_killed_and_an_interrupted_tuner_leaves_no_rank_
 def _second_experiment_log(tmp_path):
     folders = [p for p in (tmp_path / "autotuning_exps").glob("z*") if (p / "stdout.log").is_file()]
     return folders[0].joinpath("stdout.log").read_text() if folders else ""
+
+
+def test_a_metrics_file_left_by_an_earlier_run_is_never_read(tmp_path, monkeypatch):
+    """Upstream's smaller-micro-batch loop re-read the previous experiment's metrics file."""
+    from deepspeed.autotuning.heterogeneous.results import NO_METRICS
+    from deepspeed.autotuning.heterogeneous.runner import ExperimentRunner
+    from deepspeed.autotuning.heterogeneous.space import Experiment, parse_settings
+
+    script = tmp_path / "exits.py"
+    script.write_text("import sys\nsys.exit(0)\n")
+    exp_dir = tmp_path / "exps" / "z1_gas1_tmbspg2"
+    exp_dir.mkdir(parents=True)
+    stale = exp_dir / "metrics.json"
+    stale.write_text(json.dumps({"throughput": 1e9, "latency": 1e-9}))
+    user = _config()
+    experiment = Experiment(stage=1, gas=1, micro_batch_sizes=(2, 2))
+    config = experiment.ds_config(user, str(stale), parse_settings(user))
+    for name, value in _env().items():
+        monkeypatch.setenv(name, value)
+    runner = ExperimentRunner(["--num_gpus", "2"], str(script), ["--deepspeed_config", "ds.json"], {}, timeout=120)
+    status, message, metrics, _ = runner.run(experiment, config, str(exp_dir))
+    assert (status, metrics) == (NO_METRICS, None), message
+    assert not stale.exists()
