@@ -527,6 +527,9 @@ def run_autotuning(args, active_resources, argv):
         raise KeyboardInterrupt  # a killed tuner still stops its running experiment's process group
 
     signal.signal(signal.SIGTERM, _terminate)
+    # A tuner started in the background by a non-interactive shell inherits SIGINT ignored, and
+    # Python then never raises KeyboardInterrupt: Ctrl-C/SIGINT must still stop the experiment.
+    signal.signal(signal.SIGINT, _terminate)
     try:
         tuner = HeterogeneousAutotuner(args, active_resources, argv)
         tuner.tune()
