@@ -761,6 +761,12 @@ def cmd_check(_args):
         fork = set(fork_tracked_files())
         paths = upstream_paths(expected, fork)
         overlap = sorted(p for m in metas.values() for p in m.owned if p in fork)
+        copied = sorted(p for p in fork if p in pristine and (ROOT / p).is_file()
+                        and (ROOT / p).read_bytes() == pristine[p][0])
+        if copied:
+            problems.append("upstream file(s) are committed unchanged (they arrive from the sdist; 'git rm --cached' "
+                            "them): " + ", ".join(copied[:10]) + (f" and {len(copied) - 10} more" if len(copied) > 10
+                                                                  else ""))
         if overlap:
             problems.append(f"patches change files the fork tracks itself: {', '.join(overlap)}")
         present = [p for p in paths if (ROOT / p).is_file()]
