@@ -15,7 +15,6 @@ ZeRO stages differ in communication the compute models do not see; the tuner the
 candidates within a stage by prediction and lets real experiments rank the stages.
 """
 
-import math
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -159,6 +158,3 @@ class ClusterProfile:
                         f"{'unknown' if cap is None else f'{cap / 2**30:.3g} GiB'}")
         return rows
 
-
-def speedup(best, reference):
-    return best / reference if reference and math.isfinite(reference) else float("nan")

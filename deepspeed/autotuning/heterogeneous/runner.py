@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 
-from .results import NO_METRICS, OK, TIMEOUT, classify
+from .results import OK, classify
 from .space import BATCH, GAS, MBS, AutotuningConfigError
 
 CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed")
@@ -171,6 +171,3 @@ def _read(path):
             return handle.read()
     except OSError:
         return ""
-
-
-__all__ = ["ExperimentRunner", "experiment_args", "find_config_path", "kill_group", "NO_METRICS", "TIMEOUT"]

@@ -176,11 +176,6 @@ class TuningSpace:
     heterogeneous: bool
     """The user's config enables heterogeneous_config: per-rank allocations are tuned."""
 
-    @property
-    def user_global_batch(self):
-        """The global batch the user's config implies, or None when it is left to the tuner."""
-        return self.train_batch_size
-
 
 def parse_space(ds_config, settings, world_size):
     block = ds_config.get("autotuning") or {}

@@ -4,7 +4,6 @@ classification, the cost model, the model-based choice, the summary and the lr a
 Each upstream defect named in the issue has a test here or in test_autotuning_runs.py."""
 
 import json
-import math
 import random
 
 import pytest
@@ -253,6 +252,6 @@ def test_model_based_choice_follows_corrected_predictions_and_really_explores():
     exploit = picks.count(0) / len(picks)
     assert exploit == pytest.approx(1 - EXPLORATION, abs=0.08)
     assert {1, 2} <= set(picks)  # exploration reaches candidates the model ranks lower
-    latency_pick = choose_next(todo, {0: 1.0, 1: 0.5, 2: 1.0}, "latency", random.Random(1))
-    assert latency_pick in (0, 1, 2)
-    assert math.isfinite(todo[0][1].metric("latency"))
+    # Latency: smaller is better, so the stage measured at half its predicted time is the choice.
+    latency_picks = [choose_next(todo, {0: 1.0, 1: 0.5, 2: 1.0}, "latency", random.Random(seed)) for seed in range(200)]
+    assert max(set(latency_picks), key=latency_picks.count) == 1
