@@ -19,26 +19,10 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from deepspeed.runtime.heterogeneous.memory import model_state_bytes
-from deepspeed.runtime.heterogeneous.planner import TimeModel, plan_micro_batches
+from deepspeed.runtime.heterogeneous.planner import TimeModel, plan_micro_batches, plausible_time_model
 
 SPEED_SPREAD_HETEROGENEOUS = 0.25
 """Ranks whose per-sample times differ by more than this are treated as different devices."""
-
-
-FIXED_SHARE_LIMIT = 0.5
-"""A fitted fixed cost above this share of the micro-step it was measured at is taken as noise."""
-
-
-def plausible_time_model(model, size):
-    """The profiled fit, or the proportional model through its point at ``size``.
-
-    A few profiling steps at sizes close together leave the split between fixed and per-sample
-    cost to noise; extrapolated to other allocations, a large fitted fixed cost makes a slow
-    rank look cheap per sample. Proportional time is the safe side (as in the planner's fit).
-    """
-    if not size or model.a <= FIXED_SHARE_LIMIT * model.micro_step_time(size):
-        return model
-    return TimeModel(0.0, model.micro_step_time(size) / size)
 
 
 @dataclass(frozen=True)

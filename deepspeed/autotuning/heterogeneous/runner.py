@@ -5,7 +5,8 @@ Each experiment is the user's command line launched again through DeepSpeed's ow
 the same resources: on one node that is the local launcher (no pdsh, no ssh), on several nodes
 the launcher the user chose. The launcher and every rank it starts share a new session; when the
 experiment ends, times out or the tuner is interrupted, the whole group is killed, so no rank is
-left behind.
+left behind. A rank killed while it JIT-builds an op leaves torch's build lock, on which every
+later run would wait forever; the locks created during a killed experiment are removed.
 """
 
 import glob
@@ -101,6 +102,36 @@ def _group_alive(pgid):
         return True
 
 
+def extension_roots(env):
+    """Where the experiment's ranks JIT-build ops: TORCH_EXTENSIONS_DIR, else torch's default root."""
+    explicit = env.get("TORCH_EXTENSIONS_DIR")
+    if explicit:
+        return [explicit]
+    from torch.utils.cpp_extension import get_default_build_root
+    return [get_default_build_root()]
+
+
+def remove_build_locks(roots, since):
+    """Remove torch JIT build locks (``<root>/<op>/lock``, or one level deeper under the default
+    root) created at or after ``since`` (seconds since the epoch); returns their paths.
+
+    Only called once every process of the experiment is dead: a lock it created can have no live
+    owner, and torch's lock records none, so a waiting process would never take it over.
+    """
+    removed = []
+    for root in roots:
+        paths = glob.glob(os.path.join(root, "*", "lock")) + glob.glob(os.path.join(root, "*", "*", "lock"))
+        for path in sorted(set(paths)):
+            try:
+                # One second of slack for file systems with coarse time stamps.
+                if os.stat(path).st_mtime >= since - 1.0:
+                    os.unlink(path)
+                    removed.append(path)
+            except OSError:
+                pass
+    return removed
+
+
 class ExperimentRunner:
 
     def __init__(self, launcher_args, user_script, user_args, arg_mappings, timeout, env=None):
@@ -129,8 +160,9 @@ class ExperimentRunner:
         command = self.command(experiment, config_path, port)
         with open(os.path.join(exp_dir, "cmd.txt"), "w") as handle:
             handle.write(" ".join(command) + "\n")
-        began = time.monotonic()
+        began, began_epoch = time.monotonic(), time.time()
         timed_out = False
+        stale_locks = []
         with open(os.path.join(exp_dir, "stdout.log"), "w") as out, open(os.path.join(exp_dir, "stderr.log"),
                                                                            "w") as err:
             process = subprocess.Popen(command, stdout=out, stderr=err, env=self.env, start_new_session=True)
@@ -146,6 +178,8 @@ class ExperimentRunner:
                 # group goes, every time.
                 kill_group(process, grace=0.0 if not timed_out else 10.0)
                 process.wait()
+                if timed_out or process.returncode != 0:
+                    stale_locks = remove_build_locks(extension_roots(self.env), began_epoch)
                 for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
                     try:
                         os.unlink(path)  # upstream's CPU shared-memory all-reduce leaks these
@@ -162,6 +196,10 @@ class ExperimentRunner:
                                    timed_out=timed_out)
         if status != OK:
             metrics = None
+        if stale_locks:
+            message += (f"; removed the JIT build lock(s) its killed ranks left ({', '.join(stale_locks)}): "
+                        f"an op build was cut short and runs again in the next experiment (a first build can "
+                        f"take minutes; raise autotuning.experiment_timeout if it keeps timing out)")
         return status, message, metrics, seconds
 
 

@@ -151,7 +151,8 @@ class HeterogeneousAutotuner:
         self.configs[name] = config
         with open(os.path.join(exp_dir, "result.json"), "w") as handle:
             json.dump(outcome.to_dict(), handle, indent=2)
-        shown = f"{self.settings.metric} {value:.4g}" if status == OK else f"{status}: {message.splitlines()[-1] if message else ''}"
+        last_line = message.splitlines()[-1] if message else ""
+        shown = f"{self.settings.metric} {value:.4g}" if status == OK else f"{status}: {last_line}"
         _say(f"experiment {number}/{total} {name}: {shown} ({seconds:.1f} s)")
         self._check_abort()
         return outcome

@@ -86,6 +86,25 @@ def fit_time_model(samples):
     return TimeModel(intercept, slope)
 
 
+FIXED_SHARE_LIMIT = 0.5
+"""A fitted fixed cost above this share of the micro-step it was measured at is taken as noise."""
+
+
+def plausible_time_model(model, size):
+    """``model``, or the proportional model through its time at ``size`` when its fixed cost is
+    more than ``FIXED_SHARE_LIMIT`` of that time.
+
+    A few steps at sizes close together, on a loaded machine, leave the split between fixed and
+    per-sample cost to noise: a fit can come out nearly flat (``a`` large, ``b`` small). Used far
+    from the sizes it was measured at, such a model makes a rank look cheap per sample, or makes
+    moving work off a slowed rank look useless. Proportional time is the safe side: it keeps the
+    measured point and lets work follow speed.
+    """
+    if not size or model.a <= FIXED_SHARE_LIMIT * model.micro_step_time(size):
+        return model
+    return TimeModel(0.0, model.micro_step_time(size) / size)
+
+
 def time_models_from_scores(scores):
     """Prior time models from relative speed scores (e.g. TFLOP/s): ``b_i = 1 / score_i``, ``a_i = 0``."""
     scores = list(scores)

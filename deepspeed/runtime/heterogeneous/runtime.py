@@ -27,7 +27,7 @@ from .batch import apply_plan, memory_capacities
 from .emulation import scheduled_speed, start_emulation
 from .memory import (ActivationMeter, RankCannotFitError, fit_activation_model, max_micro_batch, model_state_bytes,
                      optimizer_state_bytes)
-from .planner import Plan, TimeModel, fit_time_model, plan_micro_batches
+from .planner import Plan, TimeModel, fit_time_model, plan_micro_batches, plausible_time_model
 from .rebalance import RebalanceEvent, RebalancePolicy
 
 
@@ -380,13 +380,17 @@ class HeterogeneousRuntime:
     # -- planning -----------------------------------------------------------------------------
 
     def measured_time_models(self):
-        """Per-rank fits; the first step is left out once later ones exist (it carries warm-up)."""
+        """Per-rank fits; the first step is left out once later ones exist (it carries warm-up). A
+        fit whose fixed cost is most of a micro-step falls back to proportional time."""
         steps = self._fit_steps()
         gas = self.config.heterogeneous_base_gas
         models = []
         self.base_models = []  # the fits alone: what dynamic rebalancing measures drift against
         for rank in range(len(steps[0])):
-            model = fit_time_model([sample[:2] for step in steps for sample in step[rank]["samples"]])
+            samples = [sample[:2] for step in steps for sample in step[rank]["samples"]]
+            # A nearly flat fit is noise, not a fixed cost (see plausible_time_model).
+            mean_size = sum(m for m, _ in samples) / len(samples)
+            model = plausible_time_model(fit_time_model(samples), mean_size)
             self.base_models.append(model)
             # The optimizer step runs once per step on every rank, at the rank's own speed: a slow
             # rank's is longer, and the others wait for it at the next collective. Spread over the

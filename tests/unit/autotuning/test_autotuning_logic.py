@@ -11,7 +11,8 @@ import pytest
 from deepspeed.autotuning.heterogeneous import results as R
 from deepspeed.autotuning.heterogeneous.costmodel import ClusterProfile
 from deepspeed.autotuning.heterogeneous.experiments import rank_memory_capacity
-from deepspeed.autotuning.heterogeneous.runner import experiment_args, find_config_path
+from deepspeed.autotuning.heterogeneous.runner import (experiment_args, extension_roots, find_config_path,
+                                                       remove_build_locks)
 from deepspeed.autotuning.heterogeneous.space import (AutotuningConfigError, Experiment, interpolate,
                                                       optimal_ds_config, parse_settings, parse_space)
 from deepspeed.autotuning.heterogeneous.tuner import EXPLORATION, _launcher_args, choose_next
@@ -112,15 +113,6 @@ def test_optimal_config_trains_and_gives_back_the_users_scheduler():
         "heterogeneous_config"]["scheduler"]["dynamic_rebalancing"] is True
 
 
-def test_implausible_profiled_fixed_cost_falls_back_to_proportional_time():
-    from deepspeed.autotuning.heterogeneous.costmodel import plausible_time_model
-    noisy = TimeModel(0.748, 0.0252)  # measured at 8 samples: 0.95 s, 79% of it "fixed"
-    fallback = plausible_time_model(noisy, 8)
-    assert fallback.a == 0.0 and fallback.b == pytest.approx((0.748 + 8 * 0.0252) / 8)
-    sound = TimeModel(0.1, 0.03)
-    assert plausible_time_model(sound, 24) is sound and plausible_time_model(noisy, None) is noisy
-
-
 def test_interpolate_keeps_the_sum_and_stays_positive():
     assert interpolate((8, 8), (12, 4), 1.0) == (12, 4)
     assert interpolate((8, 8), (12, 4), 0.5) == (10, 6)
@@ -142,6 +134,24 @@ def test_experiment_arguments_replace_the_config_and_set_mapped_flags():
     assert experiment_args(["--deepspeed_config=a.json"], "b.json", {}, experiment) == ["--deepspeed_config=b.json"]
     with pytest.raises(AutotuningConfigError, match="do not name a ds_config"):
         experiment_args(["--lr", "1"], "b.json", {}, experiment)
+
+
+def test_only_build_locks_created_during_the_experiment_are_removed(tmp_path):
+    """torch's JIT lock names no owner: a rank killed mid-build leaves it, and later runs wait forever."""
+    import os
+    import time
+    old = tmp_path / "older_op" / "lock"
+    new = tmp_path / "fused_adam" / "lock"  # under TORCH_EXTENSIONS_DIR
+    nested = tmp_path / "py311_cpu" / "heterogeneous" / "lock"  # under torch's default root
+    for path in (old, new, nested):
+        path.parent.mkdir(parents=True)
+        path.write_text("")
+    started = time.time()
+    os.utime(old, (started - 60, started - 60))
+    assert remove_build_locks([str(tmp_path)], started) == [str(new), str(nested)]
+    assert old.exists() and not new.exists() and not nested.exists()
+    assert extension_roots({"TORCH_EXTENSIONS_DIR": str(tmp_path)}) == [str(tmp_path)]
+    assert extension_roots({})[0].endswith("torch_extensions")
 
 
 def test_launcher_arguments_drop_autotuning_and_the_port():

@@ -35,7 +35,7 @@ def _config(**autotuning):
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
         "steps_per_print": 10**6,
-        "optimizer": {"type": "Adam", "params": {"lr": 0.001}},
+        "optimizer": {"type": "Adam", "params": {"lr": 0.001, "torch_adam": True}},
         "autotuning": block,
     }
 
@@ -71,7 +71,7 @@ def test_metric_is_a_window_mean_from_every_rank_and_upstream_takes_one_step_on_
     'flops' key for metric 'flops' (KeyError). The forward here sleeps 0.05 s and 0.25 s on
     alternate steps, so one step's time is far from the window's mean (0.15 s + compute)."""
     config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 10**6,
-              "optimizer": {"type": "Adam", "params": {"lr": 0.001}}, "zero_optimization": {"stage": 1},
+              "optimizer": {"type": "Adam", "params": {"lr": 0.001, "torch_adam": True}}, "zero_optimization": {"stage": 1},
               "autotuning": {"enabled": True, "start_profile_step": 1, "end_profile_step": 5}}
 
     def run(label, root, env):
@@ -221,7 +221,9 @@ def test_every_candidate_out_of_memory_is_reported_as_such(tmp_path):
 
 def test_a_hanging_experiment_is_killed_and_an_interrupted_tuner_leaves_no_rank_behind(tmp_path):
     """The first experiment hangs past experiment_timeout and is killed with its ranks; the tuner
-    is then interrupted (SIGINT) while the second hangs: it stops that one too and says so."""
+    is then interrupted (SIGINT) while the second hangs: it stops that one too and says so. Each
+    hangs holding torch's JIT build lock of an op, as a rank killed mid-build would: the lock must
+    not outlive the experiment, or every later run would wait on it forever."""
     # Long enough for the second experiment to start and reach its hang on a loaded machine
     # before the tuner's own time-out would kill it: this test's SIGINT must come first.
     config = _config(experiment_timeout=45)
@@ -230,8 +232,10 @@ def test_a_hanging_experiment_is_killed_and_an_interrupted_tuner_leaves_no_rank_
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(config))
     log = tmp_path / "tuner.log"
+    op = f"autotuning_lock_test_{os.getpid()}"
+    lock = Path(_env()["TORCH_EXTENSIONS_DIR"]) / op / "lock"
     command = [deepspeed_launcher(), "--autotuning", "tune", "--num_gpus", "2", str(SCRIPT), "--deepspeed_config",
-               str(path), "--hang-at-step", "2"]
+               str(path), "--hang-at-step", "2", "--hold-build-lock", op]
     with open(log, "w") as out:
         tuner = subprocess.Popen(command, cwd=tmp_path, env=_env(), stdout=out, stderr=subprocess.STDOUT)
         try:
@@ -250,7 +254,10 @@ def test_a_hanging_experiment_is_killed_and_an_interrupted_tuner_leaves_no_rank_
     assert "interrupted; the running experiment was stopped" in output
     statuses = [e["status"] for e in _results(tmp_path)["experiments"]]
     assert statuses == ["timed out"], statuses
-    assert "experiment_timeout" in _results(tmp_path)["experiments"][0]["error"]
+    error = _results(tmp_path)["experiments"][0]["error"]
+    assert "experiment_timeout" in error and f"removed the JIT build lock(s) its killed ranks left ({lock})" in error
+    assert not lock.exists()  # the second experiment's, removed on the interrupt
+    lock.parent.rmdir()
     assert _live_processes(str(tmp_path)) == []
 
 

@@ -5,6 +5,8 @@
 
 --ignore-deepspeed  trains without passing the ds_config to deepspeed.initialize (exits 0, no metrics)
 --hang-at-step N    sleeps forever at step N (the per-experiment time-out must kill it)
+--hold-build-lock OP  before hanging, rank 0 takes torch's JIT build lock of op OP under
+                    TORCH_EXTENSIONS_DIR, as a rank killed in the middle of an op build holds it
 --oom-above N       raises MemoryError when a rank's micro-batch exceeds N samples
 --print-error       writes lines containing "error" to stderr and still trains normally
 --sleep-schedule    per forward call k, sleeps SCHEDULE[k % len] seconds (comma list)
@@ -61,6 +63,7 @@ def main():
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--ignore-deepspeed", action="store_true")
     parser.add_argument("--hang-at-step", type=int, default=None)
+    parser.add_argument("--hold-build-lock", default=None)
     parser.add_argument("--oom-above", type=int, default=None)
     parser.add_argument("--print-error", action="store_true")
     parser.add_argument("--sleep-schedule", default=None)
@@ -83,6 +86,11 @@ def main():
     batches = iter(loader)
     for step in range(args.steps):
         if args.hang_at_step is not None and step == args.hang_at_step:
+            if args.hold_build_lock and engine.global_rank == 0:
+                from torch.utils.file_baton import FileBaton
+                build_dir = os.path.join(os.environ["TORCH_EXTENSIONS_DIR"], args.hold_build_lock)
+                os.makedirs(build_dir, exist_ok=True)
+                assert FileBaton(os.path.join(build_dir, "lock")).try_acquire(), "the build lock is taken"
             print(f"rank {engine.global_rank} pid {os.getpid()} hanging", flush=True)
             time.sleep(3600)
         for _ in range(engine.gradient_accumulation_steps()):

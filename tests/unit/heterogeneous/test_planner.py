@@ -10,8 +10,8 @@ import pytest
 
 from deepspeed.runtime.heterogeneous.devices import DeviceDescription
 from deepspeed.runtime.heterogeneous.planner import (Plan, TimeModel, device_score, distribute_workload,
-                                                     fit_time_model, plan_micro_batches, schedule_heterogeneous_tasks,
-                                                     time_models_from_scores)
+                                                     fit_time_model, plan_micro_batches, plausible_time_model,
+                                                     schedule_heterogeneous_tasks, time_models_from_scores)
 
 
 def _slowest(models, sizes, steps=None):
@@ -69,6 +69,33 @@ def test_fit_time_model_single_size_and_fallbacks():
 def test_fit_time_model_rejects_bad_samples(samples, message):
     with pytest.raises(ValueError, match=message):
         fit_time_model(samples)
+
+
+def test_implausible_fixed_cost_falls_back_to_proportional_time():
+    noisy = TimeModel(0.748, 0.0252)  # measured at 8 samples: 0.95 s, 79% of it "fixed"
+    fallback = plausible_time_model(noisy, 8)
+    assert fallback.a == 0.0 and fallback.b == pytest.approx((0.748 + 8 * 0.0252) / 8)
+    sound = TimeModel(0.1, 0.03)
+    assert plausible_time_model(sound, 24) is sound and plausible_time_model(noisy, None) is noisy
+
+
+def test_a_flat_fit_makes_rebalancing_a_slowed_rank_look_useless():
+    """Two equal ranks timed at 9 and 7 samples on a loaded machine: ~0.1 s either way. The fit
+    calls nearly all of it fixed cost. When rank 1 then slows 3x, under that fit no split gains
+    the rebalancing threshold (and the planner's pick, [15, 1], overshoots: with equal cost for
+    every split it takes the extreme); the plausible model predicts the real gain and the ideal
+    split."""
+    samples = [(9, 0.100), (7, 0.099), (9, 0.1005), (7, 0.0985)]
+    flat = fit_time_model(samples)
+    assert flat.a > 0.9 * flat.micro_step_time(8)
+    gains, plans = {}, {}
+    for name, model in {"flat": flat, "plausible": plausible_time_model(flat, 8)}.items():
+        slowed = TimeModel(3 * model.a, 3 * model.b)
+        current = max(model.micro_step_time(9), slowed.micro_step_time(7))
+        best = plan_micro_batches([model, slowed], train_batch_size=16)
+        gains[name], plans[name] = 1 - best.predicted_step_time / current, best.micro_batch_sizes
+    assert gains["flat"] < 0.1 and plans["flat"] == (15, 1)
+    assert gains["plausible"] > 0.4 and plans["plausible"] == (12, 4)
 
 
 def test_time_models_from_scores():
