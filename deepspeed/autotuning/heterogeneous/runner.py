@@ -6,7 +6,8 @@ the same resources: on one node that is the local launcher (no pdsh, no ssh), on
 the launcher the user chose. The launcher and every rank it starts share a new session; when the
 experiment ends, times out or the tuner is interrupted, the whole group is killed, so no rank is
 left behind. A rank killed while it JIT-builds an op leaves torch's build lock, on which every
-later run would wait forever; the locks created during a killed experiment are removed.
+later run would wait forever; the locks created during a killed experiment are removed. Time
+spent building ops does not count towards the experiment's time-out.
 """
 
 import glob
@@ -111,24 +112,42 @@ def extension_roots(env):
     return [get_default_build_root()]
 
 
-def remove_build_locks(roots, since):
-    """Remove torch JIT build locks (``<root>/<op>/lock``, or one level deeper under the default
-    root) created at or after ``since`` (seconds since the epoch); returns their paths.
+BUILD_ALLOWANCE_S = 3600.0
+"""At most this long spent JIT-building ops is left out of an experiment's time-out."""
 
-    Only called once every process of the experiment is dead: a lock it created can have no live
-    owner, and torch's lock records none, so a waiting process would never take it over.
-    """
-    removed = []
+POLL_S = 1.0
+
+
+def build_locks(roots, since):
+    """torch JIT build locks (``<root>/<op>/lock``, or one level deeper under the default root)
+    created at or after ``since`` (seconds since the epoch). torch holds such a lock while it
+    builds (or checks) an op, and removes it when done."""
+    found = []
     for root in roots:
         paths = glob.glob(os.path.join(root, "*", "lock")) + glob.glob(os.path.join(root, "*", "*", "lock"))
         for path in sorted(set(paths)):
             try:
                 # One second of slack for file systems with coarse time stamps.
                 if os.stat(path).st_mtime >= since - 1.0:
-                    os.unlink(path)
-                    removed.append(path)
+                    found.append(path)
             except OSError:
                 pass
+    return found
+
+
+def remove_build_locks(roots, since):
+    """Remove the build locks created at or after ``since``; returns their paths.
+
+    Only called once every process of the experiment is dead: a lock it created can have no live
+    owner, and torch's lock records none, so a waiting process would never take it over.
+    """
+    removed = []
+    for path in build_locks(roots, since):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass
     return removed
 
 
@@ -163,13 +182,12 @@ class ExperimentRunner:
         began, began_epoch = time.monotonic(), time.time()
         timed_out = False
         stale_locks = []
+        roots = extension_roots(self.env)
         with open(os.path.join(exp_dir, "stdout.log"), "w") as out, open(os.path.join(exp_dir, "stderr.log"),
                                                                            "w") as err:
             process = subprocess.Popen(command, stdout=out, stderr=err, env=self.env, start_new_session=True)
             try:
-                process.wait(timeout=self.timeout)
-            except subprocess.TimeoutExpired:
-                timed_out = True
+                timed_out, building = self._wait(process, began, began_epoch, roots)
             except BaseException:
                 kill_group(process, grace=2.0)
                 raise
@@ -179,7 +197,7 @@ class ExperimentRunner:
                 kill_group(process, grace=0.0 if not timed_out else 10.0)
                 process.wait()
                 if timed_out or process.returncode != 0:
-                    stale_locks = remove_build_locks(extension_roots(self.env), began_epoch)
+                    stale_locks = remove_build_locks(roots, began_epoch)
                 for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
                     try:
                         os.unlink(path)  # upstream's CPU shared-memory all-reduce leaks these
@@ -196,11 +214,34 @@ class ExperimentRunner:
                                    timed_out=timed_out)
         if status != OK:
             metrics = None
+        if timed_out and building >= POLL_S:
+            message += f" ({building:.0f} s of JIT op builds not counted)"
         if stale_locks:
             message += (f"; removed the JIT build lock(s) its killed ranks left ({', '.join(stale_locks)}): "
                         f"an op build was cut short and runs again in the next experiment (a first build can "
                         f"take minutes; raise autotuning.experiment_timeout if it keeps timing out)")
         return status, message, metrics, seconds
+
+
+    def _wait(self, process, began, began_epoch, roots):
+        """Wait for the experiment until ``timeout`` seconds of it have passed, not counting time
+        (up to ``BUILD_ALLOWANCE_S``) while one of its JIT op builds is running: a first build
+        takes minutes on a small machine and says nothing about the configuration. Returns
+        (timed_out, seconds spent building)."""
+        building = 0.0
+        last = began
+        while True:
+            try:
+                process.wait(timeout=POLL_S)
+                return False, building
+            except subprocess.TimeoutExpired:
+                pass
+            now = time.monotonic()
+            if build_locks(roots, began_epoch):
+                building += now - last
+            last = now
+            if now - began - min(building, BUILD_ALLOWANCE_S) >= self.timeout:
+                return True, building
 
 
 def _read(path):

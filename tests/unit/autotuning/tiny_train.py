@@ -5,8 +5,10 @@
 
 --ignore-deepspeed  trains without passing the ds_config to deepspeed.initialize (exits 0, no metrics)
 --hang-at-step N    sleeps forever at step N (the per-experiment time-out must kill it)
---hold-build-lock OP  before hanging, rank 0 takes torch's JIT build lock of op OP under
-                    TORCH_EXTENSIONS_DIR, as a rank killed in the middle of an op build holds it
+--build-seconds S   before deepspeed.initialize, rank 0 "JIT-builds" an op of its own for S seconds:
+                    it holds torch's build lock of op PREFIX_<hash of the config path> under
+                    TORCH_EXTENSIONS_DIR (PREFIX from --build-op), as a real build does; each
+                    experiment (each config path) builds once, and a killed build starts again
 --oom-above N       raises MemoryError when a rank's micro-batch exceeds N samples
 --print-error       writes lines containing "error" to stderr and still trains normally
 --sleep-schedule    per forward call k, sleeps SCHEDULE[k % len] seconds (comma list)
@@ -15,6 +17,7 @@
 """
 
 import argparse
+import hashlib
 import os
 import sys
 import time
@@ -57,13 +60,29 @@ class Data(torch.utils.data.Dataset):
         return self.x[index], self.y[index]
 
 
+def build(args):
+    from torch.utils.file_baton import FileBaton
+    digest = hashlib.sha1(str(args.deepspeed_config).encode()).hexdigest()[:10]
+    build_dir = os.path.join(os.environ["TORCH_EXTENSIONS_DIR"], f"{args.build_op}_{digest}")
+    os.makedirs(build_dir, exist_ok=True)
+    if os.path.exists(os.path.join(build_dir, "built")):
+        return
+    baton = FileBaton(os.path.join(build_dir, "lock"))
+    assert baton.try_acquire(), f"the build lock of {build_dir} is taken"
+    print(f"building op {os.path.basename(build_dir)}", flush=True)
+    time.sleep(args.build_seconds)
+    open(os.path.join(build_dir, "built"), "w").close()
+    baton.release()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--local_rank", type=int, default=-1)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--ignore-deepspeed", action="store_true")
     parser.add_argument("--hang-at-step", type=int, default=None)
-    parser.add_argument("--hold-build-lock", default=None)
+    parser.add_argument("--build-seconds", type=float, default=0.0)
+    parser.add_argument("--build-op", default="tiny_train_op")
     parser.add_argument("--oom-above", type=int, default=None)
     parser.add_argument("--print-error", action="store_true")
     parser.add_argument("--sleep-schedule", default=None)
@@ -72,6 +91,8 @@ def main():
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.build_seconds and args.local_rank in (-1, 0):
+        build(args)
     sleeps = [float(s) for s in args.sleep_schedule.split(",")] if args.sleep_schedule else None
     model = Net(sleeps, args.sleep_per_sample)
     if args.ignore_deepspeed:
@@ -86,11 +107,6 @@ def main():
     batches = iter(loader)
     for step in range(args.steps):
         if args.hang_at_step is not None and step == args.hang_at_step:
-            if args.hold_build_lock and engine.global_rank == 0:
-                from torch.utils.file_baton import FileBaton
-                build_dir = os.path.join(os.environ["TORCH_EXTENSIONS_DIR"], args.hold_build_lock)
-                os.makedirs(build_dir, exist_ok=True)
-                assert FileBaton(os.path.join(build_dir, "lock")).try_acquire(), "the build lock is taken"
             print(f"rank {engine.global_rank} pid {os.getpid()} hanging", flush=True)
             time.sleep(3600)
         for _ in range(engine.gradient_accumulation_steps()):
