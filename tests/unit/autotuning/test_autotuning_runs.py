@@ -72,7 +72,8 @@ def test_metric_is_a_window_mean_from_every_rank_and_upstream_takes_one_step_on_
     'flops' key for metric 'flops' (KeyError). The forward here sleeps 0.05 s and 0.25 s on
     alternate steps, so one step's time is far from the window's mean (0.15 s + compute)."""
     config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 10**6,
-              "optimizer": {"type": "Adam", "params": {"lr": 0.001, "torch_adam": True}}, "zero_optimization": {"stage": 1},
+              "optimizer": {"type": "Adam", "params": {"lr": 0.001, "torch_adam": True}},
+              "zero_optimization": {"stage": 1},
               "autotuning": {"enabled": True, "start_profile_step": 1, "end_profile_step": 5}}
 
     def run(label, root, env):
