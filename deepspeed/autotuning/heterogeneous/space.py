@@ -183,6 +183,11 @@ def parse_space(ds_config, settings, world_size):
     def pick(key):
         return block[key] if key in block else ds_config.get(key)
 
+    def where(key):
+        """The key as the user wrote it: tuning lists may sit in the autotuning block."""
+        return f"autotuning.{key}" if key in block else key
+
+    zero_key = where(ZERO) if isinstance(block.get(ZERO), dict) else ZERO
     zero = block.get(ZERO) if isinstance(block.get(ZERO), dict) else ds_config.get(ZERO) or {}
     if not isinstance(zero, dict):
         raise AutotuningConfigError(f"{ZERO} = {zero!r}: must be a map")
@@ -193,12 +198,14 @@ def parse_space(ds_config, settings, world_size):
     else:
         stages = stage if isinstance(stage, list) else [stage]
         if not stages or not all(s in STAGES and not isinstance(s, bool) for s in stages):
-            raise AutotuningConfigError(f"{ZERO}.stage = {stage!r}: use 'auto', a stage (0, 1, 2 or 3) or a list "
-                                        f"of them")
+            raise AutotuningConfigError(f"{zero_key}.stage = {stage!r}: use 'auto', a stage (0, 1, 2 or 3) or a "
+                                        f"list of them")
         stages = sorted(set(stages))
-    gas = _candidates(pick(GAS), GAS, [1] if settings.fast else [1, 2])
+    gas_value = pick(GAS)
+    gas = _candidates(gas_value, where(GAS), [1] if settings.fast else [1, 2])
     mbs_value = pick(MBS)
-    mbs = None if mbs_value in (None, AUTO) else _candidates(mbs_value, MBS, [])
+    mbs = None if mbs_value in (None, AUTO) else _candidates(mbs_value, where(MBS), [])
+    hetero = bool((ds_config.get(HETERO) or {}).get("enabled"))
     batch = ds_config.get(BATCH)
     if batch == AUTO:
         batch = None
@@ -207,13 +214,43 @@ def parse_space(ds_config, settings, world_size):
         if len(batch) != 1:
             raise AutotuningConfigError(f"{BATCH} = {ds_config.get(BATCH)!r}: give one global batch or 'auto'")
         batch = batch[0]
-        gas = [g for g in gas if batch % g == 0 and batch // g >= world_size]
-        if not gas:
-            raise AutotuningConfigError(f"{BATCH} {batch} leaves no gradient_accumulation_steps in "
-                                        f"{_candidates(pick(GAS), GAS, [1])} with at least one sample per rank")
-    hetero = ds_config.get(HETERO) or {}
+        gas = _gas_for_fixed_batch(batch, gas, gas_value in (None, AUTO), mbs, world_size, hetero, where)
     return TuningSpace(stages=stages, gas=gas, micro_batch_sizes=mbs, train_batch_size=batch, world_size=world_size,
-                       heterogeneous=bool(hetero.get("enabled")))
+                       heterogeneous=hetero)
+
+
+def _gas_for_fixed_batch(batch, gas, gas_auto, mbs, world, hetero, where):
+    """The accumulation steps that keep a fixed global batch: every rank needs a sample per
+    micro-step; without heterogeneous_config the ranks split it evenly; with listed micro-batch
+    sizes (with 'auto' gas: any divisor) the batch must be ranks x size x gas for one of them."""
+    if batch < world:
+        raise AutotuningConfigError(f"{BATCH} {batch} is smaller than the {world} data-parallel ranks: every rank "
+                                    f"needs at least one sample per micro-step")
+    if mbs is not None and gas_auto:
+        gas = [g for g in range(1, batch + 1) if batch % g == 0]
+    shown = "any" if mbs is not None and gas_auto else gas
+    gas = [g for g in gas if batch % g == 0 and batch // g >= world]
+    if not hetero:
+        even = [g for g in gas if (batch // g) % world == 0]
+        if not even:
+            raise AutotuningConfigError(
+                f"{BATCH} {batch} cannot be split evenly over {world} ranks with gradient_accumulation_steps in "
+                f"{shown}: without heterogeneous_config every rank runs the same micro-batch, so {BATCH} must be "
+                f"ranks x micro-batch x gas; change it, or enable heterogeneous_config for uneven per-rank splits")
+        gas = even
+    if mbs is not None:
+        fitting = [g for g in gas if (batch // g) % world == 0 and (batch // g) // world in mbs]
+        if not fitting:
+            sizes = sorted({batch // g // world for g in gas if (batch // g) % world == 0})
+            raise AutotuningConfigError(
+                f"{BATCH} {batch} is fixed, and none of {where(MBS)} {mbs} gives it on {world} ranks with "
+                f"gradient_accumulation_steps in {shown} ({BATCH} = ranks x micro-batch x gas): list sizes from "
+                f"{sizes} or leave {where(MBS)} 'auto'")
+        gas = fitting
+    if not gas:
+        raise AutotuningConfigError(f"{BATCH} {batch} leaves no gradient_accumulation_steps in {shown} with at "
+                                    f"least one sample per rank")
+    return gas
 
 
 @dataclass(frozen=True)

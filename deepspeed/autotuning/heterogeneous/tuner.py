@@ -85,11 +85,22 @@ class HeterogeneousAutotuner:
         except (OSError, ValueError) as exc:
             raise AutotuningConfigError(f"cannot read the ds_config {self.config_path}: {exc}") from exc
         self.settings = parse_settings(self.user_config)
+        for flag, value in (("--num_nodes", args.num_nodes), ("--num_gpus", args.num_gpus)):
+            if value == 0 or value < -1:
+                raise AutotuningConfigError(f"{flag} {value}: give a positive number, or leave it out to use every "
+                                            f"node / device found")
         from deepspeed.launcher.runner import apply_num_nodes_and_gpus
         resources = apply_num_nodes_and_gpus(active_resources, args.num_nodes, args.num_gpus)
         self.world_size = sum(len(slots) for slots in resources.values())
         mp = (self.user_config.get("autotuning") or {}).get("mp_size", 1)
         self.dp_world = max(1, self.world_size // max(1, int(mp)))
+        from deepspeed.runtime.heterogeneous.config import load_heterogeneous_settings
+        try:
+            # The fork's blocks as every experiment's ranks will read them (per-rank lists against
+            # the ranks this command starts), before anything is launched.
+            load_heterogeneous_settings(self.user_config, world_size=self.dp_world, environ={})
+        except ValueError as exc:
+            raise AutotuningConfigError(f"{exc} (this command starts {self.world_size} rank(s))") from exc
         self.space = parse_space(self.user_config, self.settings, self.dp_world)
         self.results_dir = os.path.abspath(self.settings.results_dir)
         self.exps_dir = os.path.abspath(self.settings.exps_dir)
@@ -101,6 +112,7 @@ class HeterogeneousAutotuner:
         self.profile = None
         self.planned = 0
         self.durations = []
+        self.interrupted = False
         self.rng = random.Random(self.settings.seed)
 
     def _clear_previous_results(self):
@@ -108,13 +120,17 @@ class HeterogeneousAutotuner:
         stale = [os.path.join(self.results_dir, name) for name in RESULT_FILES]
         if os.path.isdir(self.exps_dir):
             stale += [os.path.join(self.exps_dir, name) for name in os.listdir(self.exps_dir)
-                      if os.path.isfile(os.path.join(self.exps_dir, name, "cmd.txt"))]
+                      if os.path.isfile(os.path.join(self.exps_dir, name, "cmd.txt"))
+                      or os.path.islink(os.path.join(self.exps_dir, name))]
         stale = [path for path in stale if os.path.exists(path)]
         if stale and not self.settings.overwrite:
             raise AutotuningConfigError(f"results of an earlier tuning are in the way ({stale[0]}, ...) and "
                                         f"autotuning.overwrite is false: move them or set overwrite to true")
         for path in stale:
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+        if stale:
+            _say(f"removed the results of an earlier tuning from {self.results_dir} and {self.exps_dir} "
+                 f"(autotuning.overwrite)")
         for folder in (self.results_dir, self.exps_dir):
             os.makedirs(folder, exist_ok=True)
 
@@ -128,9 +144,10 @@ class HeterogeneousAutotuner:
                                       PROFILE_STEPS)
         number = len([o for o in self.outcomes if o.status != PREDICTED_OOM]) + 1
         total = max(self.planned, number)
+        counter = f"{number}/{total}" if self.planned else f"{number} (profiling run)"
         elapsed = time.monotonic() - self.began
         eta = (sum(self.durations) / len(self.durations)) * (total - number + 1) if self.durations else None
-        _say(f"experiment {number}/{total} {name}: running (elapsed {_clock(elapsed)}, ETA "
+        _say(f"experiment {counter} {name}: running (elapsed {_clock(elapsed)}, ETA "
              f"{'unknown' if eta is None else _clock(eta)})")
         status, message, metrics, seconds = self.runner.run(experiment, config, exp_dir)
         self.durations.append(seconds)
@@ -153,7 +170,7 @@ class HeterogeneousAutotuner:
             json.dump(outcome.to_dict(), handle, indent=2)
         last_line = message.splitlines()[-1] if message else ""
         shown = f"{self.settings.metric} {value:.4g}" if status == OK else f"{status}: {last_line}"
-        _say(f"experiment {number}/{total} {name}: {shown} ({seconds:.1f} s)")
+        _say(f"experiment {counter} {name}: {shown} ({seconds:.1f} s)")
         self._check_abort()
         return outcome
 
@@ -176,13 +193,17 @@ class HeterogeneousAutotuner:
         try:
             self._tune()
         except KeyboardInterrupt:
+            self.interrupted = True
             self._write_results()  # what was tried, up to the interruption
             raise
 
     def _tune(self):
         space = self.space
+        sizes = space.micro_batch_sizes or "auto"
+        if space.heterogeneous:
+            sizes = f"{sizes} (mean per rank: per-rank splits of the same total are tried)"
         _say(f"tuning {self.world_size} rank(s): ZeRO stages {space.stages}, gas {space.gas}, micro-batch sizes "
-             f"{space.micro_batch_sizes or 'auto'}, train_batch_size {space.train_batch_size or 'tuned'}, metric "
+             f"{sizes}, train_batch_size {space.train_batch_size or 'tuned'}, metric "
              f"{self.settings.metric}, {'fast' if self.settings.fast else self.settings.tuner_type} search")
         self._profile()
         candidates = self._candidates()
@@ -223,8 +244,8 @@ class HeterogeneousAutotuner:
         experiment = Experiment(stage=stage, gas=gas, micro_batch_sizes=_even_split(per_step, self.dp_world),
                                 profile=True)
         settings = _shifted(self.settings, PROFILE_STEPS)
-        self.planned = 1
         outcome = self._run(experiment, settings=settings)
+        self.planned = 1
         if outcome.status != OK:
             _say(f"the profiling run failed ({outcome.status}); tuning without predictions")
             return
@@ -245,6 +266,11 @@ class HeterogeneousAutotuner:
             ran = Experiment(stage=stage, gas=gas, micro_batch_sizes=tuple(sizes), heterogeneous=True)
             outcome.name, outcome.micro_batch_sizes = ran.name, list(sizes)
             self.configs[ran.name] = ran.ds_config(self.user_config, "metrics.json", self.settings)
+            link = os.path.join(self.exps_dir, ran.name)
+            if not os.path.lexists(link):  # the summary names it: its folder can be found by that name
+                os.symlink(os.path.basename(outcome.folder), link)
+            _say(f"the profiling run ended on plan {list(sizes)}: it counts as experiment {ran.name} "
+                 f"({link} -> {os.path.basename(outcome.folder)})")
         mixed = self.profile.heterogeneous
         _say(f"profile: {'heterogeneous' if mixed else 'homogeneous'} cluster")
         for row in self.profile.summary():
@@ -323,7 +349,8 @@ class HeterogeneousAutotuner:
             mine = [item for item in ranked if item[0].stage == stage]
             if mine:
                 firsts.append(mine)
-        self.planned += len([mine for mine in firsts if not self._already(mine[0][0])]) + 1
+        self.planned += len([mine for mine in firsts if not self._already(mine[0][0])])
+        self.planned += 1 if any(len(mine) > 1 for mine in firsts) else 0
         for mine in firsts:
             experiment, prediction = mine[0]
             if not self._already(experiment):
@@ -414,9 +441,13 @@ class HeterogeneousAutotuner:
             why = ("every candidate ran out of memory: lower the micro-batch sizes, use a higher ZeRO stage or "
                    "offload optimizer states")
         else:
-            last = [o for o in self.outcomes if o.status not in (OK, PREDICTED_OOM)]
-            why = f"no experiment succeeded; last error ({last[-1].name}, {last[-1].status}):\n{last[-1].error}" \
-                if last else "no experiment was run"
+            last = [o for o in self.outcomes if o.status not in (OK, PREDICTED_OOM, PROFILED)]
+            if last:
+                why = f"no experiment succeeded; last error ({last[-1].name}, {last[-1].status}):\n{last[-1].error}"
+            elif counts:
+                why = "no candidate configuration was left to run after the profiling run (see the space above)"
+            else:
+                why = "no experiment was run"
         return f"{why}\noutcomes: {counts}; details: {os.path.join(self.results_dir, 'results.json')}"
 
     def best(self):
@@ -436,10 +467,12 @@ class HeterogeneousAutotuner:
 
     def _write_results(self):
         summary = format_summary(self.outcomes, self.settings.metric, self.space.stages)
+        if self.interrupted:
+            summary = f"INTERRUPTED: partial results, {len(self.outcomes)} experiment(s) finished\n{summary}"
         with open(os.path.join(self.results_dir, "summary.txt"), "w") as handle:
             handle.write(summary + "\n")
         with open(os.path.join(self.results_dir, "results.json"), "w") as handle:
-            json.dump({"metric": self.settings.metric, "world_size": self.world_size,
+            json.dump({"metric": self.settings.metric, "world_size": self.world_size, "interrupted": self.interrupted,
                        "space": {"stages": self.space.stages, "gas": self.space.gas,
                                  "micro_batch_sizes": self.space.micro_batch_sizes,
                                  "train_batch_size": self.space.train_batch_size},
@@ -458,8 +491,9 @@ class HeterogeneousAutotuner:
         best = self.best()
         print(format_summary(self.outcomes, self.settings.metric, self.space.stages), flush=True)
         ran = len([o for o in self.outcomes if o.status != PREDICTED_OOM])
+        folder = f" (folder {best.folder})" if best.folder and os.path.basename(best.folder) != best.name else ""
         _say(f"{ran} experiments in {_clock(time.monotonic() - self.began)}; best {best.name}: "
-             f"{self.settings.metric} {best.value:.4g}")
+             f"{self.settings.metric} {best.value:.4g}{folder}")
         if len(set(best.micro_batch_sizes)) > 1:
             _say(f"per-rank micro-batch sizes {best.micro_batch_sizes} (heterogeneous_config in "
                  f"ds_config_optimal.json)")
@@ -479,10 +513,21 @@ class HeterogeneousAutotuner:
         return None
 
     def run_after_tuning(self):
-        command = [sys.executable, "-m", "deepspeed.launcher.runner"] + self.optimal_command()[1:]
-        _say(f"launching the optimal configuration: {' '.join(self.optimal_command())}")
+        import glob
         import subprocess
-        return subprocess.call(command)
+        from .runner import free_port
+        port = free_port()
+        optimal = self.optimal_command()
+        command = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(port)] + optimal[1:]
+        _say(f"launching the optimal configuration: {' '.join(optimal)}")
+        try:
+            return subprocess.call(command)
+        finally:
+            for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+                try:
+                    os.unlink(path)  # upstream's CPU shared-memory all-reduce leaks these
+                except OSError:
+                    pass
 
 
 def choose_next(todo, corrections, metric, rng):
@@ -531,6 +576,7 @@ def run_autotuning(args, active_resources, argv):
     # A tuner started in the background by a non-interactive shell inherits SIGINT ignored, and
     # Python then never raises KeyboardInterrupt: Ctrl-C/SIGINT must still stop the experiment.
     signal.signal(signal.SIGINT, _terminate)
+    tuner = None
     try:
         tuner = HeterogeneousAutotuner(args, active_resources, argv)
         tuner.tune()
@@ -539,7 +585,12 @@ def run_autotuning(args, active_resources, argv):
         print(f"deepspeed autotuning: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2 if isinstance(exc, AutotuningConfigError) else 1)
     except KeyboardInterrupt:
-        print("deepspeed autotuning: interrupted; the running experiment was stopped", file=sys.stderr, flush=True)
+        where = ""
+        if tuner is not None and tuner.outcomes:
+            where = (f"; partial results of the {len(tuner.outcomes)} finished experiment(s) in {tuner.results_dir} "
+                     f"(results.json has \"interrupted\": true)")
+        print(f"deepspeed autotuning: interrupted; the running experiment was stopped{where}", file=sys.stderr,
+              flush=True)
         sys.exit(130)
     logger.info(f"autotuning results in {tuner.results_dir}")
     if args.autotuning == "run":

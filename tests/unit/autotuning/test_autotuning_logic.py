@@ -57,10 +57,33 @@ def test_space_lists_and_fixed_global_batch():
     space = parse_space({**_config(train_micro_batch_size_per_gpu=[8, 2, 4]), "gradient_accumulation_steps": [1, 2]},
                         settings, 2)
     assert space.micro_batch_sizes == [2, 4, 8] and space.gas == [1, 2] and space.train_batch_size is None
-    fixed = parse_space({**_config(), "train_batch_size": 6, "gradient_accumulation_steps": [1, 2, 3, 4]}, settings, 2)
-    assert fixed.train_batch_size == 6 and fixed.gas == [1, 2, 3]  # 4 does not divide 6
-    with pytest.raises(AutotuningConfigError, match="train_micro_batch_size_per_gpu"):
+    six = {**_config(), "train_batch_size": 6, "gradient_accumulation_steps": [1, 2, 3, 4]}
+    hetero = {**six, "heterogeneous_config": {"enabled": True}}
+    assert parse_space(hetero, settings, 2).gas == [1, 2, 3]  # 4 does not divide 6; 3 samples split 2-1
+    assert parse_space(six, settings, 2).gas == [1, 3]  # uniform: 3 samples per micro-step do not split in 2
+    with pytest.raises(AutotuningConfigError, match=r"autotuning.train_micro_batch_size_per_gpu = \[0\]"):
         parse_space(_config(train_micro_batch_size_per_gpu=[0]), settings, 2)
+
+
+def test_a_fixed_global_batch_and_listed_sizes_give_the_accumulation_steps():
+    """Upstream derives gas from a fixed train_batch_size and each micro-batch size; sizes that
+    cannot give the batch were silently replaced (mbs [3] with batch 8 ran mbs 4)."""
+    settings = parse_settings(_config())
+    listed = {**_config(train_micro_batch_size_per_gpu=[2, 4, 3]), "train_batch_size": 16,
+              "gradient_accumulation_steps": "auto"}
+    assert parse_space(listed, settings, 2).gas == [2, 4]  # 16 = 2 ranks x 4 x 2 = 2 x 2 x 4; 3 gives none
+    with pytest.raises(AutotuningConfigError) as info:
+        parse_space({**listed, "train_batch_size": 8, "autotuning": {**listed["autotuning"],
+                                                                      "train_micro_batch_size_per_gpu": [3]}},
+                    settings, 2)
+    assert "none of autotuning.train_micro_batch_size_per_gpu [3] gives it on 2 ranks" in str(info.value)
+    assert "list sizes from [1, 2, 4]" in str(info.value)
+    with pytest.raises(AutotuningConfigError, match="cannot be split evenly over 2 ranks.*heterogeneous_config"):
+        parse_space({**_config(), "train_batch_size": 7}, settings, 2)
+    assert parse_space({**_config(), "train_batch_size": 7, "heterogeneous_config": {"enabled": True}},
+                       settings, 2).gas == [1]
+    with pytest.raises(AutotuningConfigError, match="smaller than the 2 data-parallel ranks"):
+        parse_space({**_config(), "train_batch_size": 1}, settings, 2)
 
 
 def test_experiment_config_keeps_the_users_zero_settings_and_removes_tuning_values():

@@ -41,10 +41,10 @@ def _config(**autotuning):
     }
 
 
-def _tune(tmp_path, config, script_args=(), mode="tune", timeout=800, script=SCRIPT):
+def _tune(tmp_path, config, script_args=(), mode="tune", timeout=800, script=SCRIPT, num_gpus=2):
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(config, indent=2))
-    command = [deepspeed_launcher(), "--autotuning", mode, "--num_nodes", "1", "--num_gpus", "2",
+    command = [deepspeed_launcher(), "--autotuning", mode, "--num_nodes", "1", "--num_gpus", str(num_gpus),
                str(script), "--deepspeed_config", str(path), *map(str, script_args)]
     proc = subprocess.run(command, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout + proc.stderr
@@ -127,6 +127,7 @@ def test_tune_then_run_on_an_emulated_mixed_cluster(tmp_path):
     for line in ("| tuning space | experiments | best metric value (throughput) | best experiment name |",
                  "| z1 ", "| global "):
         assert line in output
+    assert "[autotuning] experiment 1 (profiling run) profile_z1_gas1_tbs16: running" in output
     assert "[autotuning] experiment 2/" in output and "ETA" in output
     optimal = json.loads((tmp_path / "autotuning_results" / "ds_config_optimal.json").read_text())
     plan = optimal["heterogeneous_config"]
@@ -143,6 +144,8 @@ def test_tune_then_run_on_an_emulated_mixed_cluster(tmp_path):
         folder = Path(experiment["folder"])
         assert folder.parent == tmp_path / "autotuning_exps"
         assert {"ds_config.json", "cmd.txt", "stdout.log", "stderr.log", "metrics.json"} <= set(os.listdir(folder))
+        # Found by the name the summary shows (the profiling run's folder has a link under its plan's name).
+        assert (folder.parent / experiment["name"]).resolve() == folder.resolve()
     assert "launching the optimal configuration" in output
     assert "training finished after 12 steps" in output  # 'run' trained with it, without stopping
 
@@ -169,20 +172,27 @@ def test_gridsearch_on_latency_keeps_user_zero_settings_and_picks_the_smallest(t
         assert "heterogeneous_config" not in exp_config
 
 
-@pytest.mark.parametrize("case", ["missing_script", "no_autotuning_block", "unknown_key"])
+@pytest.mark.parametrize("case", ["missing_script", "no_autotuning_block", "unknown_key", "zero_gpus",
+                                  "per_rank_list"])
 def test_bad_input_is_refused_before_any_launch(tmp_path, case):
     config = _config()
-    script = SCRIPT
+    script, num_gpus = SCRIPT, 2
     if case == "missing_script":
         script = tmp_path / "no_such_train.py"
     elif case == "no_autotuning_block":
         del config["autotuning"]
-    else:
+    elif case == "unknown_key":
         config["autotuning"]["fast_mode"] = True
-    code, output = _tune(tmp_path, config, script=script, timeout=120)
+    elif case == "zero_gpus":
+        num_gpus = 0
+    else:  # speeds for 3 ranks on a 2-rank command: upstream-style tuning failed only in the experiments
+        config["heterogeneous_config"] = {"enabled": True, "emulation": {"speeds": [1.0, 0.5, 0.5]}}
+    code, output = _tune(tmp_path, config, script=script, timeout=120, num_gpus=num_gpus)
     assert code == 2, output[-3000:]
     expected = {"missing_script": "no_such_train.py", "no_autotuning_block": "'autotuning' block",
-                "unknown_key": "unknown key(s) ['fast_mode']"}[case]
+                "unknown_key": "unknown key(s) ['fast_mode']", "zero_gpus": "--num_gpus 0: give a positive number",
+                "per_rank_list": "heterogeneous_config.emulation.speeds has 3 entries but the data-parallel world "
+                                 "has 2 ranks"}[case]
     assert "deepspeed autotuning: error:" in output and expected in output, output[-3000:]
     assert not (tmp_path / "autotuning_exps").exists() or not any((tmp_path / "autotuning_exps").iterdir())
 
@@ -253,7 +263,9 @@ def test_build_time_is_not_counted_a_hang_is_killed_and_an_interrupted_tuner_lea
                     tuner.kill()
         output = log.read_text()
         assert code == 130, output[-4000:]
-        assert "interrupted; the running experiment was stopped" in output
+        assert "interrupted; the running experiment was stopped; partial results of the 1 finished" in output
+        assert _results(tmp_path)["interrupted"] is True
+        assert (tmp_path / "autotuning_results" / "summary.txt").read_text().startswith("INTERRUPTED")
         experiments = _results(tmp_path)["experiments"]
         assert [e["status"] for e in experiments] == ["timed out"], experiments
         error = experiments[0]["error"]
