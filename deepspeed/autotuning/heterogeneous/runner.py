@@ -214,6 +214,9 @@ class ExperimentRunner:
                                    timed_out=timed_out)
         if status != OK:
             metrics = None
+        if timed_out:
+            message = message.replace("(autotuning.experiment_timeout)",
+                                      f"(autotuning.experiment_timeout = {self.timeout:g} s)")
         if timed_out and building >= POLL_S:
             message += f" ({building:.0f} s of JIT op builds not counted)"
         if stale_locks:
