@@ -221,10 +221,8 @@ class ExperimentRunner:
             message += f" ({building:.0f} s of JIT op builds not counted)"
         if stale_locks:
             message += (f"; removed the JIT build lock(s) its killed ranks left ({', '.join(stale_locks)}): "
-                        f"an op build was cut short and runs again in the next experiment (a first build can "
-                        f"take minutes; raise autotuning.experiment_timeout if it keeps timing out)")
+                        f"an op build was cut short, and the next experiment that needs the op builds it again")
         return status, message, metrics, seconds
-
 
     def _wait(self, process, began, began_epoch, roots):
         """Wait for the experiment until ``timeout`` seconds of it have passed, not counting time
