@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from deepspeed.runtime.heterogeneous.memory import model_state_bytes
-from deepspeed.runtime.heterogeneous.planner import TimeModel, plan_micro_batches, plausible_time_model
+from deepspeed.runtime.heterogeneous.planner import TimeModel, plan_micro_batches
 
 SPEED_SPREAD_HETEROGENEOUS = 0.25
 """Ranks whose per-sample times differ by more than this are treated as different devices."""
@@ -66,8 +66,9 @@ class ClusterProfile:
             capacities.append(entry["capacity_bytes"] if entry["capacity_bytes"] is not None else
                               measured.get("memory_capacity_bytes"))
         first = ranks[0]
-        sizes = ((profile.get("plan") or {}).get("micro_batch_sizes") or [None] * len(ranks))
-        models = [plausible_time_model(TimeModel(r["a"], r["b"]), size) for r, size in zip(ranks, sizes)]
+        # The runtime already replaced implausible fits (planner.plausible_time_model) before it
+        # added the optimizer step, a real fixed cost, to a.
+        models = [TimeModel(r["a"], r["b"]) for r in ranks]
         return cls(time_models=models,
                    activation_base=[r["activation_base"] for r in ranks],
                    activation_per_sample=[r["activation_per_sample"] for r in ranks],

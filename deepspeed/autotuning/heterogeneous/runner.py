@@ -5,9 +5,10 @@ Each experiment is the user's command line launched again through DeepSpeed's ow
 the same resources: on one node that is the local launcher (no pdsh, no ssh), on several nodes
 the launcher the user chose. The launcher and every rank it starts share a new session; when the
 experiment ends, times out or the tuner is interrupted, the whole group is killed, so no rank is
-left behind. A rank killed while it JIT-builds an op leaves torch's build lock, on which every
-later run would wait forever; the locks created during a killed experiment are removed. Time
-spent building ops does not count towards the experiment's time-out.
+left behind. Time the experiment's own processes spend JIT-building ops does not count towards
+its time-out. A rank killed while it builds leaves torch's build lock, on which every later run
+would wait forever: the locks created during a killed experiment that no process holds are
+removed, and a time-out names older ones.
 """
 
 import glob
@@ -90,7 +91,11 @@ def kill_group(process, grace=10.0):
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except ProcessLookupError:
-        pass
+        return
+    deadline = time.monotonic() + 5.0  # SIGKILLed members go within moments; their locks are judged after
+    while _group_alive(process.pid) and time.monotonic() < deadline:
+        process.poll()
+        time.sleep(0.05)
 
 
 def _group_alive(pgid):
@@ -118,37 +123,85 @@ BUILD_ALLOWANCE_S = 3600.0
 POLL_S = 1.0
 
 
-def build_locks(roots, since):
-    """torch JIT build locks (``<root>/<op>/lock``, or one level deeper under the default root)
-    created at or after ``since`` (seconds since the epoch). torch holds such a lock while it
-    builds (or checks) an op, and removes it when done."""
+def build_locks(roots, since=None):
+    """torch JIT build locks (``<root>/<op>/lock``, or one level deeper under the default root),
+    only those created at or after ``since`` (seconds since the epoch) when given."""
     found = []
     for root in roots:
         paths = glob.glob(os.path.join(root, "*", "lock")) + glob.glob(os.path.join(root, "*", "*", "lock"))
         for path in sorted(set(paths)):
             try:
                 # One second of slack for file systems with coarse time stamps.
-                if os.stat(path).st_mtime >= since - 1.0:
+                if since is None or os.stat(path).st_mtime >= since - 1.0:
                     found.append(path)
             except OSError:
                 pass
     return found
 
 
-def remove_build_locks(roots, since):
-    """Remove the build locks created at or after ``since``; returns their paths.
+def lock_holders(paths):
+    """{path: pids that hold it open}, or None where this system cannot tell (no /proc).
 
-    Only called once every process of the experiment is dead: a lock it created can have no live
-    owner, and torch's lock records none, so a waiting process would never take it over.
+    torch's lock (FileBaton) keeps the lock file's descriptor open from acquiring it to the end
+    of the build, in the Python process that builds; a lock nobody holds is left by a process
+    that died. Processes on other machines (a lock on a shared file system) are not seen.
     """
+    if not os.path.isdir("/proc/self/fd"):
+        return None
+    wanted = {os.path.realpath(path): path for path in paths}
+    holders = {path: [] for path in paths}
+    if not wanted:
+        return holders
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        fd_dir = f"/proc/{pid}/fd"
+        try:
+            fds = os.listdir(fd_dir)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(os.path.join(fd_dir, fd))
+            except OSError:
+                continue
+            if target in wanted:
+                holders[wanted[target]].append(int(pid))
+    return holders
+
+
+def _in_group(pid, pgid):
+    try:
+        return os.getpgid(pid) == pgid
+    except OSError:
+        return False
+
+
+def remove_build_locks(roots, since):
+    """Remove the build locks created at or after ``since`` that no process holds; returns their
+    paths. Called once the experiment's process group is gone: such a lock was left by one of its
+    ranks, killed mid-build, and torch's lock names no owner, so a later load would wait on it
+    forever. A lock held by a live process (another job building the same op) is left alone.
+    """
+    paths = build_locks(roots, since)
+    holders = lock_holders(paths)
+    if holders is None:
+        return []  # cannot tell a dead owner from a live one: leave every lock
     removed = []
-    for path in build_locks(roots, since):
+    for path in paths:
+        if holders[path]:
+            continue
         try:
             os.unlink(path)
             removed.append(path)
         except OSError:
             pass
     return removed
+
+
+def orphaned_build_locks(roots):
+    """Build locks of any age that no process holds (None where this system cannot tell)."""
+    paths = build_locks(roots)
+    holders = lock_holders(paths)
+    return None if holders is None else [path for path in paths if not holders[path]]
 
 
 class ExperimentRunner:
@@ -217,8 +270,15 @@ class ExperimentRunner:
         if timed_out:
             message = message.replace("(autotuning.experiment_timeout)",
                                       f"(autotuning.experiment_timeout = {self.timeout:g} s)")
-        if timed_out and building >= POLL_S:
-            message += f" ({building:.0f} s of JIT op builds not counted)"
+            if building >= POLL_S:
+                message += f" ({min(building, BUILD_ALLOWANCE_S):.0f} s of JIT op builds not counted"
+                message += (f"; its builds ran past the {BUILD_ALLOWANCE_S:.0f} s allowance)"
+                            if building > BUILD_ALLOWANCE_S else ")")
+            orphans = orphaned_build_locks(roots)
+            if orphans:
+                message += (f"; JIT build lock(s) that no process holds, left by a process killed mid-build before "
+                            f"this experiment: {', '.join(orphans)}: a rank that loads the op waits on such a lock "
+                            f"forever; remove them")
         if stale_locks:
             message += (f"; removed the JIT build lock(s) its killed ranks left ({', '.join(stale_locks)}): "
                         f"an op build was cut short, and the next experiment that needs the op builds it again")
@@ -226,9 +286,9 @@ class ExperimentRunner:
 
     def _wait(self, process, began, began_epoch, roots):
         """Wait for the experiment until ``timeout`` seconds of it have passed, not counting time
-        (up to ``BUILD_ALLOWANCE_S``) while one of its JIT op builds is running: a first build
-        takes minutes on a small machine and says nothing about the configuration. Returns
-        (timed_out, seconds spent building)."""
+        (up to ``BUILD_ALLOWANCE_S``) while one of its own processes holds a JIT build lock: a
+        first build takes minutes on a small machine and says nothing about the configuration.
+        Returns (timed_out, seconds spent building)."""
         building = 0.0
         last = began
         while True:
@@ -238,7 +298,9 @@ class ExperimentRunner:
             except subprocess.TimeoutExpired:
                 pass
             now = time.monotonic()
-            if build_locks(roots, began_epoch):
+            locks = build_locks(roots, began_epoch)
+            holders = lock_holders(locks) if locks else {}
+            if holders and any(_in_group(pid, process.pid) for pids in holders.values() for pid in pids):
                 building += now - last
             last = now
             if now - began - min(building, BUILD_ALLOWANCE_S) >= self.timeout:

@@ -230,6 +230,9 @@ def _gas_for_fixed_batch(batch, gas, gas_auto, mbs, world, hetero, where):
         gas = [g for g in range(1, batch + 1) if batch % g == 0]
     shown = "any" if mbs is not None and gas_auto else gas
     gas = [g for g in gas if batch % g == 0 and batch // g >= world]
+    if not gas:
+        raise AutotuningConfigError(f"{BATCH} {batch} leaves no gradient_accumulation_steps in {shown} that divides "
+                                    f"it with at least one sample per rank per micro-step")
     if not hetero:
         even = [g for g in gas if (batch // g) % world == 0]
         if not even:
@@ -242,14 +245,13 @@ def _gas_for_fixed_batch(batch, gas, gas_auto, mbs, world, hetero, where):
         fitting = [g for g in gas if (batch // g) % world == 0 and (batch // g) // world in mbs]
         if not fitting:
             sizes = sorted({batch // g // world for g in gas if (batch // g) % world == 0})
+            hint = (f"list sizes from {sizes}" if sizes else
+                    f"no size can ({BATCH} / gas is never a multiple of {world})")
             raise AutotuningConfigError(
                 f"{BATCH} {batch} is fixed, and none of {where(MBS)} {mbs} gives it on {world} ranks with "
-                f"gradient_accumulation_steps in {shown} ({BATCH} = ranks x micro-batch x gas): list sizes from "
-                f"{sizes} or leave {where(MBS)} 'auto'")
+                f"gradient_accumulation_steps in {shown} ({BATCH} = ranks x micro-batch x gas): {hint}; or leave "
+                f"{where(MBS)} 'auto'")
         gas = fitting
-    if not gas:
-        raise AutotuningConfigError(f"{BATCH} {batch} leaves no gradient_accumulation_steps in {shown} with at "
-                                    f"least one sample per rank")
     return gas
 
 

@@ -18,6 +18,7 @@
    heterogeneous_config) and cmd_optimal.txt; exps_dir one folder per experiment.
 """
 
+import copy
 import json
 import math
 import os
@@ -94,13 +95,7 @@ class HeterogeneousAutotuner:
         self.world_size = sum(len(slots) for slots in resources.values())
         mp = (self.user_config.get("autotuning") or {}).get("mp_size", 1)
         self.dp_world = max(1, self.world_size // max(1, int(mp)))
-        from deepspeed.runtime.heterogeneous.config import load_heterogeneous_settings
-        try:
-            # The fork's blocks as every experiment's ranks will read them (per-rank lists against
-            # the ranks this command starts), before anything is launched.
-            load_heterogeneous_settings(self.user_config, world_size=self.dp_world, environ={})
-        except ValueError as exc:
-            raise AutotuningConfigError(f"{exc} (this command starts {self.world_size} rank(s))") from exc
+        self._check_heterogeneous_blocks()
         self.space = parse_space(self.user_config, self.settings, self.dp_world)
         self.results_dir = os.path.abspath(self.settings.results_dir)
         self.exps_dir = os.path.abspath(self.settings.exps_dir)
@@ -115,6 +110,21 @@ class HeterogeneousAutotuner:
         self.interrupted = False
         self.rng = random.Random(self.settings.seed)
 
+    def _check_heterogeneous_blocks(self):
+        """The fork's blocks as every experiment's ranks will read them (per-rank lists such as
+        emulation speeds against the ranks this command starts), before anything is launched. The
+        plan itself (strategy, micro_batch_sizes) is each experiment's own."""
+        from deepspeed.runtime.heterogeneous.config import load_heterogeneous_settings
+        config = copy.deepcopy(self.user_config)  # the loader moves a top-level "scheduler" alias
+        block = config.get("heterogeneous_config")
+        if isinstance(block, dict):
+            block.pop("micro_batch_sizes", None)
+            block.pop("load_balancing_strategy", None)
+        try:
+            load_heterogeneous_settings(config, world_size=self.dp_world, environ={})
+        except ValueError as exc:
+            raise AutotuningConfigError(f"{exc} (this command starts {self.world_size} rank(s))") from exc
+
     def _clear_previous_results(self):
         """Remove an earlier tuning's files (only those: results_dir may be a shared folder)."""
         stale = [os.path.join(self.results_dir, name) for name in RESULT_FILES]
@@ -122,7 +132,7 @@ class HeterogeneousAutotuner:
             stale += [os.path.join(self.exps_dir, name) for name in os.listdir(self.exps_dir)
                       if os.path.isfile(os.path.join(self.exps_dir, name, "cmd.txt"))
                       or os.path.islink(os.path.join(self.exps_dir, name))]
-        stale = [path for path in stale if os.path.exists(path)]
+        stale = [path for path in stale if os.path.lexists(path)]
         if stale and not self.settings.overwrite:
             raise AutotuningConfigError(f"results of an earlier tuning are in the way ({stale[0]}, ...) and "
                                         f"autotuning.overwrite is false: move them or set overwrite to true")
@@ -267,10 +277,15 @@ class HeterogeneousAutotuner:
             outcome.name, outcome.micro_batch_sizes = ran.name, list(sizes)
             self.configs[ran.name] = ran.ds_config(self.user_config, "metrics.json", self.settings)
             link = os.path.join(self.exps_dir, ran.name)
-            if not os.path.lexists(link):  # the summary names it: its folder can be found by that name
-                os.symlink(os.path.basename(outcome.folder), link)
-            _say(f"the profiling run ended on plan {list(sizes)}: it counts as experiment {ran.name} "
-                 f"({link} -> {os.path.basename(outcome.folder)})")
+            shown = f"folder {outcome.folder}"
+            try:
+                if not os.path.lexists(link):  # the summary names it: its folder can be found by that name
+                    os.symlink(os.path.basename(outcome.folder), link)
+                if os.path.realpath(link) == os.path.realpath(outcome.folder):
+                    shown = f"{link} -> {os.path.basename(outcome.folder)}"
+            except OSError:
+                pass  # no symbolic links here: results.json and the best line name the folder
+            _say(f"the profiling run ended on plan {list(sizes)}: it counts as experiment {ran.name} ({shown})")
         mixed = self.profile.heterogeneous
         _say(f"profile: {'heterogeneous' if mixed else 'homogeneous'} cluster")
         for row in self.profile.summary():
@@ -350,7 +365,6 @@ class HeterogeneousAutotuner:
             if mine:
                 firsts.append(mine)
         self.planned += len([mine for mine in firsts if not self._already(mine[0][0])])
-        self.planned += 1 if any(len(mine) > 1 for mine in firsts) else 0
         for mine in firsts:
             experiment, prediction = mine[0]
             if not self._already(experiment):
@@ -360,6 +374,7 @@ class HeterogeneousAutotuner:
             return
         runner_up = [item for item in ranked if item[0].stage == best.stage and not self._already(item[0])]
         if runner_up:
+            self.planned += 1
             experiment, prediction = runner_up[0]
             self._run(experiment, prediction.metric(self.settings.metric))
 
@@ -450,6 +465,10 @@ class HeterogeneousAutotuner:
                 why = "no experiment was run"
         return f"{why}\noutcomes: {counts}; details: {os.path.join(self.results_dir, 'results.json')}"
 
+    def _ran(self):
+        """Experiments that ran (predicted out-of-memory candidates did not)."""
+        return len([o for o in self.outcomes if o.status != PREDICTED_OOM])
+
     def best(self):
         return select_best(self.outcomes, self.settings.metric)
 
@@ -468,7 +487,7 @@ class HeterogeneousAutotuner:
     def _write_results(self):
         summary = format_summary(self.outcomes, self.settings.metric, self.space.stages)
         if self.interrupted:
-            summary = f"INTERRUPTED: partial results, {len(self.outcomes)} experiment(s) finished\n{summary}"
+            summary = f"INTERRUPTED: partial results, {self._ran()} experiment(s) finished\n{summary}"
         with open(os.path.join(self.results_dir, "summary.txt"), "w") as handle:
             handle.write(summary + "\n")
         with open(os.path.join(self.results_dir, "results.json"), "w") as handle:
@@ -586,8 +605,8 @@ def run_autotuning(args, active_resources, argv):
         sys.exit(2 if isinstance(exc, AutotuningConfigError) else 1)
     except KeyboardInterrupt:
         where = ""
-        if tuner is not None and tuner.outcomes:
-            where = (f"; partial results of the {len(tuner.outcomes)} finished experiment(s) in {tuner.results_dir} "
+        if tuner is not None and tuner._ran():
+            where = (f"; partial results of the {tuner._ran()} finished experiment(s) in {tuner.results_dir} "
                      f"(results.json has \"interrupted\": true)")
         print(f"deepspeed autotuning: interrupted; the running experiment was stopped{where}", file=sys.stderr,
               flush=True)

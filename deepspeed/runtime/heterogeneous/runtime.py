@@ -389,8 +389,8 @@ class HeterogeneousRuntime:
         for rank in range(len(steps[0])):
             samples = [sample[:2] for step in steps for sample in step[rank]["samples"]]
             # A nearly flat fit is noise, not a fixed cost (see plausible_time_model).
-            mean_size = sum(m for m, _ in samples) / len(samples)
-            model = plausible_time_model(fit_time_model(samples), mean_size)
+            fit = fit_time_model(samples)  # raises a clear ValueError without samples
+            model = plausible_time_model(fit, sum(m for m, _ in samples) / len(samples))
             self.base_models.append(model)
             # The optimizer step runs once per step on every rank, at the rank's own speed: a slow
             # rank's is longer, and the others wait for it at the next collective. Spread over the

@@ -12,7 +12,7 @@ from deepspeed.autotuning.heterogeneous import results as R
 from deepspeed.autotuning.heterogeneous.costmodel import ClusterProfile
 from deepspeed.autotuning.heterogeneous.experiments import rank_memory_capacity
 from deepspeed.autotuning.heterogeneous.runner import (experiment_args, extension_roots, find_config_path,
-                                                       remove_build_locks)
+                                                       orphaned_build_locks, remove_build_locks)
 from deepspeed.autotuning.heterogeneous.space import (AutotuningConfigError, Experiment, interpolate,
                                                       optimal_ds_config, parse_settings, parse_space)
 from deepspeed.autotuning.heterogeneous.tuner import EXPLORATION, _launcher_args, choose_next
@@ -159,20 +159,31 @@ def test_experiment_arguments_replace_the_config_and_set_mapped_flags():
         experiment_args(["--lr", "1"], "b.json", {}, experiment)
 
 
-def test_only_build_locks_created_during_the_experiment_are_removed(tmp_path):
-    """torch's JIT lock names no owner: a rank killed mid-build leaves it, and later runs wait forever."""
+def test_only_unheld_build_locks_created_during_the_experiment_are_removed(tmp_path):
+    """torch's JIT lock names no owner: a rank killed mid-build leaves it, and later runs wait
+    forever. Its builder keeps the lock's descriptor open, so a live build is told apart."""
     import os
     import time
+    from torch.utils.file_baton import FileBaton
+    started = time.time()
     old = tmp_path / "older_op" / "lock"
     new = tmp_path / "fused_adam" / "lock"  # under TORCH_EXTENSIONS_DIR
     nested = tmp_path / "py311_cpu" / "heterogeneous" / "lock"  # under torch's default root
-    for path in (old, new, nested):
+    held = tmp_path / "other_job_op" / "lock"  # another job's build, running now
+    for path in (old, new, nested, held):
         path.parent.mkdir(parents=True)
+    for path in (old, new, nested):
         path.write_text("")
-    started = time.time()
+        os.utime(path, (started + 5, started + 5))
     os.utime(old, (started - 60, started - 60))
-    assert remove_build_locks([str(tmp_path)], started) == [str(new), str(nested)]
-    assert old.exists() and not new.exists() and not nested.exists()
+    baton = FileBaton(str(held))
+    assert baton.try_acquire()
+    try:
+        assert remove_build_locks([str(tmp_path)], started) == [str(new), str(nested)]
+        assert old.exists() and held.exists() and not new.exists() and not nested.exists()
+        assert orphaned_build_locks([str(tmp_path)]) == [str(old)]  # named when an experiment times out
+    finally:
+        baton.release()
     assert extension_roots({"TORCH_EXTENSIONS_DIR": str(tmp_path)}) == [str(tmp_path)]
     assert extension_roots({})[0].endswith("torch_extensions")
 

@@ -40,6 +40,30 @@ def test_noise_below_the_threshold_never_rebalances():
         assert not policy.check(current, min(best, current)).rebalance
 
 
+def test_profiled_models_replace_a_flat_fit_and_rebalancing_measures_drift_against_them():
+    """The runtime's fit of the profiling steps: rank 0 timed at 9 and 7 samples ~0.1 s either
+    way on a loaded machine (flat: noise, not a fixed cost), rank 1 proportional. The flat fit
+    becomes proportional time through its mean point, and the optimizer step stays a fixed cost."""
+    from types import SimpleNamespace
+    from deepspeed.runtime.heterogeneous.runtime import HeterogeneousRuntime
+
+    def step(rank0, rank1):
+        return [{"samples": rank0, "step_overhead": 0.02}, {"samples": rank1, "step_overhead": 0.04}]
+
+    runtime = HeterogeneousRuntime.__new__(HeterogeneousRuntime)
+    runtime.config = SimpleNamespace(heterogeneous_base_gas=1)
+    runtime.history = [step([(8, 0.5)], [(8, 0.5)]),  # warm-up: left out
+                       step([(9, 0.100)], [(7, 0.140)]), step([(7, 0.099)], [(9, 0.180)]),
+                       step([(9, 0.1005)], [(7, 0.140)]), step([(7, 0.0985)], [(9, 0.180)])]
+    models = runtime.measured_time_models()
+    assert runtime.base_models[0].a == 0.0 and runtime.base_models[0].b == pytest.approx(0.0995 / 8, rel=1e-3)
+    assert runtime.base_models[1].a == pytest.approx(0.0, abs=1e-9) and runtime.base_models[1].b == pytest.approx(0.02)
+    assert [m.a for m in models] == pytest.approx([0.02, 0.04])  # the optimizer step, per micro-step
+    with pytest.raises(ValueError, match="no samples"):
+        runtime.history = [step([], [(8, 0.5)])]
+        runtime.measured_time_models()
+
+
 def test_threshold_is_validated():
     with pytest.raises(ValueError, match="imbalance_threshold"):
         RebalancePolicy(1.5)
