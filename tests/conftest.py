@@ -1,6 +1,7 @@
 """Session set-up shared by deepspeed-hetero's tests.
 
 - Makes ``tests/unit/harness.py`` importable as ``harness`` from every test directory.
+- Points this process's JIT builds at the test ranks' extensions directory.
 - Registers the ``multiprocess`` marker: tests that spawn ranks or run the ``deepspeed``
   launcher take seconds each; ``pytest -m "not multiprocess"`` leaves them out.
 - Builds the shared-memory comm op once per session before any multi-process test runs.
@@ -8,6 +9,7 @@
   patch set is built on, for parity tests against the unpatched release.
 """
 
+import os
 import shutil
 import sys
 import tempfile
@@ -22,6 +24,11 @@ if str(HARNESS_DIR) not in sys.path:
     sys.path.insert(0, str(HARNESS_DIR))
 
 import harness  # noqa: E402
+
+# In-process JIT builds (the native op a measured device score loads) go where the test ranks
+# build theirs: one build per machine, shared, and nothing written to the user's own
+# ~/.cache/torch_extensions.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", harness.fork_environment()["TORCH_EXTENSIONS_DIR"])
 
 
 def pytest_configure(config):
