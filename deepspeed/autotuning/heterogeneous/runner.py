@@ -175,20 +175,22 @@ def _in_group(pid, pgid):
         return False
 
 
+def orphaned_build_locks(roots, since=None):
+    """Build locks that no process holds, only those created at or after ``since`` when given
+    (None where this system cannot tell a dead owner from a live one)."""
+    paths = build_locks(roots, since)
+    holders = lock_holders(paths)
+    return None if holders is None else [path for path in paths if not holders[path]]
+
+
 def remove_build_locks(roots, since):
     """Remove the build locks created at or after ``since`` that no process holds; returns their
     paths. Called once the experiment's process group is gone: such a lock was left by one of its
     ranks, killed mid-build, and torch's lock names no owner, so a later load would wait on it
     forever. A lock held by a live process (another job building the same op) is left alone.
     """
-    paths = build_locks(roots, since)
-    holders = lock_holders(paths)
-    if holders is None:
-        return []  # cannot tell a dead owner from a live one: leave every lock
     removed = []
-    for path in paths:
-        if holders[path]:
-            continue
+    for path in orphaned_build_locks(roots, since) or []:
         try:
             os.unlink(path)
             removed.append(path)
@@ -197,11 +199,13 @@ def remove_build_locks(roots, since):
     return removed
 
 
-def orphaned_build_locks(roots):
-    """Build locks of any age that no process holds (None where this system cannot tell)."""
-    paths = build_locks(roots)
-    holders = lock_holders(paths)
-    return None if holders is None else [path for path in paths if not holders[path]]
+def remove_shm_buffers(port):
+    """Remove the shared-memory buffers upstream's CPU all-reduce leaks for a launch on ``port``."""
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 class ExperimentRunner:
@@ -251,11 +255,7 @@ class ExperimentRunner:
                 process.wait()
                 if timed_out or process.returncode != 0:
                     stale_locks = remove_build_locks(roots, began_epoch)
-                for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
-                    try:
-                        os.unlink(path)  # upstream's CPU shared-memory all-reduce leaks these
-                    except OSError:
-                        pass
+                remove_shm_buffers(port)
         seconds = time.monotonic() - began
         stdout = _read(os.path.join(exp_dir, "stdout.log"))
         stderr = _read(os.path.join(exp_dir, "stderr.log"))

@@ -532,9 +532,8 @@ class HeterogeneousAutotuner:
         return None
 
     def run_after_tuning(self):
-        import glob
         import subprocess
-        from .runner import free_port
+        from .runner import free_port, remove_shm_buffers
         port = free_port()
         optimal = self.optimal_command()
         command = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(port)] + optimal[1:]
@@ -542,11 +541,7 @@ class HeterogeneousAutotuner:
         try:
             return subprocess.call(command)
         finally:
-            for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
-                try:
-                    os.unlink(path)  # upstream's CPU shared-memory all-reduce leaks these
-                except OSError:
-                    pass
+            remove_shm_buffers(port)
 
 
 def choose_next(todo, corrections, metric, rng):
