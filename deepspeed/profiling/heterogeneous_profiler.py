@@ -50,7 +50,6 @@ helpers); only ``HeterogeneousProfiler.stop_profile`` talks to other ranks. ``sa
 needs matplotlib (``pip install matplotlib``), imported only there; the rest does not.
 """
 
-import gc
 import json
 import math
 
@@ -356,14 +355,12 @@ def draw_timeline(metrics, path):
 
 def _find_engine(model):
     from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.heterogeneous.engine import engine_of
 
     if isinstance(model, DeepSpeedEngine):
         return model
-    # A module does not know its engine; the one whose .module it is must be found among live objects.
-    engines = [
-        obj for obj in gc.get_objects()
-        if issubclass(type(obj), DeepSpeedEngine) and getattr(obj, "module", None) is model
-    ]
+    # A module does not know its engine; every engine registers itself when it is built.
+    engines = engine_of(model)
     if len(engines) != 1:
         found = "no DeepSpeed engine wraps" if not engines else f"{len(engines)} DeepSpeed engines wrap"
         raise ValueError(f"HeterogeneousProfiler: {found} this {type(model).__name__}; pass the engine that "

@@ -77,8 +77,8 @@ def _rank_profile(engine):
         "master_bytes": 4 if half else 0,
         "optimizer_offloaded": bool(engine.zero_use_cpu_optimizer()),
         "capacity_bytes": None if runtime.capacities is None else runtime.capacities[rank],
-        "utilization": runtime.config.heterogeneous.memory.hbm_utilization_threshold,
-        "profile_gas": runtime.config.heterogeneous_base_gas,
+        "utilization": runtime.state.settings.memory.hbm_utilization_threshold,
+        "profile_gas": runtime.state.base_gas,
     }
 
 
@@ -93,7 +93,7 @@ def rank_memory_capacity(device_bytes, accelerator_name, ranks_on_host):
 
 
 def _device_name(engine, dp_rank):
-    devices = getattr(engine._config, "heterogeneous_devices", None)
+    devices = engine.heterogeneous_devices
     if devices and dp_rank is not None and dp_rank < len(devices):
         return devices[dp_rank].name
     return get_accelerator().device_name()
@@ -105,7 +105,7 @@ def _finish(engine, marks):
     intervals = [later - earlier for earlier, later in zip(marks, marks[1:])]
     plan = engine.heterogeneous_plan
     rank = dist.get_rank()
-    dp_rank = engine._config.heterogeneous_dp_rank if plan is not None else None
+    dp_rank = engine.heterogeneous_state.dp_rank if plan is not None else None
     mbs = plan.micro_batch_sizes[dp_rank] if plan is not None else engine.train_micro_batch_size_per_gpu()
     gas = plan.gradient_accumulation_steps[dp_rank] if plan is not None else engine.gradient_accumulation_steps()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")) or 1)

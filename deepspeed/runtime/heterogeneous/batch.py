@@ -17,9 +17,6 @@ from deepspeed.utils import logger
 
 from .devices import BYTES_PER_GB, DeviceDescription, describe_local_device
 from .planner import plan_micro_batches, time_models_from_scores
-from .precision import apply_precision, choose_precision
-
-_GAS = "gradient_accumulation_steps"
 
 
 def data_parallel_rank(mpu=None, mesh_device=None):
@@ -62,13 +59,24 @@ def _emulated_memory(settings):
     return emulation.memory_gb if emulation is not None and emulation.memory_gb else None
 
 
-def memory_capacities(settings, devices):
+def gather_local_devices(settings, dp_rank, world_size):
+    """``gather_devices`` when a decision needs the devices (None otherwise), with this rank's
+    emulated memory in place of its real capacity."""
+    if not _needs_devices(settings):
+        return None
+    emulated = _emulated_memory(settings)
+    memory_bytes = None if emulated is None else int(emulated[dp_rank] * BYTES_PER_GB)
+    return gather_devices(dp_rank, world_size, memory_bytes)
+
+
+def memory_capacities(state):
     """Per data-parallel rank, the device memory plans must fit in (bytes), or None where no limit
     is known: the CPU accelerator reports host RAM, which its ranks share, so on CPU a limit comes
     only from an emulated capacity."""
+    devices = state.devices
     if not devices:
         return None
-    if _emulated_memory(settings) is not None:
+    if _emulated_memory(state.settings) is not None:
         return [d.memory_bytes for d in devices]
     capacities = [None if d.accelerator == "cpu" else d.memory_bytes for d in devices]
     return capacities if any(c is not None for c in capacities) else None
@@ -91,8 +99,9 @@ def initial_plan(settings, train_batch_size, gas, world_size, zero_stage, device
                               allow_per_rank_gas=zero_stage <= 1)
 
 
-def configure_heterogeneous_batch(ds_config, mpu=None, mesh_device=None):
-    """Set ``ds_config``'s batch fields for this rank from the start-up plan.
+def configure_heterogeneous_batch(ds_config, state):
+    """Set ``ds_config``'s batch fields for this rank from the start-up plan (``state`` is
+    ``ds_config.heterogeneous``).
 
     Requires ``train_batch_size`` (the global batch); ``gradient_accumulation_steps`` defaults to
     1. A ``train_micro_batch_size_per_gpu`` in the config is ignored with a warning: the plan
@@ -106,49 +115,22 @@ def configure_heterogeneous_batch(ds_config, mpu=None, mesh_device=None):
     if ds_config.train_micro_batch_size_per_gpu is not None:
         logger.warning("train_micro_batch_size_per_gpu is ignored with heterogeneous_config enabled: each rank's "
                        "micro-batch comes from the plan (train_batch_size stays the global batch)")
-    world_size = int(ds_config.world_size)
-    dp_rank = data_parallel_rank(mpu, mesh_device)
+    if state.precision is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+        logger.info(f"deepspeed-hetero precision: {state.precision.dtype} ({state.precision.reason})")
+        if state.precision.overridden:
+            logger.warning(f"deepspeed-hetero precision: {state.precision.overridden}")
     zero_stage = int(ds_config.zero_optimization_stage or 0)
-    emulated = _emulated_memory(ds_config.heterogeneous)
-    memory_bytes = None if emulated is None else int(emulated[dp_rank] * BYTES_PER_GB)
-    devices = gather_devices(dp_rank, world_size, memory_bytes) if _needs_devices(ds_config.heterogeneous) else None
-    configure_precision(ds_config, devices)
-    plan = initial_plan(ds_config.heterogeneous, train_batch, gas, world_size, zero_stage, devices)
-    ds_config.heterogeneous_dp_rank = dp_rank
-    ds_config.heterogeneous_devices = devices
-    ds_config.heterogeneous_base_gas = gas  # the configured gas; a plan may raise a rank's own
+    state.base_gas = gas
+    plan = initial_plan(state.settings, train_batch, gas, int(ds_config.world_size), zero_stage, state.devices)
     apply_plan(ds_config, plan)
     return plan
 
 
-def configure_precision(ds_config, devices):
-    """Apply ``mixed_precision_support`` (no-op for 'config'); the choice and its reason are logged."""
-    choice = choose_precision(ds_config.heterogeneous.config.mixed_precision_support, devices or [],
-                              ds_config.float16_config.enabled, ds_config.bfloat16_config.enabled)
-    ds_config.heterogeneous_precision = choice
-    if choice is None:
-        return
-    apply_precision(ds_config, choice)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        logger.info(f"deepspeed-hetero precision: {choice.dtype} ({choice.reason})")
-        if choice.overridden:
-            logger.warning(f"deepspeed-hetero precision: {choice.overridden}")
-
-
 def apply_plan(ds_config, plan):
-    """Make ``plan`` the one in force for this rank (at start-up, or at a step boundary)."""
-    rank = ds_config.heterogeneous_dp_rank
-    ds_config.heterogeneous_plan = plan
+    """Make ``plan`` the one in force for this rank (at start-up, or at a step boundary): upstream
+    reads the batch fields, the fork reads ``ds_config.heterogeneous.plan``."""
+    state = ds_config.heterogeneous
+    state.plan = plan
     ds_config.train_batch_size = plan.train_batch_size
-    ds_config.train_micro_batch_size_per_gpu = plan.micro_batch_sizes[rank]
-    ds_config.gradient_accumulation_steps = plan.gradient_accumulation_steps[rank]
-    ds_config.heterogeneous_loss_weight = plan.loss_weights[rank]
-
-
-def heterogeneous_loss_weight(ds_config):
-    """w_i = W * n_i / train_batch_size for this rank (1.0 when heterogeneous mode is off).
-
-    Every upstream reducer averages gradients over ranks; weighting rank i's loss by w_i turns
-    that average into the mean over the global batch, whatever each rank's share n_i is.
-    """
-    return getattr(ds_config, "heterogeneous_loss_weight", 1.0)
+    ds_config.train_micro_batch_size_per_gpu = plan.micro_batch_sizes[state.dp_rank]
+    ds_config.gradient_accumulation_steps = plan.gradient_accumulation_steps[state.dp_rank]

@@ -2,25 +2,44 @@
 """What ``DeepSpeedEngine`` gains from the fork: the plan in force and the seed's scheduling API.
 
 The engine inherits ``HeterogeneousEngineMixin``; every method is a thin view over the pure
-planner (``planner.py``) and the config-time plan (``batch.py``).
+planner (``planner.py``) and the fork's state (``state.py``, ``engine._config.heterogeneous``).
 """
+
+import weakref
 
 from .devices import DeviceDescription, normalize_scores
 from .planner import device_score, distribute_workload, schedule_heterogeneous_tasks
+
+_ENGINES = weakref.WeakSet()
+"""Every live engine: the heterogeneous profiler finds the engine of a module here."""
+
+
+def engine_of(module):
+    """The live engines whose ``.module`` is ``module``."""
+    return [engine for engine in list(_ENGINES) if getattr(engine, "module", None) is module]
 
 
 class HeterogeneousEngineMixin:
     """Heterogeneous-training view of a ``DeepSpeedEngine`` (all methods read ``self._config``)."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _ENGINES.add(self)
+
+    @property
+    def heterogeneous_state(self):
+        """The fork's state (``HeterogeneousState``), also when the fork is off."""
+        return self._config.heterogeneous
+
     @property
     def heterogeneous_plan(self):
         """The plan in force (per-rank micro-batches, gas, predicted times), or None when disabled."""
-        return getattr(self._config, "heterogeneous_plan", None)
+        return self._config.heterogeneous.plan
 
     @property
     def heterogeneous_devices(self):
         """Every data-parallel rank's DeviceDescription as gathered at start-up (None if not needed)."""
-        return getattr(self._config, "heterogeneous_devices", None)
+        return self._config.heterogeneous.devices
 
     def _get_device_score(self, device):
         """Prior speed of ``device`` (a DeviceDescription or its dict) in TFLOP/s."""
@@ -71,14 +90,13 @@ class HeterogeneousEngineMixin:
     # -- hooks the engine calls (no-ops when the fork is off) ---------------------------------
 
     def _heterogeneous_runtime(self):
-        if self.heterogeneous_plan is None:
+        state = self._config.heterogeneous
+        if state.plan is None:
             return None
-        runtime = self.__dict__.get("_heterogeneous_runtime_state")
-        if runtime is None:
+        if state.runtime is None:
             from .runtime import HeterogeneousRuntime
-            runtime = HeterogeneousRuntime(self)
-            self.__dict__["_heterogeneous_runtime_state"] = runtime
-        return runtime
+            state.runtime = HeterogeneousRuntime(self)
+        return state.runtime
 
     def _heterogeneous_micro_step_begin(self):
         runtime = self._heterogeneous_runtime()
@@ -103,7 +121,7 @@ class HeterogeneousEngineMixin:
     def _heterogeneous_gas_origin(self):
         """The micro-step count at which this rank's current gas took effect (0 unless a plan changed
         it mid-training): accumulation boundaries are counted from there."""
-        runtime = self.__dict__.get("_heterogeneous_runtime_state")
+        runtime = self._config.heterogeneous.runtime
         return 0 if runtime is None else runtime.gas_origin
 
     def _heterogeneous_train_loader(self, dataset, data_parallel_rank, collate_fn):
@@ -120,4 +138,4 @@ class HeterogeneousEngineMixin:
         return HeterogeneousDataLoader(dataset, batch_sampler, collate_fn=collate_fn, tput_timer=self.tput_timer)
 
     def _plan_gas(self):
-        return getattr(self._config, "heterogeneous_base_gas", None) or self.gradient_accumulation_steps()
+        return self._config.heterogeneous.base_gas or self.gradient_accumulation_steps()

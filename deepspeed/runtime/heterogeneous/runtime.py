@@ -44,8 +44,9 @@ class HeterogeneousRuntime:
     def __init__(self, engine):
         self.engine = engine
         self.config = engine._config
-        self.settings = self.config.heterogeneous.config
-        self.rank = self.config.heterogeneous_dp_rank
+        self.state = self.config.heterogeneous
+        self.settings = self.state.settings.config
+        self.rank = self.state.dp_rank
         # Measurements are pooled and the plan decided over the whole world: with model
         # parallelism, the members of one data-parallel replica must run the same plan, and the
         # slowest member sets the replica's pace.
@@ -56,7 +57,7 @@ class HeterogeneousRuntime:
         self._current = []
         self._began = None
         self.loaders = []
-        self.capacities = memory_capacities(self.config.heterogeneous, self.config.heterogeneous_devices)
+        self.capacities = memory_capacities(self.state)
         emulation = self.settings.emulation
         # Only an emulated capacity is enforced here; a real device enforces its own.
         self.emulated_capacity = self.capacities[self.rank] if emulation is not None and emulation.memory_gb else None
@@ -81,7 +82,7 @@ class HeterogeneousRuntime:
 
     @property
     def plan(self):
-        return self.config.heterogeneous_plan
+        return self.state.plan
 
     @property
     def emulation_mode(self):
@@ -89,7 +90,7 @@ class HeterogeneousRuntime:
 
     def log_plan(self, title, plan):
         if dist.get_rank() == 0:
-            names = [d.name for d in self.config.heterogeneous_devices or []] or None
+            names = [d.name for d in self.state.devices or []] or None
             logger.info(f"deepspeed-hetero {title} (strategy {plan.strategy}):\n{plan.format_table(names)}")
 
     # -- hooks --------------------------------------------------------------------------------
@@ -300,7 +301,7 @@ class HeterogeneousRuntime:
             current = max(g * model.micro_step_time(m) for model, m, g in zip(
                 models, plan.micro_batch_sizes, plan.gradient_accumulation_steps))
             best = plan_micro_batches(models, train_batch_size=plan.train_batch_size,
-                                      gradient_accumulation_steps=self.config.heterogeneous_base_gas,
+                                      gradient_accumulation_steps=self.state.base_gas,
                                       strategy="compute_aware", max_micro_batch=self.memory_limits(),
                                       allow_per_rank_gas=self.per_rank_gas_allowed)
             if on_demand:
@@ -338,7 +339,7 @@ class HeterogeneousRuntime:
         """Per-rank models for an on-demand re-plan: the profiled models scaled by measured /
         predicted time over the interval (see ``_micro_step_times`` for why a and b are not
         refitted from one size)."""
-        gas = self.config.heterogeneous_base_gas
+        gas = self.state.base_gas
         models = []
         for rank, entry in enumerate(everyone):
             samples = [s[:2] for s in entry["samples"]]
@@ -383,7 +384,7 @@ class HeterogeneousRuntime:
         """Per-rank fits; the first step is left out once later ones exist (it carries warm-up). A
         fit whose fixed cost is most of a micro-step falls back to proportional time."""
         steps = self._fit_steps()
-        gas = self.config.heterogeneous_base_gas
+        gas = self.state.base_gas
         models = []
         self.base_models = []  # the fits alone: what dynamic rebalancing measures drift against
         for rank in range(len(steps[0])):
@@ -407,8 +408,8 @@ class HeterogeneousRuntime:
         """
         if self.capacities is None:
             return None
-        names = [d.name for d in self.config.heterogeneous_devices]
-        utilization = self.config.heterogeneous.memory.hbm_utilization_threshold
+        names = [d.name for d in self.state.devices]
+        utilization = self.state.settings.memory.hbm_utilization_threshold
         limits = []
         for rank, capacity in enumerate(self.capacities):
             measured = [(m, b) for step in self.history for m, _, b in step[rank]["samples"] if b is not None]
@@ -424,7 +425,7 @@ class HeterogeneousRuntime:
         plan = self.plan
         models = self.measured_time_models()
         self.reference_models, self.baseline = models, None  # what dynamic rebalancing scales
-        gas = self.config.heterogeneous_base_gas
+        gas = self.state.base_gas
         caps = self.memory_limits()
         best = plan_micro_batches(models, train_batch_size=plan.train_batch_size, gradient_accumulation_steps=gas,
                                   strategy="compute_aware", max_micro_batch=caps,

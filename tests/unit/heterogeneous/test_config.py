@@ -177,7 +177,7 @@ def _initialize_case(rank, world_size, config, environ, expect):
             assert expect.get("error") and expect["error"] in str(exc), str(exc)
             return "error"
         assert "error" not in expect, "initialize accepted a bad config"
-        settings = engine._config.heterogeneous
+        settings = engine._config.heterogeneous.settings
         assert settings.enabled == expect["enabled"]
         assert settings.config.scheduler.dynamic_rebalancing == expect.get("dynamic", False)
         assert type(scheduler).__name__ == expect.get("lr_scheduler", "NoneType")

@@ -51,7 +51,7 @@ def test_profiled_models_replace_a_flat_fit_and_rebalancing_measures_drift_again
         return [{"samples": rank0, "step_overhead": 0.02}, {"samples": rank1, "step_overhead": 0.04}]
 
     runtime = HeterogeneousRuntime.__new__(HeterogeneousRuntime)
-    runtime.config = SimpleNamespace(heterogeneous_base_gas=1)
+    runtime.state = SimpleNamespace(base_gas=1)
     runtime.history = [step([(8, 0.5)], [(8, 0.5)]),  # warm-up: left out
                        step([(9, 0.100)], [(7, 0.140)]), step([(7, 0.099)], [(9, 0.180)]),
                        step([(9, 0.1005)], [(7, 0.140)]), step([(7, 0.0985)], [(9, 0.180)])]
