@@ -5,8 +5,10 @@ A rank's measured forward+backward contains the time it waits for slower peers a
 collective inside it (ZeRO-2/3 reduce and gather during backward and forward); that is the
 slow rank's time leaking into the fast rank's measurement. The planner needs each rank's own
 compute, so the engine subtracts what this clock accumulated over the micro-step. Every
-deepspeed.comm collective reports here (comm.timed_op); an asynchronous one is timed when its
-handle is waited on. Nested calls count once.
+deepspeed.comm collective reports here (comm.timed_op) once the fork is on in this process
+(``enable()``, called when a heterogeneous config is built); an asynchronous one is timed when its
+handle is waited on. Nested calls count once. With the fork off, timed_op pays one branch on a
+module attribute: no timing and no wrapper around async handles.
 """
 
 import threading
@@ -24,6 +26,14 @@ class _Clock(threading.local):
 
 
 _clock = _Clock()
+
+enabled = False
+"""Read by deepspeed.comm.timed_op on every collective; True once a heterogeneous config was built."""
+
+
+def enable():
+    global enabled
+    enabled = True
 
 
 def enter():
@@ -60,8 +70,14 @@ class TimedWork:
         return getattr(self._work, name)
 
 
-def timed_result(result):
-    """Wrap a returned work handle (async_op=True); tensors and None pass through."""
+def timed_call(func, *args, **kwargs):
+    """Run a collective inside the clock; a returned work handle (async_op=True) is wrapped so that
+    its ``wait()`` counts too. Tensors and None pass through."""
+    enter()
+    try:
+        result = func(*args, **kwargs)
+    finally:
+        leave()
     if result is None or isinstance(result, torch.Tensor) or not hasattr(result, "wait"):
         return result
     return TimedWork(result)

@@ -75,13 +75,6 @@ class HeterogeneousEngineMixin:
             raise RuntimeError("reschedule_workload() needs heterogeneous_config enabled")
         return runtime.reschedule(utilization_metrics)
 
-    def _samples_per_micro_step(self):
-        """Samples all ranks process in one micro-step (the flops profiler's samples/s)."""
-        plan = self.heterogeneous_plan
-        if plan is None:
-            return self.train_micro_batch_size_per_gpu() * self.world_size
-        return sum(plan.micro_batch_sizes)
-
     def _heterogeneous_refuse(self, method):
         if self.heterogeneous_plan is not None:
             raise RuntimeError(f"{method}() is not supported with heterogeneous_config enabled: every rank's "

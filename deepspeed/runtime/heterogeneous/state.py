@@ -91,6 +91,8 @@ class HeterogeneousState:
         check_adaptive_scaler_config(ds_config)
         if not self.enabled:
             return False
+        from . import comm_clock
         from .batch import configure_heterogeneous_batch
+        comm_clock.enable()  # the runtime subtracts time in collectives from each rank's compute time
         configure_heterogeneous_batch(ds_config, self)
         return True

@@ -44,7 +44,7 @@ def train_compute_aware(rank, world_size, stage, steps):
     model = make_model()
     engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                 config=config(stage), training_data=dataset())
-    assert engine._samples_per_micro_step() == 16  # what the flops profiler counts per micro-step
+    assert engine.train_batch_size() / engine.gradient_accumulation_steps() == 16  # the flops profiler's count
     try:
         engine.set_train_micro_batch_size(4)
         raise AssertionError("set_train_micro_batch_size must refuse: the plan owns batch sizes")
