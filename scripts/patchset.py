@@ -50,6 +50,9 @@ FORMAT_PATCH_ARGS = ("--zero-commit", "--full-index", "--no-signature", "--no-st
                      "--no-color", "--stdout")
 REQUIRED_TRAILERS = ("Origin", "Forwarded")
 STACK_TRAILER = "Stacked-files"
+# Thin patches (STYLE.md): the most changed lines one patch may have, and the most the median may be.
+MAX_CHANGED_LINES = 60
+MAX_MEDIAN_CHANGED_LINES = 20
 
 
 class PatchSetError(Exception):
@@ -678,6 +681,31 @@ def cmd_dist(args):
 # Check
 
 
+def changed_lines(text):
+    """Added plus removed lines of a patch's diffs (file headers not counted)."""
+    count, in_diff = 0, False
+    for line in text.splitlines():
+        if line.startswith("diff --git "):
+            in_diff = True
+        elif in_diff and line.startswith(("+++ ", "--- ")):
+            continue
+        elif in_diff and line[:1] in "+-" and line:
+            count += 1
+    return count
+
+
+def check_patch_sizes(names):
+    """Problems with patches that are not thin, and the sizes for the report."""
+    sizes = {name: changed_lines((PATCH_DIR / name).read_text()) for name in names if (PATCH_DIR / name).is_file()}
+    problems = [f"patches/{name} changes {size} lines (at most {MAX_CHANGED_LINES}): move logic into the fork's "
+                f"modules or split it by concern" for name, size in sizes.items() if size > MAX_CHANGED_LINES]
+    ordered = sorted(sizes.values())
+    median = (ordered[(len(ordered) - 1) // 2] + ordered[len(ordered) // 2]) / 2 if ordered else 0
+    if median > MAX_MEDIAN_CHANGED_LINES:
+        problems.append(f"the median patch changes {median:g} lines (at most {MAX_MEDIAN_CHANGED_LINES})")
+    return problems, sizes, median
+
+
 def check_series_folder():
     problems = []
     names = read_series()
@@ -703,6 +731,7 @@ def check_series_folder():
             problems.append(f"patches/{name} lacks the trailer(s) {', '.join(missing)}")
         if not meta.files:
             problems.append(f"patches/{name} changes no file")
+    problems += check_patch_sizes(names)[0]
     return problems
 
 
@@ -798,8 +827,10 @@ def cmd_check(_args):
         for problem in problems:
             print(f"check: FAIL {problem}", file=sys.stderr)
         raise PatchSetError(f"{len(problems)} problem(s) found")
+    _, sizes, median = check_patch_sizes(list(metas))
     print(f"check: OK ({len(metas)} patches apply to pristine {pin['name']} {pin['version']}, tree matches the "
-          f"series, exports are canonical, the combined patch and the source archive reproduce the tree)")
+          f"series, exports are canonical, the combined patch and the source archive reproduce the tree; changed "
+          f"lines per patch: median {median:g}, largest {max(sizes.values(), default=0)})")
 
 
 def read_archive(archive):

@@ -255,3 +255,16 @@ def test_stacked_file_keeps_the_earlier_patch_as_written(checkout):
     fix.write_text(fix_before.replace("Stacked-files: deepspeed/runtime/engine.py\n", ""))
     code, out = tool(checkout, "check")
     assert code == 2 and "changed by both fp16-zero0-loss-scaling.patch and engine-heterogeneous-hooks.patch" in out
+
+
+def test_a_patch_over_the_size_limit_fails_the_check(tmp_path, monkeypatch):
+    diff = "".join(f"+line {i}\n" for i in range(patchset.MAX_CHANGED_LINES + 1))
+    header = "diff --git a/x.py b/x.py\n--- a/x.py\n+++ b/x.py\n@@ -0,0 +1,61 @@\n"
+    (tmp_path / "big.patch").write_text("Subject: big\n\n" + header + diff)
+    (tmp_path / "small.patch").write_text("Subject: small\n\n" + header + "-old\n+new\n")
+    monkeypatch.setattr(patchset, "PATCH_DIR", tmp_path)
+    assert patchset.changed_lines((tmp_path / "small.patch").read_text()) == 2  # file headers do not count
+    problems, sizes, median = patchset.check_patch_sizes(["big.patch", "small.patch"])
+    assert sizes == {"big.patch": 61, "small.patch": 2} and median == 31.5
+    assert len(problems) == 2 and "big.patch changes 61 lines" in problems[0] and "median" in problems[1]
+    assert patchset.check_patch_sizes(["small.patch"])[0] == []

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# One prepared check of the fork's accelerator paths, for a machine with a GPU (never needed by CI).
+#
+#   scripts/device_check.sh [OUT_DIR]      (default: $OUT, else ./device-check)
+#
+# What it runs, in about 8 minutes on one GPU:
+#   1. the environment: torch, CUDA, the device, its fp16/bf16 support;
+#   2. the fork's native op, built for this device (CUDA builder), and its fused un-scale/max-abs
+#      against the torch reference on the device;
+#   3. every test that needs an accelerator (tests skipped on CPU), plus the native-op, device and
+#      scaler unit tests, on the device;
+#   4. a short single-GPU training of the small GPT with the fork on: profiling steps, fp16 with the
+#      adaptive loss scaler, the heterogeneous profiler's report (memory peaks from the device);
+#   5. summary.json and summary.txt in OUT_DIR: one line per stage, passed/failed, with its log.
+# It assumes the repository's venv (make install) or an environment with torch and the assembled
+# tree installed; set PYTHON to use another interpreter.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-${OUT:-device-check}}
+mkdir -p "$out"
+python=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/$out/torch_extensions}
+results=()
+
+stage() {  # stage NAME TIMEOUT_S COMMAND...: run, log to OUT/NAME.log, record the outcome
+  local name=$1 limit=$2; shift 2
+  local began=$SECONDS
+  echo "== $name"
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  local verdict=passed
+  [ $rc -eq 0 ] || verdict="failed (exit $rc)"
+  [ $rc -eq 124 ] && verdict="timed out after ${limit}s"
+  echo "   $verdict in $((SECONDS - began)) s; last lines:"
+  tail -n 4 "$out/$name.log" | sed 's/^/   | /'
+  results+=("{\"stage\": \"$name\", \"rc\": $rc, \"seconds\": $((SECONDS - began)), \"verdict\": \"$verdict\"}")
+}
+
+stage environment 60 "$python" - <<'EOF'
+import torch
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.heterogeneous.devices import describe_local_device
+acc = get_accelerator()
+print("torch", torch.__version__, "cuda", torch.version.cuda, "accelerator", acc.device_name())
+assert acc.device_name() != "cpu", "no accelerator: this check is for a machine with a GPU"
+print(describe_local_device(measure=True).to_dict())
+EOF
+
+stage native_op 300 "$python" - <<'EOF'
+import torch
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.heterogeneous import native
+device = get_accelerator().current_device_name()
+assert native.load_native_op() is not None, native.native_op_status()
+print("op:", native.native_op_status())
+for dtype in (torch.float16, torch.bfloat16, torch.float32):
+    grads = [(torch.randn(n, device=device) * 100).to(dtype) for n in (1, 1000, 1 << 20)]
+    grads[1][7] = float("inf")
+    fused = native.unscale_maxabs_([g.clone() for g in grads], 1 / 1024)
+    reference = native.unscale_maxabs_reference_([g.clone() for g in grads], 1 / 1024)
+    print(dtype, "fused", fused, "reference", reference)
+    assert fused == reference, (dtype, fused, reference)
+print("stream triad GB/s:", native.stream_triad_gbps(device=device))
+EOF
+
+stage accelerator_tests 300 "$python" -m pytest -q -rs --timeout=240 \
+  tests/unit/heterogeneous/test_fused_unscale.py tests/unit/heterogeneous/test_native.py \
+  tests/unit/heterogeneous/test_devices.py tests/unit/heterogeneous/test_adaptive_scaler.py
+
+cat >"$out/ds_config.json" <<'EOF'
+{
+  "train_batch_size": 16,
+  "gradient_clipping": 1.0,
+  "optimizer": {"type": "Adam", "params": {"lr": 0.001, "torch_adam": true}},
+  "fp16": {"enabled": true, "auto_scale_threshold": 0.95},
+  "heterogeneous_config": {"enabled": true, "load_balancing_strategy": "compute_aware", "profile_steps": 3}
+}
+EOF
+stage training 300 "$python" -m deepspeed.launcher.runner --num_gpus 1 examples/train_heterogeneous.py \
+  --deepspeed_config "$out/ds_config.json" --steps 20 --profile "$out/profile"
+
+{
+  printf '{"stages": [%s]}\n' "$(IFS=,; echo "${results[*]}")"
+} >"$out/summary.json"
+printf '%s\n' "${results[@]}" >"$out/summary.txt"
+echo "summary: $out/summary.json"
+grep -q '"rc": [1-9]' "$out/summary.json" && exit 1 || exit 0
