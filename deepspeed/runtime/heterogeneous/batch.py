@@ -15,7 +15,7 @@ from dataclasses import replace
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
-from .devices import BYTES_PER_GB, DeviceDescription, describe_local_device
+from .devices import DeviceDescription, describe_local_device, emulated_memory_bytes, local_device_index
 from .planner import plan_micro_batches, time_models_from_scores
 
 
@@ -35,7 +35,8 @@ def gather_devices(dp_rank, world_size, memory_bytes=None):
     All processes take part, so that the model-parallel members of a replica agree: a replica is
     described by its slowest member's device, with its smallest memory.
     """
-    mine = describe_local_device(measure=False, memory_bytes=memory_bytes).to_dict()
+    # Unknown devices are not benchmarked here: the profiling steps measure the real workload.
+    mine = describe_local_device(local_rank=local_device_index(), memory_bytes=memory_bytes, measure=False).to_dict()
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [DeviceDescription.from_dict(mine)]
     gathered = [None] * dist.get_world_size()
@@ -64,9 +65,7 @@ def gather_local_devices(settings, dp_rank, world_size):
     emulated memory in place of its real capacity."""
     if not _needs_devices(settings):
         return None
-    emulated = _emulated_memory(settings)
-    memory_bytes = None if emulated is None else int(emulated[dp_rank] * BYTES_PER_GB)
-    return gather_devices(dp_rank, world_size, memory_bytes)
+    return gather_devices(dp_rank, world_size, emulated_memory_bytes(settings.config.emulation, dp_rank))
 
 
 def memory_capacities(state):

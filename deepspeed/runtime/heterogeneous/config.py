@@ -16,9 +16,10 @@ import os
 import re
 import typing
 from dataclasses import dataclass, field
-from typing import Dict, List, Literal, Optional, Union
+from typing import Annotated, Dict, List, Literal, Optional, Union
 
-from pydantic import Field, PositiveFloat, PositiveInt, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, Field, PositiveFloat, PositiveInt, ValidationError, field_validator,
+                      model_validator)
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 
@@ -54,26 +55,28 @@ class SchedulerConfig(DeepSpeedConfigModel):
     can be judged (and its observed gain logged)."""
 
 
+def _relative_speed(speed):
+    if not 0.0 < speed <= 1.0:
+        raise ValueError(f"{speed} is not in (0, 1]: each speed is relative to the fastest device (1.0)")
+    return speed
+
+
+RelativeSpeed = Annotated[float, AfterValidator(_relative_speed)]
+"""An emulated rank's speed as a fraction of the unthrottled device, in (0, 1]; an error names its index."""
+
+
 class SpeedChange(DeepSpeedConfigModel):
     """One entry of ``emulation.speed_schedule``: from optimizer step ``step`` on, rank r runs at
     ``speeds[r]``."""
 
     step: PositiveInt
-    speeds: List[float]
-
-    @model_validator(mode="after")
-    def _speeds_in_range(self):
-        for index, speed in enumerate(self.speeds):
-            if not 0.0 < speed <= 1.0:
-                raise ValueError(f"speeds[{index}] = {speed}: each speed must be in (0, 1], relative to the "
-                                 f"fastest device")
-        return self
+    speeds: List[RelativeSpeed]
 
 
 class EmulationConfig(DeepSpeedConfigModel):
     """``heterogeneous_config.emulation``: an emulated mixed cluster, for tests and demos only."""
 
-    speeds: Optional[List[float]] = None
+    speeds: Optional[List[RelativeSpeed]] = None
     """Relative speed of each data-parallel rank, in (0, 1]; 1.0 is the unthrottled device."""
     memory_gb: Optional[List[PositiveFloat]] = None
     """Emulated device memory of each data-parallel rank, in GB of 2**30 bytes (as the device table);
@@ -86,14 +89,10 @@ class EmulationConfig(DeepSpeedConfigModel):
     auto: cgroup where the machine allows it, else dilation."""
 
     @model_validator(mode="after")
-    def _speeds_in_range(self):
+    def _schedule_steps_increase(self):
         steps = [change.step for change in self.speed_schedule or []]
         if steps != sorted(set(steps)):
             raise ValueError(f"speed_schedule steps {steps} must be increasing, one entry per step")
-        for index, speed in enumerate(self.speeds or []):
-            if not 0.0 < speed <= 1.0:
-                raise ValueError(f"speeds[{index}] = {speed}: each speed must be in (0, 1], relative to the "
-                                 f"fastest device")
         return self
 
 

@@ -17,11 +17,12 @@ import sys
 
 import deepspeed
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.precision_config import get_bfloat16_config, get_float16_config
 
 from .config import load_heterogeneous_settings
-from .devices import BYTES_PER_GB, describe_local_device
+from .devices import BYTES_PER_GB, describe_local_device, emulated_memory_bytes, local_device_count
 from .native import native_op_status
-from .precision import choose_precision
+from .precision import choose_precision_for_config
 
 try:
     # DeepSpeed itself reads ds_config files with hjson, which also accepts comments.
@@ -62,23 +63,23 @@ def _per_rank(values, rank):
 
 def _device_rows(settings):
     """(DeviceDescription, memory emulated?, speed emulated?) per local device, or per emulated
-    rank when the enabled config emulates a cluster on this host's devices."""
-    accelerator = get_accelerator()
-    # The CPU accelerator counts NUMA nodes (or $LOCAL_SIZE) as devices; they share one model and one RAM.
-    local_count = 1 if accelerator.device_name() == "cpu" else accelerator.device_count()
+    rank when the enabled config emulates a cluster on this host's devices.
+
+    Each row is described as the runtime describes its rank (``batch.gather_devices``): this
+    host's device with the rank's emulated capacity. Unlike the runtime, the report benchmarks a
+    device the table does not know, to show its measured score, and scales a score by the rank's
+    emulated speed, which the runtime only meets when it profiles."""
+    local_count = local_device_count()
     emulation = settings.config.emulation if settings.enabled else None
-    memory_gb = emulation.memory_gb if emulation else None
     speeds = emulation.speeds if emulation else None
-    ranks = max(len(memory_gb or ()), len(speeds or ())) or local_count
+    ranks = max(len(emulation.memory_gb or ()), len(speeds or ())) if emulation else 0
     rows = []
-    for rank in range(ranks):
-        emulated_gb, speed = _per_rank(memory_gb, rank), _per_rank(speeds, rank)
-        device = describe_local_device(local_rank=rank % local_count,
-                                       memory_bytes=None if emulated_gb is None else emulated_gb * BYTES_PER_GB,
-                                       rank=rank)
+    for rank in range(ranks or local_count):
+        memory_bytes, speed = emulated_memory_bytes(emulation, rank), _per_rank(speeds, rank)
+        device = describe_local_device(local_rank=rank % local_count, memory_bytes=memory_bytes, rank=rank)
         if speed is not None:
             device = dataclasses.replace(device, spec_score=device.spec_score * speed)
-        rows.append((device, emulated_gb is not None, speed is not None))
+        rows.append((device, memory_bytes is not None, speed is not None))
     return rows
 
 
@@ -121,12 +122,14 @@ def _config_options(settings):
 
 
 def _precision_line(settings, param_dict, devices):
-    """(what the ranks train in and why, what it overrides or None) for a config."""
-    fp16 = bool((param_dict.get("fp16") or {}).get("enabled", False))
-    bf16 = bool((param_dict.get("bf16") or param_dict.get("bfloat16") or {}).get("enabled", False))
+    """(what the ranks train in and why, what it overrides or None) for a config.
+
+    The choice is the runtime's own (``HeterogeneousState.from_config``): the fork's setting
+    applied to a copy of the config; otherwise upstream's typed fp16/bf16 blocks decide."""
     mode = settings.config.mixed_precision_support if settings.enabled else "config"
-    choice = choose_precision(mode, devices, fp16, bf16)
+    choice = choose_precision_for_config(mode, devices, dict(param_dict))
     if choice is None:
+        fp16, bf16 = get_float16_config(param_dict).enabled, get_bfloat16_config(param_dict).enabled
         return f"{'fp16' if fp16 else 'bf16' if bf16 else 'fp32'} (the config's fp16/bf16 blocks)", None
     return f"{choice.dtype} ({choice.reason})", choice.overridden
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from deepspeed.runtime.heterogeneous import env_report
+from deepspeed.runtime.heterogeneous import devices, env_report
 from deepspeed.runtime.heterogeneous.devices import DeviceDescription, describe_local_device
 from deepspeed.runtime.heterogeneous.env_report import (communication_optimization_active, heterogeneous_report,
                                                         main)
@@ -130,12 +130,28 @@ def test_mixed_gpus_are_listed_once_each(monkeypatch):
                                  spec_score=scores[local_rank], score_source="spec")
 
     monkeypatch.setattr(env_report, "get_accelerator", _FakeThreeGpuAccelerator)
+    monkeypatch.setattr(devices, "get_accelerator", _FakeThreeGpuAccelerator)
     monkeypatch.setattr(env_report, "describe_local_device", describe)
     lines = report_lines()
     assert "Mixed GPU Support: NVIDIA A100-SXM4-80GB, Tesla V100-SXM2-32GB" in lines
     table_rows = [line for line in lines if line.endswith("spec")]
     assert [row.split()[0] for row in table_rows] == ["0", "1", "2"]
     assert "Tesla V100-SXM2-32GB" in table_rows[1] and "125" in table_rows[1]
+
+
+@pytest.mark.parametrize("config, expected", [
+    ({"fp16": {"enabled": True}}, ["Training Precision: fp16 (the config's fp16/bf16 blocks)"]),
+    ({"bfloat16": {"enabled": True}, "heterogeneous_config": {"enabled": True}},
+     ["Training Precision: bf16 (the config's fp16/bf16 blocks)"]),
+    ({"bf16": {"enabled": True}, "heterogeneous_config": {"enabled": True, "mixed_precision_support": "fp32"}},
+     ["Training Precision: fp32 (forced by mixed_precision_support 'fp32')",
+      "note: the config's bf16 block (bf16) is overridden: heterogeneous_config.mixed_precision_support 'fp32' wins "
+      "(forced by mixed_precision_support 'fp32')"]),
+])
+def test_precision_line_is_the_runtime_choice(tmp_path, config, expected):
+    lines = report_lines(write_config(tmp_path, config))
+    start = next(index for index, line in enumerate(lines) if line.startswith("Training Precision:"))
+    assert lines[start:start + len(expected)] == expected
 
 
 def test_communication_optimization_is_inactive_for_now():
