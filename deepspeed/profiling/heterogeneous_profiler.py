@@ -55,6 +55,7 @@ import math
 
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.heterogeneous.agreement import merge_replicas as merge_model_parallel_peers
 
 __all__ = [
     "HEALTH_TARGETS", "HeterogeneousProfiler", "compute_metrics", "draw_timeline", "format_metrics", "health_status",
@@ -108,22 +109,19 @@ def merge_replicas(contributions, data_parallel_size):
     """One entry per data-parallel rank from every process's ``{"dp_rank", "records", "peak_bytes"}``.
 
     Model-parallel members of one replica ran the same steps; a step counts at its slowest member's
-    times and largest activation bytes, and the replica's peak is its largest member's."""
-    merged = []
-    for rank in range(data_parallel_size):
-        members = [c for c in contributions if c["dp_rank"] == rank]
-        if not members:
-            raise ValueError(f"HeterogeneousProfiler: no process reported data-parallel rank {rank}")
-        records = []
-        for steps in zip(*(m["records"] for m in members)):
-            record = dict(steps[0])
-            for field in _RECORD_FIELDS:
-                values = [step[field] for step in steps if step.get(field) is not None]
-                record[field] = max(values) if values else None
-            records.append(record)
-        peaks = [m["peak_bytes"] for m in members if m.get("peak_bytes") is not None]
-        merged.append({"records": records, "peak_bytes": max(peaks) if peaks else None})
-    return merged
+    times and largest activation bytes, and the replica's peak is its largest member's (the
+    runtime's ``agreement.merge_replicas``, which pools the plan's measurements the same way)."""
+
+    def slowest_member(steps, rank):
+        record = dict(steps[0])
+        for field in _RECORD_FIELDS:
+            values = [step[field] for step in steps if step.get(field) is not None]
+            record[field] = max(values) if values else None
+        return record
+
+    fields = [{"dp_rank": c["dp_rank"], "records": c["records"], "peak_bytes": c.get("peak_bytes")}
+              for c in contributions]
+    return merge_model_parallel_peers(fields, data_parallel_size, {"records": slowest_member})
 
 
 def _ratio(numerator, denominator):

@@ -16,9 +16,10 @@ interval), and after rebalancing (from two check intervals after the change on),
 fraction of that phase's ideal (the sum of each emulated device's solo throughput on the same
 model and batch). Target: dynamic is back to >= 90% of the new ideal within two check intervals.
 
-Monitoring overhead: the same model at a fixed even split, with per-step timing on (what dynamic
-rebalancing and the profiler run every step) and off, alternating; the ratio of step times.
-Target: under 2%.
+Monitoring overhead: the same model and run at a fixed even split, dynamic rebalancing's
+monitoring on (whole-step timing, one device synchronisation per step, a check every
+CHECK_INTERVAL steps) and off, alternating in blocks; the ratio of median step times (also the
+profiler's per-micro-step recording, for comparison). Target: under 2%.
 
     python tests/perf/bench_rebalancing.py [--quick]      (from the repository root)
 """
@@ -99,17 +100,26 @@ def _solo(rank, world_size, speed, steps):
 
 
 def _monitoring(rank, world_size, rounds, steps):
-    """Alternate blocks of steps with per-step timing off and on, same engine and split."""
-    engine, batches = _engine(1, {"load_balancing_strategy": "manual", "micro_batch_sizes": [16, 16]})
+    """Alternate blocks of steps, same engine and split: dynamic rebalancing's monitoring off, on
+    (whole-step timing, one device synchronisation per step, a check every CHECK_INTERVAL steps),
+    and the profiler's per-micro-step recording on (what profiling steps cost)."""
+    engine, batches = _engine(1, {
+        "load_balancing_strategy": "compute_aware", "profile_steps": 0,
+        # The threshold keeps the even split: only the cost of watching is measured.
+        "scheduler": {"dynamic_rebalancing": True, "imbalance_threshold": 0.99, "check_interval": CHECK_INTERVAL}})
     runtime = engine._heterogeneous_runtime()
     _timed_steps(engine, batches, 3)  # warm-up
-    off, on = [], []
+    off, dynamic, recording = [], [], []
     for _ in range(rounds):
-        runtime.recording = False
+        runtime.dynamic = False
         off += _timed_steps(engine, batches, steps)
-        runtime.recording = True
-        on += _timed_steps(engine, batches, steps)
-    return {"off": off, "on": on}
+        runtime.dynamic = True
+        dynamic += _timed_steps(engine, batches, steps)
+        runtime.dynamic = False
+        runtime.start_recording()
+        recording += _timed_steps(engine, batches, steps)
+        runtime.stop_recording()
+    return {"off": off, "dynamic": dynamic, "recording": recording}
 
 
 def _median(values):
@@ -144,7 +154,8 @@ def run(quick=False):
         table[label] = {phase: _phase_rate(result["step_times"], *span) / ideals[phase]
                         for phase, span in phases.items()}
     monitoring = run_ranks(_monitoring, world_size=2, timeout=900, args=(2 if quick else 4, 4 if quick else 8))[0]
-    overhead = _median(monitoring["on"]) / _median(monitoring["off"]) - 1.0
+    overhead = _median(monitoring["dynamic"]) / _median(monitoring["off"]) - 1.0
+    recording_overhead = _median(monitoring["recording"]) / _median(monitoring["off"]) - 1.0
     report = {
         "workload": "tiny GPT bench size (seq 128, d_model 128, 4 layers), ZeRO-1, fp32, 1 thread per rank",
         "global_batch": GLOBAL_BATCH, "profile_steps": PROFILE_STEPS, "check_interval": CHECK_INTERVAL,
@@ -152,7 +163,8 @@ def run(quick=False):
         "emulation": runs["dynamic"]["emulation"], "solo_samples_per_s": {"1.0": fast, str(SLOW): slow},
         "ideal_samples_per_s": {"before": ideal_before, "after": ideal_after}, "phases": phases,
         "fraction_of_ideal": table, "events": runs["dynamic"]["events"],
-        "monitoring_overhead": overhead, "target_after_rebalancing": 0.90, "target_monitoring_overhead": 0.02,
+        "monitoring_overhead": overhead, "recording_overhead": recording_overhead,
+        "target_after_rebalancing": 0.90, "target_monitoring_overhead": 0.02,
         "meets_rebalancing_target": table["dynamic"]["rebalanced"] >= 0.90,
         "meets_monitoring_target": overhead < 0.02,
     }
@@ -180,7 +192,9 @@ def print_table(report):
     print(f"target: dynamic >= 90% of the new ideal two check intervals after the change: "
           f"{report['fraction_of_ideal']['dynamic']['rebalanced']:.1%} "
           f"{'met' if report['meets_rebalancing_target'] else 'MISSED'}")
-    print(f"monitoring overhead (per-step timing on vs off, same split): {report['monitoring_overhead']:+.2%} "
+    print(f"per-micro-step recording (profiler, profiling steps) vs off: {report['recording_overhead']:+.2%}")
+    print(f"monitoring overhead (dynamic rebalancing on vs off, same run and split): "
+          f"{report['monitoring_overhead']:+.2%} "
           f"(target < 2%: {'met' if report['meets_monitoring_target'] else 'MISSED'})")
 
 

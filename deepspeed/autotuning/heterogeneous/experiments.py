@@ -23,6 +23,7 @@ import sys
 import time
 
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.heterogeneous.devices import rank_memory_capacity
 
 _STATE = "_autotuning_window"
 
@@ -58,38 +59,21 @@ def _rank_profile(engine):
     runtime = engine._heterogeneous_runtime() if hasattr(engine, "_heterogeneous_runtime") else None
     if runtime is None or not runtime.history or runtime.settings.load_balancing_strategy != "compute_aware":
         return None
-    from deepspeed.runtime.heterogeneous.memory import fit_activation_model, optimizer_state_bytes
+    from deepspeed.runtime.heterogeneous.memory import engine_model_state_inputs, fit_activation_model
     rank = runtime.rank
     measured = [(m, b) for step in runtime.history for m, _, b in step[rank]["samples"] if b is not None]
     activations = fit_activation_model(measured) if measured else None
     model = runtime.measured_time_models()[rank]
-    params = [p for p in engine.module.parameters() if p.requires_grad]
-    half = engine.fp16_enabled() or engine.bfloat16_enabled()
-    optimizer = engine.basic_optimizer if engine.basic_optimizer is not None else engine.optimizer
     return {
         "a": model.a,
         "b": model.b,
         "activation_base": activations.base if activations else 0.0,
         "activation_per_sample": activations.per_sample if activations else 0.0,
-        "num_parameters": sum(getattr(p, "ds_numel", p.numel()) for p in params),
-        "param_bytes": 2 if half else 4,
-        "optimizer_bytes": optimizer_state_bytes(optimizer),
-        "master_bytes": 4 if half else 0,
-        "optimizer_offloaded": bool(engine.zero_use_cpu_optimizer()),
+        **engine_model_state_inputs(engine),
         "capacity_bytes": None if runtime.capacities is None else runtime.capacities[rank],
         "utilization": runtime.state.settings.memory.hbm_utilization_threshold,
         "profile_gas": runtime.state.base_gas,
     }
-
-
-def rank_memory_capacity(device_bytes, accelerator_name, ranks_on_host):
-    """Memory one rank may use: a GPU's own memory; on the CPU accelerator the host's RAM, which
-    every rank on the host shares (upstream gave each rank all of it)."""
-    if device_bytes is None:
-        return None
-    if accelerator_name == "cpu":
-        return int(device_bytes // max(1, int(ranks_on_host)))
-    return int(device_bytes)
 
 
 def _device_name(engine, dp_rank):

@@ -71,6 +71,27 @@ def model_state_bytes(num_parameters,
     return int(math.ceil(params + grads + optimizer))
 
 
+def engine_model_state_inputs(engine):
+    """What ``model_state_bytes`` needs to know of ``engine`` besides the ZeRO stage and the
+    data-parallel size (the autotuner re-evaluates other stages and sizes from these)."""
+    params = [p for p in engine.module.parameters() if p.requires_grad]
+    half = engine.fp16_enabled() or engine.bfloat16_enabled()
+    optimizer = engine.basic_optimizer if engine.basic_optimizer is not None else engine.optimizer
+    return {
+        "num_parameters": sum(getattr(p, "ds_numel", p.numel()) for p in params),
+        "param_bytes": 2 if half else 4,
+        "optimizer_bytes": optimizer_state_bytes(optimizer),
+        "master_bytes": 4 if half else 0,
+        "optimizer_offloaded": bool(engine.zero_use_cpu_optimizer()),
+    }
+
+
+def engine_model_state_bytes(engine, data_parallel_size):
+    """This rank's predicted model-state bytes (its ZeRO shard) for ``engine``."""
+    return model_state_bytes(zero_stage=int(engine.zero_optimization_stage()), data_parallel_size=data_parallel_size,
+                             **engine_model_state_inputs(engine))
+
+
 @dataclass(frozen=True)
 class ActivationModel:
     """Activation bytes of one micro-step: ``base + per_sample * mbs``."""

@@ -213,3 +213,21 @@ def test_a_fixed_plan_over_emulated_memory_fails_as_out_of_memory():
     report = str(info.value)
     # Rank 0 returns the error; its peer, left alone in a collective, fails rather than hangs.
     assert "EmulatedOutOfMemoryError" in report or "out of memory" in report, report
+
+
+def test_engine_model_state_bytes_is_the_one_count_of_an_engine():
+    """The runtime (emulated memory, limits), the profiler and the autotuner all count an engine's
+    model state through engine_model_state_inputs / engine_model_state_bytes."""
+    from types import SimpleNamespace
+    from deepspeed.runtime.heterogeneous.memory import engine_model_state_bytes, engine_model_state_inputs
+
+    module = torch.nn.Linear(10, 10)  # 110 trainable parameters
+    module.bias.requires_grad_(False)  # 100 count
+    optimizer = torch.optim.Adam(module.parameters())
+    engine = SimpleNamespace(module=module, fp16_enabled=lambda: False, bfloat16_enabled=lambda: True,
+                             basic_optimizer=None, optimizer=optimizer, zero_use_cpu_optimizer=lambda: False,
+                             zero_optimization_stage=lambda: 2)
+    inputs = engine_model_state_inputs(engine)
+    assert inputs == {"num_parameters": 100, "param_bytes": 2, "optimizer_bytes": 8, "master_bytes": 4,
+                      "optimizer_offloaded": False}
+    assert engine_model_state_bytes(engine, 4) == model_state_bytes(100, 2, 4, 2, 8, 4) == 200 + 50 + 300

@@ -2,11 +2,15 @@
 """Dynamic rebalancing: the hysteresis policy, and two ranks whose speeds change mid-run."""
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from deepspeed.runtime.heterogeneous.rebalance import RebalancePolicy
+from deepspeed.runtime.heterogeneous.planner import TimeModel, plan_micro_batches
+from deepspeed.runtime.heterogeneous.profiling import measured_time_models, spread_profiling_sizes, wanted_spread
+from deepspeed.runtime.heterogeneous.rebalance import (Rebalancer, RebalancePolicy, interval_noise,
+                                                       interval_statistics)
 from harness import run_ranks, run_subcases
 from references import adam_mse_reference
 
@@ -40,28 +44,120 @@ def test_noise_below_the_threshold_never_rebalances():
         assert not policy.check(current, min(best, current)).rebalance
 
 
-def test_profiled_models_replace_a_flat_fit_and_rebalancing_measures_drift_against_them():
-    """The runtime's fit of the profiling steps: rank 0 timed at 9 and 7 samples ~0.1 s either
-    way on a loaded machine (flat: noise, not a fixed cost), rank 1 proportional. The flat fit
-    becomes proportional time through its mean point, and the optimizer step stays a fixed cost."""
-    from types import SimpleNamespace
-    from deepspeed.runtime.heterogeneous.runtime import HeterogeneousRuntime
+def test_profiled_models_replace_a_flat_fit():
+    """The fit of the profiling steps: rank 0 timed at 9 and 7 samples ~0.1 s either way on a
+    loaded machine (flat: noise, not a fixed cost), rank 1 proportional. The flat fit becomes
+    proportional time through its mean point, and the optimizer step stays a fixed cost."""
 
     def step(rank0, rank1):
         return [{"samples": rank0, "step_overhead": 0.02}, {"samples": rank1, "step_overhead": 0.04}]
 
-    runtime = HeterogeneousRuntime.__new__(HeterogeneousRuntime)
-    runtime.state = SimpleNamespace(base_gas=1)
-    runtime.history = [step([(8, 0.5)], [(8, 0.5)]),  # warm-up: left out
-                       step([(9, 0.100)], [(7, 0.140)]), step([(7, 0.099)], [(9, 0.180)]),
-                       step([(9, 0.1005)], [(7, 0.140)]), step([(7, 0.0985)], [(9, 0.180)])]
-    models = runtime.measured_time_models()
-    assert runtime.base_models[0].a == 0.0 and runtime.base_models[0].b == pytest.approx(0.0995 / 8, rel=1e-3)
-    assert runtime.base_models[1].a == pytest.approx(0.0, abs=1e-9) and runtime.base_models[1].b == pytest.approx(0.02)
+    history = [step([(8, 0.5)], [(8, 0.5)]),  # warm-up: left out
+               step([(9, 0.100)], [(7, 0.140)]), step([(7, 0.099)], [(9, 0.180)]),
+               step([(9, 0.1005)], [(7, 0.140)]), step([(7, 0.0985)], [(9, 0.180)])]
+    models, fits = measured_time_models(history, gradient_accumulation_steps=1)
+    assert fits[0].a == 0.0 and fits[0].b == pytest.approx(0.0995 / 8, rel=1e-3)
+    assert fits[1].a == pytest.approx(0.0, abs=1e-9) and fits[1].b == pytest.approx(0.02)
     assert [m.a for m in models] == pytest.approx([0.02, 0.04])  # the optimizer step, per micro-step
     with pytest.raises(ValueError, match="no samples"):
-        runtime.history = [step([], [(8, 0.5)])]
-        runtime.measured_time_models()
+        measured_time_models([step([], [(8, 0.5)])], gradient_accumulation_steps=1)
+
+
+def _plan(sizes, batch=16):
+    return plan_micro_batches([TimeModel(0.0, 1.0)] * len(sizes), train_batch_size=batch,
+                              gradient_accumulation_steps=1, strategy="manual", manual=list(sizes))
+
+
+def _best_plan_for(models):
+    return plan_micro_batches(models, train_batch_size=16, gradient_accumulation_steps=1, strategy="compute_aware")
+
+
+def test_rebalancer_follows_a_real_slow_down_and_keeps_the_plan_when_nothing_changed():
+    rebalancer = Rebalancer(RebalancePolicy(0.1))
+    rebalancer.plan_chosen([TimeModel(0.0, 0.01), TimeModel(0.0, 0.02)])
+    plan = _plan([11, 5])
+    steady = [[0.11] * 4, [0.10] * 4]
+    assert not rebalancer.check(plan, steady, _best_plan_for).rebalance  # the baseline interval
+    assert not rebalancer.check(plan, steady, _best_plan_for).rebalance
+    assert rebalancer.check(plan, steady, _best_plan_for).predicted_gain == 0.0
+    slowed = [[0.11] * 4, [0.30] * 4]  # rank 1 three times slower
+    assert not rebalancer.check(plan, slowed, _best_plan_for).rebalance  # one check is not enough
+    decision = rebalancer.check(plan, slowed, _best_plan_for)
+    assert decision.rebalance and decision.plan.micro_batch_sizes[0] > 11, decision
+
+
+def test_a_predicted_gain_within_the_measured_noise_moves_nothing():
+    """Issue 11: the steady case moved one sample on noise once. Here the interval means say rank 1
+    got 50% slower, so a one-sample move [11, 5] -> [12, 4] predicts a 20% gain (above the 10%
+    threshold) on every check; but rank 1's per-step times scatter by +-35%, so the gain is within
+    the noise. Measured without scatter, the same means do move the sample."""
+    plan = _plan([11, 5])
+    reference = [TimeModel(0.0, 0.01), TimeModel(0.0, 0.02)]
+    baseline = [[0.11, 0.11, 0.11, 0.11], [0.10, 0.10, 0.10, 0.10]]
+    noisy = [[0.10, 0.12, 0.10, 0.12], [0.10, 0.20, 0.09, 0.21]]  # means 0.11 and 0.15
+    flat = [[sum(times) / 4] * 4 for times in noisy]
+
+    def decisions(interval):
+        rebalancer = Rebalancer(RebalancePolicy(0.1))
+        rebalancer.plan_chosen(reference)
+        rebalancer.check(plan, baseline, _best_plan_for)
+        return [rebalancer.check(plan, interval, _best_plan_for) for _ in range(2)]
+
+    without_scatter = decisions(flat)
+    assert without_scatter[-1].rebalance and list(without_scatter[-1].plan.micro_batch_sizes) == [12, 4]
+    with_scatter = decisions(noisy)
+    assert not any(d.rebalance for d in with_scatter), with_scatter
+    assert all("within the measured noise" in d.reason for d in with_scatter)
+
+
+def test_interval_noise_is_the_standard_error_of_both_intervals():
+    mean, error = interval_statistics([1.0, 1.0, 1.0, 1.0])
+    assert (mean, error) == (1.0, 0.0)
+    mean, error = interval_statistics([0.9, 1.1, 0.9, 1.1])
+    assert mean == pytest.approx(1.0) and error == pytest.approx(0.11547 / 2, rel=1e-3)
+    assert interval_noise([(1.0, 0.03)], [(1.0, 0.04)]) == pytest.approx(2 * 0.05)
+
+
+def test_the_profiling_spread_reaches_the_last_rank_of_an_odd_world():
+    """Issue 11: ranks paired as (0, 1), (2, 3), ... left the last rank of an odd world at one size."""
+    for sizes in ([8, 8, 8], [6, 6, 6, 6, 8], [12, 3, 9]):
+        seen = [{s} for s in sizes]
+        spread = spread_profiling_sizes(sizes, seen)
+        assert sum(spread) == sum(sizes) and min(spread) >= 1
+        for rank, size in enumerate(spread):
+            assert abs(size - sizes[rank]) >= wanted_spread(size), (sizes, spread, rank)
+    # A rank already timed far enough apart is left alone; memory caps bound what a rank takes.
+    assert spread_profiling_sizes([8, 8, 8], [{6, 8}, {6, 8}, {6, 8}]) == [8, 8, 8]
+    capped = spread_profiling_sizes([8, 8, 8], [{8}, {8}, {8}], caps=[8, 9, 8])
+    assert sum(capped) == 24 and all(size <= cap for size, cap in zip(capped, [8, 9, 8]))
+
+
+def test_monitoring_synchronises_the_device_once_per_step(monkeypatch):
+    """Issue 11: dynamic rebalancing synchronised the device 2-3 times per micro-step. Its
+    monitoring now times whole steps (one synchronisation at the step's end); profiling keeps
+    the per-micro-step path. Every micro-step gets its share of the step, optimizer included."""
+    from deepspeed.runtime.heterogeneous import timing
+
+    synchronisations = []
+    accelerator = SimpleNamespace(synchronize=lambda: synchronisations.append(1))
+    monkeypatch.setattr(timing, "get_accelerator", lambda: accelerator)
+
+    def one_step(timer, per_micro_step, micro_steps=4):
+        synchronisations.clear()
+        for _ in range(micro_steps):
+            timer.begin_micro_step(per_micro_step)
+            timer.end_micro_step(8, None)
+        return timer.end_step(), len(synchronisations)
+
+    timer = timing.StepTimer()
+    monitored, count = one_step(timer, per_micro_step=False)
+    assert count == 1
+    assert [size for size, _, _ in monitored.samples] == [8] * 4 and monitored.step_overhead == 0.0
+    assert len({t for _, t, _ in monitored.samples}) == 1 and monitored.time_per_micro_step > 0
+    profiled, count = one_step(timer, per_micro_step=True)
+    assert count == 2 * 4 + 1  # both ends of every micro-step, and the optimizer step
+    assert profiled.time_per_micro_step == pytest.approx(
+        (sum(t for _, t, _ in profiled.samples) + profiled.step_overhead) / 4)
 
 
 def test_threshold_is_validated():
@@ -102,7 +198,7 @@ def config(speeds, schedule=None, stage=1):
                                      "emulation": emulation}}
 
 
-def train(rank, world_size, speeds, schedule, steps, die_at=None, stage=1):
+def train(rank, world_size, speeds, schedule, steps, die_at=None, stage=1, dying_rank=1):
     import deepspeed
 
     model = make_model()
@@ -115,8 +211,11 @@ def train(rank, world_size, speeds, schedule, steps, die_at=None, stage=1):
     for step in range(1, steps + 1):
         index, inputs, targets = next(batches)
         engine.backward(torch.nn.functional.mse_loss(engine(inputs), targets))
-        if step == die_at and rank == 1:
+        if step == die_at and rank == dying_rank == 1:
             os._exit(23)  # killed at a check: the other rank is left in the gather
+        if step == die_at and rank == dying_rank == 0:
+            # Killed while deciding, after the gather: rank 1 is left waiting for the broadcast.
+            runtime.rebalancer.check = lambda *args: os._exit(24)
         engine.step()
         seen.append(index.tolist())
         plans.append(list(engine.heterogeneous_plan.micro_batch_sizes))
@@ -153,16 +252,26 @@ def test_speed_change_is_followed_within_two_checks_and_training_stays_exact():
 
 
 @pytest.mark.multiprocess
-def test_a_rank_dying_at_a_rebalancing_check_stops_the_other_with_its_name():
+@pytest.mark.parametrize("dying_rank", [1, 0])
+def test_a_rank_dying_at_a_rebalancing_check_stops_the_other_with_its_name(dying_rank):
+    """The survivor's PlanAgreementError names the rank that failed, not only itself (issue 11)."""
     with pytest.raises(AssertionError) as info:
         # ZeRO-0 without clipping: after backward's all-reduce, the next collective is the gather of
-        # the interval's measurements at the check, where rank 1 will be missing.
-        # The first check is after the 3 profiling steps and one whole interval: step 7.
-        run_ranks(train, world_size=2, timeout=300, args=([1.0, 0.5], None, 12, 3 + CHECK_INTERVAL, 0))
+        # the interval's measurements at the check; the first check is after the 3 profiling steps
+        # and one whole interval: step 7. Rank 1 dies before the gather; rank 0 after it, before
+        # the broadcast of its decision.
+        run_ranks(train, world_size=2, timeout=300, args=([1.0, 0.5], None, 12, 3 + CHECK_INTERVAL, 0, dying_rank))
     report = str(info.value)
-    assert "rank 1 exited with code 23" in report
-    assert "PlanAgreementError: deepspeed-hetero: data-parallel rank 0 could not gather the measurements of step 7" \
-        in report
+    if dying_rank == 1:
+        assert "rank 1 exited with code 23" in report
+        assert ("PlanAgreementError: deepspeed-hetero: data-parallel rank 0 could not gather the measurements of "
+                "step 7 to agree on a plan; a peer rank failed or timed out: global rank(s) [1] never reached this "
+                "agreement"
+                in report), report
+    else:
+        assert "rank 0 exited with code 24" in report
+        assert ("PlanAgreementError: deepspeed-hetero: data-parallel rank 1 did not receive the rebalancing "
+                "decision from global rank 0; global rank 0" in report), report
 
 
 def _reschedule(rank, world_size):

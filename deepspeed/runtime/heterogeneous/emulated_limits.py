@@ -1,0 +1,72 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What an emulated cluster imposes on one rank while training: its speed over the steps
+(``emulation.speeds`` / ``speed_schedule``) and its memory (``emulation.memory_gb``).
+
+A real device slows itself and raises its own out-of-memory error; an emulated one needs the
+runtime to drive ``emulation.Emulator`` and to compare the predicted bytes with the emulated
+capacity. Nothing here runs when ``heterogeneous_config.emulation`` is not set.
+"""
+
+from deepspeed.utils import logger
+
+from .emulation import scheduled_speed, start_emulation
+
+
+class EmulatedOutOfMemoryError(RuntimeError):
+    """A rank of an emulated cluster needed more than its emulated memory (``emulation.memory_gb``)."""
+
+
+class EmulatedLimits:
+    """The emulated speed and memory of data-parallel rank ``rank``.
+
+    Args:
+        emulation: ``heterogeneous_config.emulation`` (None: no emulation, every method is a no-op).
+        rank: this process's data-parallel rank.
+        capacity_bytes: this rank's emulated memory capacity, or None when not enforced.
+    """
+
+    def __init__(self, emulation, rank, capacity_bytes=None):
+        self.emulation = emulation
+        self.rank = rank
+        self.capacity_bytes = capacity_bytes if emulation is not None and emulation.memory_gb else None
+        self.emulator = start_emulation(emulation, rank)
+
+    @property
+    def mode(self):
+        return self.emulator.mode if self.emulator is not None else "none"
+
+    @property
+    def dilates_time(self):
+        """Dilation sleeps in proportion to each micro-step's compute, so it must be timed."""
+        return self.emulator is not None and self.emulator.mode == "dilation"
+
+    def after_compute(self, seconds):
+        if self.emulator is not None:
+            self.emulator.after_compute(seconds)
+
+    def apply_speed_schedule(self, step):
+        """Set the speed scheduled for ``step`` (1-based) when it changes."""
+        if self.emulator is None:
+            return
+        speed = scheduled_speed(self.emulation, self.rank, step)
+        if speed is not None and speed != self.emulator.speed:
+            self.emulator.set_speed(speed)
+            logger.info(f"deepspeed-hetero emulation: rank {self.rank} runs at speed {speed} from step {step} "
+                        f"({self.emulator.mode})")
+
+    def check_memory(self, micro_batch_size, state_bytes, activation_bytes):
+        """Raise EmulatedOutOfMemoryError when model state + activations exceed the emulated capacity."""
+        if self.capacity_bytes is None:
+            return
+        needed = state_bytes + activation_bytes
+        if needed > self.capacity_bytes:
+            gib = 2.0**30
+            raise EmulatedOutOfMemoryError(
+                f"deepspeed-hetero emulation: data-parallel rank {self.rank} is out of memory: micro-batch "
+                f"{micro_batch_size} needs {needed / gib:.4g} GiB (model state {state_bytes / gib:.4g} GiB + "
+                f"activations {activation_bytes / gib:.4g} GiB), its emulated capacity is "
+                f"{self.capacity_bytes / gib:.4g} GiB (heterogeneous_config.emulation.memory_gb)")
+
+    def close(self):
+        if self.emulator is not None:
+            self.emulator.close()
