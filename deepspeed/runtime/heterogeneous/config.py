@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The fork's configuration blocks, parsed once per ``DeepSpeedConfig``.
 
-Blocks (DESIGN.md section 3)::
+Blocks (README, "Using it")::
 
     "heterogeneous_config": {...}                       -> HeterogeneousConfig
     "heterogeneous_memory": {...}                       -> HeterogeneousMemoryConfig

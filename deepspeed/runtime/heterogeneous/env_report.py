@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """``ds_report --heterogeneous``: this host's devices and what a ds_config makes of them.
 
-Besides the device table it prints four lines that users and scripts grep for (DESIGN.md
-section 5), exactly as::
+Besides the device table it prints four lines that users and scripts grep for (the README's
+env_report section), exactly as::
 
     Heterogeneous Environment: Enabled|Disabled
     Mixed GPU Support: <distinct device names>
@@ -36,7 +36,7 @@ STRATEGY_LABELS = {"uniform": "Uniform", "compute_aware": "Compute-Aware", "manu
 def communication_optimization_active(settings):
     """Whether heterogeneity-aware communication is in force under `settings`.
 
-    False for every config until the communication work lands (DESIGN.md section 4.6, shipped
+    False for every config until the communication work lands (docs/architecture.md §4.6, shipped
     as ``patches/heterogeneous_comm_optimization.patch``): its link profiling, bucket-size choice
     and hierarchical reduction are what this line reports.
     """

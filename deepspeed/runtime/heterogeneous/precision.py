@@ -115,10 +115,7 @@ def choose_precision_for_config(mode, devices, param_dict):
 def check_adaptive_scaler_config(ds_config):
     """Refuse ``fp16.auto_scale_threshold`` where the adaptive scaler cannot run (ZeRO-1/2 with the
     optimizer offloaded: the overflow check runs on the host during the gradient copy)."""
-    try:  # TEMPORARY until the scaler's own check lands
-        from deepspeed.runtime.fp16.adaptive_scaler import check_adaptive_scaler_supported
-    except ImportError:
-        return
+    from deepspeed.runtime.fp16.adaptive_scaler import check_adaptive_scaler_supported
     fp16 = ds_config.float16_config
     offload = ds_config.zero_config.offload_optimizer
     check_adaptive_scaler_supported(int(ds_config.zero_optimization_stage or 0),

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""From the profiling steps to a plan (DESIGN.md 4.1, 4.4): pure functions, no processes.
+"""From the profiling steps to a plan (docs/architecture.md §4.1, 4.4): pure functions, no processes.
 
 A profiling step's measurements, pooled over the ranks (``agreement.merge_replicas``), are one
 entry per data-parallel rank: ``{"samples": [(mbs, seconds, activation bytes or None), ...],
