@@ -2,6 +2,7 @@
 """Device table lookups, score arithmetic and local device descriptions (no processes, no GPU)."""
 
 import math
+import sys
 
 import pytest
 import torch
@@ -114,10 +115,40 @@ def test_normalize_scores_rejects_bad_input(scores, message):
         normalize_scores(scores)
 
 
-def test_measured_cpu_score_is_positive_finite_and_cached():
+MATMUL_SLOWDOWN = 8
+
+
+def test_measured_cpu_score_follows_the_matmul_speed_and_is_cached(monkeypatch):
+    """The CPU has no datasheet entry, so its score is measured. Making every matmul do its work
+    8 times must lower the score several-fold (on a CPU the matmul rate dominates it: drops of
+    7-25x were seen; were the memory term as large, the drop would still be 4.5x): a score that
+    ignored the measurement or timed the wrong thing would not move. Halving is asked for, which
+    load from other processes on a shared machine, slowing the first measurement, does not undo.
+    A second call is served from the cache, without a single matmul."""
+    benchmark = sys.modules[measure_device_score.__module__]
+    real_mm = torch.mm
+    matmuls = []
+
+    def counted_mm(*args, **kwargs):
+        matmuls.append(1)
+        return real_mm(*args, **kwargs)
+
+    def slowed_mm(*args, **kwargs):
+        for _ in range(MATMUL_SLOWDOWN - 1):
+            real_mm(*args, **kwargs)
+        return real_mm(*args, **kwargs)
+
+    monkeypatch.setattr(benchmark, "_measured_scores", {})  # measure here, whatever ran before
+    monkeypatch.setattr(torch, "mm", counted_mm)
     score = measure_device_score("cpu", seconds_budget=0.3)
-    assert math.isfinite(score) and score > 0
-    assert measure_device_score("cpu") == score
+    assert math.isfinite(score) and matmuls, "no matmul was timed"
+    timed = len(matmuls)
+    assert measure_device_score("cpu") == score and len(matmuls) == timed, "the cached score was measured again"
+
+    monkeypatch.setattr(benchmark, "_measured_scores", {})
+    monkeypatch.setattr(torch, "mm", slowed_mm)
+    slowed = measure_device_score("cpu", seconds_budget=0.3)
+    assert slowed < score / 2, f"8x slower matmuls: score {slowed} against {score}"
 
 
 def test_device_description_round_trip():
@@ -138,7 +169,8 @@ def test_describe_local_cpu_device():
     assert description.accelerator == "cpu"
     assert description.name and description.host
     assert description.memory_bytes > 0
-    assert description.score_source == "measured" and description.spec_score > 0
+    # The measured score itself (cached per device), not some other number.
+    assert description.score_source == "measured" and description.spec_score == measure_device_score("cpu")
 
     emulated = describe_local_device(memory_bytes=8 * BYTES_PER_GB, rank=1)
     assert emulated.memory_bytes == 8 * BYTES_PER_GB and emulated.rank == 1
@@ -174,3 +206,35 @@ def test_describe_known_gpu_uses_the_table(monkeypatch):
     assert (description.rank, description.local_rank, description.accelerator) == (5, 1, "cuda")
     assert (description.bf16, description.fp16) == (False, True)
     assert (description.spec_score, description.score_source) == (125.0, "spec")
+
+
+def test_rank_memory_capacity_shares_host_ram_between_cpu_ranks():
+    assert devices.rank_memory_capacity(64 * BYTES_PER_GB, "cpu", 4) == 16 * BYTES_PER_GB
+    assert devices.rank_memory_capacity(80 * BYTES_PER_GB, "cuda", 8) == 80 * BYTES_PER_GB
+    assert devices.rank_memory_capacity(None, "cpu", 2) is None
+
+
+def test_emulated_memory_bytes_per_rank():
+    from deepspeed.runtime.heterogeneous.config import EmulationConfig
+    emulation = EmulationConfig(memory_gb=[16, 0.5])
+    assert [devices.emulated_memory_bytes(emulation, rank) for rank in range(3)] == [16 * BYTES_PER_GB, 2**29, None]
+    assert devices.emulated_memory_bytes(EmulationConfig(speeds=[1.0]), 0) is None
+    assert devices.emulated_memory_bytes(None, 0) is None
+
+
+class _FakeTwoGpuHost(_FakeGpuAccelerator):
+
+    def device_count(self):
+        return 2
+
+    def current_device(self):
+        return 0
+
+
+def test_local_device_follows_local_rank_where_the_index_exists(monkeypatch):
+    host = _FakeTwoGpuHost("NVIDIA A100-SXM4-80GB", 80 * BYTES_PER_GB)
+    monkeypatch.setattr(devices, "get_accelerator", lambda: host)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert (devices.local_device_index(), devices.local_device_count()) == (1, 2)
+    monkeypatch.setenv("LOCAL_RANK", "3")  # a launcher that isolates devices: the one visible device
+    assert devices.local_device_index() == 0
