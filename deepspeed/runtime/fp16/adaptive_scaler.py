@@ -8,23 +8,34 @@ at the gradients instead: after every step it knows the largest absolute value o
 gradient over all ranks, and picks the next scale, a power of two, so that the scaled gradients
 would use about ``auto_scale_threshold`` of fp16's range::
 
-    scale = 2 ** floor(log2(threshold * 65504 / peak)),  peak = max of the last HISTORY max-abs values
+    scale = 2 ** floor(log2(threshold * 65504 / (peak * margin))),  peak = max of the last HISTORY max-abs values
 
 Taking the peak of a short history keeps one quiet step from raising the scale into the next
-ordinary one. An overflow still skips the step and halves the scale (the safety net), and it
-teaches the scaler two things:
+ordinary one. An overflow still skips the step and halves the scale for the next one (the safety
+net). What it teaches is bounded, so that overflows every few hundred steps cannot ratchet the
+scale down to the minimum: the backward's largest value (an activation gradient, a spike of one
+batch) exceeded what the measured peak predicted, and a safety ``margin``, a power of two, covers
+that:
 
-- the un-scaled max-abs was at least ``65504 / scale``: that enters the history, so the scale
-  cannot climb back to the overflowing value while the entry is in the window;
-- the backward's largest value (activation gradients, not only the parameter gradients measured
-  here) exceeded what the measured peak predicted: a safety ``margin`` (1 at first) grows to at
-  least twice that factor and divides the target from then on. It halves again only after
-  ``MARGIN_DECAY_WINDOWS * loss_scale_window`` clean steps, so the scaler does not keep probing
-  into overflows as upstream's doubling does.
+- the first overflow sets the margin to 2 (one halving), kept for ``MARGIN_DECAY_WINDOWS``
+  loss-scale windows of clean steps: cheap insurance against an unseen factor that recurs every few
+  dozen steps. A lone overflow at a margin that has held a while is a spike: it only restarts that;
+- an overflow within ``OVERFLOW_BURST_STEPS`` clean steps of the previous one or of a margin change
+  proves the margin short: it doubles. Those extra levels are halved after ``recovery_steps`` clean
+  steps, which start at ``MARGIN_RECOVERY_STEPS``, double each time a lowered margin overflows that
+  soon (a systematic factor) and halve when it holds that long (a burst of spikes).
+
+Without a measurement to compare with (the initial scale, all-zero gradients), an overflow only
+proves that the un-scaled max-abs was over ``65504 / scale``: that bound enters the history, so the
+scale does not climb straight back while it is in the window.
 
 Every rank ends with the same scale: the optimizers reduce the max-abs with MAX across the
 data-parallel (and model-parallel) groups in the same collective as the overflow flag
 (``overflow_and_max_abs`` below builds the tensor they reduce).
+
+ZeRO-1/2 with ``offload_optimizer`` checks overflow on the host while copying the gradients and
+never measures their max-abs, so the scaler would run blind: ``check_adaptive_scaler_supported``
+refuses that configuration.
 """
 
 import math
@@ -42,7 +53,12 @@ HISTORY = 8
 MAX_SCALE = 2.0**24
 """Upper bound of the scale: beyond it a tiny gradient would only buy fp32 overflow risk."""
 MARGIN_DECAY_WINDOWS = 10
-"""Clean steps, in loss_scale_windows, before a learned safety margin is halved."""
+"""Clean steps, in loss_scale_windows, before the first margin level (one halving) is dropped."""
+OVERFLOW_BURST_STEPS = 2 * HISTORY
+"""An overflow this soon after the previous one, or after a margin change, proves the margin short."""
+MARGIN_RECOVERY_STEPS = HISTORY
+"""Clean steps before a margin level above the first is halved, at first: short, so that a burst of
+spikes does not hold the scale down."""
 
 
 def next_power_of_two_scale(peak_max_abs, threshold, min_scale, max_scale=MAX_SCALE):
@@ -78,7 +94,13 @@ class AdaptiveLossScaler(DynamicLossScaler):
         self.history = deque(maxlen=HISTORY)
         self.margin = 1.0
         self._clean_steps = 0
+        self._recovery_steps = MARGIN_RECOVERY_STEPS
+        self._lowered = False  # the last change of the margin lowered it (counted in _clean_steps)
         self._observed = None
+
+    def __setstate__(self, state):
+        # ZeRO checkpoints pickle the scaler whole; those of an earlier revision lack the recovery state.
+        self.__dict__.update({"_recovery_steps": MARGIN_RECOVERY_STEPS, "_lowered": False, **state})
 
     def observe(self, reduced):
         """Take the reduced ``[non-finite, scaled max-abs]`` tensor; returns the overflow flag."""
@@ -89,15 +111,7 @@ class AdaptiveLossScaler(DynamicLossScaler):
 
     def update_scale(self, overflow):
         if overflow:
-            if self.history:
-                # The measured peak predicted peak * scale * margin <= threshold * 65504, yet the
-                # backward overflowed: the margin must cover at least that surprise, twice over.
-                surprise = FP16_MAX / (self.cur_scale * max(self.history))
-                self.margin = max(2.0 * self.margin, 2.0 * surprise)
-            self._clean_steps = 0
-            # What the overflow proves about the un-scaled gradient (more than 65504 / scale), kept
-            # so that the scale does not climb straight back to the value that overflowed.
-            self.history.append(FP16_MAX / self.cur_scale * (1.0 + 2.0**-20))
+            self._learn_from_overflow()
             if self.cur_scale <= self.min_scale and self.raise_error_at_min_scale:
                 raise Exception("Current loss scale already at minimum - cannot decrease scale anymore. Exiting run. "
                                 f"(deepspeed-hetero adaptive scaler: recent un-scaled gradient max-abs, oldest first: "
@@ -111,18 +125,73 @@ class AdaptiveLossScaler(DynamicLossScaler):
         else:
             if self._observed is not None:
                 self.history.append(self._observed)
-            self._clean_steps += 1
-            if self.margin > 1.0 and self._clean_steps % (MARGIN_DECAY_WINDOWS * self.scale_window) == 0:
-                self.margin = max(1.0, self.margin / 2.0)
+            self._recover()
             if self.history:
-                self.cur_scale = next_power_of_two_scale(max(self.history) * self.margin, self.auto_scale_threshold /
-                                                         self.reduction_headroom, self.min_scale)
+                self.cur_scale = next_power_of_two_scale(max(self.history) * self.margin, self._threshold(),
+                                                         self.min_scale)
         self._observed = None
         self.cur_iter += 1
 
+    def _threshold(self):
+        return self.auto_scale_threshold / self.reduction_headroom
+
+    def _learn_from_overflow(self):
+        peak = max(self.history, default=0.0)
+        if peak <= 0.0:  # nothing measured to compare with: keep what the overflow proves
+            self.history.append(FP16_MAX / self.cur_scale * (1.0 + 2.0**-20))
+            return
+        burst = self._clean_steps < OVERFLOW_BURST_STEPS
+        if burst and self._lowered:  # re-testing the lower margin failed at once: re-test it half as often
+            self._recovery_steps = min(2 * self._recovery_steps, self._first_level_steps())
+        if burst or self.margin <= 1.0:
+            # The smallest power of two that puts the next scale at or below half the overflowing one:
+            # 2 * margin when the scale came from this policy, more when it was clamped at MAX_SCALE.
+            # Not 2 * surprise: that counts the margin already in the scale a second time.
+            surprise = FP16_MAX / (self.cur_scale * peak)
+            self.margin = max(2.0 * self.margin, 2.0**(math.floor(math.log2(self._threshold() * surprise)) + 1))
+        self._lowered = False
+        self._clean_steps = 0
+
+    def _recover(self):
+        """One clean step; after enough of them in a row, halve the margin."""
+        self._clean_steps += 1
+        if self._lowered and self._clean_steps == OVERFLOW_BURST_STEPS:  # the lower margin held: a burst
+            self._recovery_steps = max(self._recovery_steps // 2, MARGIN_RECOVERY_STEPS)
+        interval = self._first_level_steps() if self.margin <= 2.0 else self._recovery_steps
+        if self.margin > 1.0 and self._clean_steps >= interval:
+            self.margin = max(1.0, self.margin / 2.0)
+            self._lowered = True
+            self._clean_steps = 0
+
+    def _first_level_steps(self):
+        return max(MARGIN_RECOVERY_STEPS, MARGIN_DECAY_WINDOWS * self.scale_window)
+
     def state_summary(self):
         return {"cur_scale": self.cur_scale, "history": list(self.history), "cur_iter": self.cur_iter,
-                "margin": self.margin}
+                "margin": self.margin, "recovery_steps": self._recovery_steps}
+
+
+def check_adaptive_scaler_supported(zero_stage: int, cpu_offload: bool, auto_scale_threshold) -> None:
+    """Refuse the adaptive scaler where the optimizer cannot feed it.
+
+    Args:
+        zero_stage: ``zero_optimization.stage``.
+        cpu_offload: whether ``zero_optimization.offload_optimizer`` moves the optimizer off the
+            accelerator (device cpu or nvme).
+        auto_scale_threshold: ``fp16.auto_scale_threshold``; None when unset (or fp16 is off).
+
+    Raises ``ValueError`` for ZeRO-1/2 with the optimizer offloaded: that path checks overflow on the
+    host while copying the gradients and never measures their max-abs, so the scaler would never
+    raise its scale, only halve it at each overflow. ZeRO-3 offload is fine: its gradient
+    partitions pass through the flat buffer that its overflow check measures.
+    """
+    if auto_scale_threshold is None or zero_stage not in (1, 2) or not cpu_offload:
+        return
+    raise ValueError(f"fp16.auto_scale_threshold ({auto_scale_threshold}) selects the adaptive loss scaler, which ZeRO "
+                     f"stage {zero_stage} cannot run with zero_optimization.offload_optimizer: the offloaded optimizer "
+                     f"checks overflow on the host without measuring the gradient max-abs the scaler needs. Either "
+                     f"remove fp16.auto_scale_threshold to use upstream's dynamic loss scaler, or drop "
+                     f"zero_optimization.offload_optimizer (or set its device to none)")
 
 
 def adaptive_scaler_in_use(loss_scaler):
