@@ -194,8 +194,40 @@ def check_adaptive_scaler_supported(zero_stage: int, cpu_offload: bool, auto_sca
                      f"zero_optimization.offload_optimizer (or set its device to none)")
 
 
+def validate_auto_scale_threshold(threshold, loss_scale):
+    """``fp16.auto_scale_threshold`` (None: upstream's dynamic scaler) against the fp16 block."""
+    if threshold is None:
+        return
+    if isinstance(threshold, bool) or not math.isfinite(threshold) or not 0.0 < threshold <= 1.0:
+        raise ValueError(f"fp16.auto_scale_threshold = {threshold!r}: must be in (0, 1], the fraction of fp16's "
+                         f"range the scaled gradients may use (e.g. 0.95)")
+    if loss_scale != 0:
+        raise ValueError(f"fp16.auto_scale_threshold ({threshold}) selects the adaptive loss scaler, which "
+                         f"contradicts the static fp16.loss_scale {loss_scale}; set loss_scale to 0 (dynamic) "
+                         f"or remove auto_scale_threshold")
+
+
 def adaptive_scaler_in_use(loss_scaler):
     return getattr(loss_scaler, "adaptive", False)
+
+
+def zero_check_overflow(scaler, grads, dp_group, model_parallel_all_reduce, stream=None):
+    """ZeRO 1-3's overflow check with the adaptive scaler: ``[overflow, max-abs]`` of this rank's
+    gradient partition, reduced with MAX over the data-parallel group (the collective that carried
+    upstream's overflow flag) and the model-parallel peers; the scaler observes the result.
+    ``stream``: the side stream ZeRO-3 reduces on (the default stream waits for it)."""
+    from deepspeed import comm as dist
+    accelerator = get_accelerator()
+    if stream is None:
+        reduced = overflow_and_max_abs(grads)
+    else:
+        with accelerator.stream(stream):
+            reduced = overflow_and_max_abs(grads)
+        if not accelerator.resolves_data_dependency():
+            accelerator.default_stream().wait_stream(stream)
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=dp_group)
+    model_parallel_all_reduce(tensor=reduced, op=dist.ReduceOp.MAX)
+    return scaler.observe(reduced)
 
 
 def overflow_and_max_abs(grads):
@@ -244,6 +276,14 @@ def zero0_check_overflow(scaler, grads, mpu=None):
         from deepspeed import comm as dist
         dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=mpu.get_model_parallel_group())
     return scaler.observe(reduced)
+
+
+def zero0_update_scale(scaler, loss_scale_config, skip):
+    """ZeRO-0's ``_update_scale`` with the adaptive scaler: the scaler decides, and the optimizer's
+    ``loss_scale_config`` (what its backward and checkpoints read) follows."""
+    scaler.update_scale(skip)
+    loss_scale_config.cur_scale = scaler.cur_scale
+    loss_scale_config.cur_iter += 1
 
 
 def _rank():
