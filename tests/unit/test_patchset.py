@@ -236,16 +236,17 @@ def test_dist_writes_both_artifacts(checkout):
 
 def test_stacked_file_keeps_the_earlier_patch_as_written(checkout):
     """engine.py is changed by fp16-zero0-loss-scaling.patch (an upstream bug fix kept apart, named
-    in its Stacked-files trailer) and by engine-heterogeneous-hooks.patch, which owns new edits."""
+    in its Stacked-files trailer), by the stacked engine patches after it, and last by
+    engine-autotuning-window.patch, which owns new edits."""
     assert tool(checkout, "tree")[0] == 0
     fix = checkout / "patches/fp16-zero0-loss-scaling.patch"
-    hooks = checkout / "patches/engine-heterogeneous-hooks.patch"
+    hooks = checkout / "patches/engine-autotuning-window.patch"
     fix_before = fix.read_text()
     assert "Stacked-files: deepspeed/runtime/engine.py" in fix_before
     engine = checkout / "deepspeed/runtime/engine.py"
     engine.write_text(engine.read_text() + "\n# a later edit\n")
     code, out = tool(checkout, "export")
-    assert code == 0 and "engine-heterogeneous-hooks.patch" in out, out
+    assert code == 0 and "engine-autotuning-window.patch" in out, out
     assert "+# a later edit" in hooks.read_text() and fix.read_text() == fix_before
     # The owner's diff starts where the fix leaves the file: the fix's lines are not in it.
     assert "_zero0_fp16_scale_loss" not in hooks.read_text() and "_zero0_fp16_scale_loss" in fix_before
@@ -254,7 +255,7 @@ def test_stacked_file_keeps_the_earlier_patch_as_written(checkout):
     # Without the trailer the same overlap is refused, naming both patches.
     fix.write_text(fix_before.replace("Stacked-files: deepspeed/runtime/engine.py\n", ""))
     code, out = tool(checkout, "check")
-    assert code == 2 and "changed by both fp16-zero0-loss-scaling.patch and engine-heterogeneous-hooks.patch" in out
+    assert code == 2 and "changed by both fp16-zero0-loss-scaling.patch and engine-heterogeneous-loss-weight.patch" in out
 
 
 def test_a_patch_over_the_size_limit_fails_the_check(tmp_path, monkeypatch):
