@@ -1,0 +1,199 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The heterogeneous profiler's metrics (docs/architecture.md §4.7): pure functions over plain records.
+
+``HeterogeneousProfiler`` (``heterogeneous_profiler.py``) gathers the records; everything here is
+computed the same on every rank from them, without processes or a device.
+
+Definitions (sums run over the profiled steps; ``N`` data-parallel ranks):
+
+- ``busy_{i,s} = compute_s + optimizer_s``: what rank ``i`` itself computed in step ``s``;
+  ``compute_s = forward_s + backward_s`` when the step ran through ``engine.backward()`` (a
+  torch-style ``loss.backward()`` leaves them one span, counted as forward).
+- Step time ``T_s = max_i wall_s``: a step is over when its slowest rank is; every share below
+  is relative to ``sum_s T_s``, so the shares of one rank add up to at most 1.
+- Compute utilisation of rank ``i``: ``sum_s busy_{i,s} / sum_s T_s``
+  (``get_device_utilization()`` returns it per rank, in rank order).
+- Heterogeneous resource utilisation: ``sum_{i,s} busy_{i,s} / (N * sum_s T_s)``, the share of
+  the cluster's device time spent computing (the mean of the ranks' utilisations).
+- Transfer and waiting: every rank of a step goes through the same collectives, and the last
+  rank to arrive hardly waits, so the data movement of step ``s`` is estimated as
+  ``transfer_s = min_i collective_{i,s}`` and rank ``i`` waited
+  ``waiting_{i,s} = collective_{i,s} - transfer_s``. A rank's transfer and waiting shares are
+  their sums over ``sum_s T_s``; its communication share is their sum. Overall shares are the
+  means over ranks.
+- Peak memory of a rank: on the CPU accelerator the predicted model-state bytes of its ZeRO shard
+  plus the largest activation bytes of one micro-step; on other accelerators the device's
+  ``max_memory_allocated()`` since ``start_heterogeneous_profile()`` (which resets the peak).
+- Memory utilisation of a rank: peak / capacity (the device's or the emulated memory), None when
+  the capacity is unknown (the CPU accelerator without emulation).
+- Memory balance: ``min / max`` of the ranks' memory utilisations when every capacity is known,
+  else of their peaks; 1.0 means every rank is equally full.
+- Throughput: ``sum_{i,s} samples_{i,s} / sum_s T_s`` samples/s (the global batch over the mean
+  step time).
+- Health targets from the seed: utilisation > 75% (else LOW), communication share < 25% (else
+  HIGH), memory balance > 0.8 (else LOW); ``n/a`` when a value is unknown.
+"""
+
+import math
+
+from deepspeed.runtime.heterogeneous.agreement import merge_replicas as merge_model_parallel_peers
+
+__all__ = ["HEALTH_TARGETS", "METRICS_VERSION", "compute_metrics", "health_status", "memory_balance",
+           "merge_replicas", "split_collective_time"]
+
+METRICS_VERSION = 1
+
+HEALTH_TARGETS = {
+    # name: (target, True when the value must be above it)
+    "utilization": (0.75, True),
+    "communication_share": (0.25, False),
+    "memory_balance": (0.8, True),
+}
+
+_RECORD_FIELDS = ("compute_s", "forward_s", "backward_s", "optimizer_s", "collective_s", "wall_s", "activation_bytes")
+
+
+def health_status(name, value):
+    """'ok', 'LOW' or 'HIGH' for ``value`` against the seed's target ``name``; 'n/a' for None."""
+    target, above = HEALTH_TARGETS[name]
+    if value is None:
+        return "n/a"
+    if above:
+        return "ok" if value > target else "LOW"
+    return "ok" if value < target else "HIGH"
+
+
+def split_collective_time(collective_seconds):
+    """(transfer, per-rank waiting) of one step from each rank's seconds inside collectives."""
+    transfer = min(collective_seconds)
+    return transfer, [seconds - transfer for seconds in collective_seconds]
+
+
+def memory_balance(peaks, capacities=None):
+    """min / max of the per-rank memory utilisations when every capacity is known, else of the
+    peaks; None when a peak is unknown or every one is 0."""
+    if any(peak is None for peak in peaks):
+        return None
+    if capacities is not None and all(capacity for capacity in capacities):
+        values = [peak / capacity for peak, capacity in zip(peaks, capacities)]
+    else:
+        values = list(peaks)
+    highest = max(values)
+    return min(values) / highest if highest > 0 else None
+
+
+def merge_replicas(contributions, data_parallel_size):
+    """One entry per data-parallel rank from every process's ``{"dp_rank", "records", "peak_bytes"}``.
+
+    Model-parallel members of one replica ran the same steps; a step counts at its slowest member's
+    times and largest activation bytes, and the replica's peak is its largest member's (the
+    runtime's ``agreement.merge_replicas``, which pools the plan's measurements the same way)."""
+
+    def slowest_member(steps, rank):
+        record = dict(steps[0])
+        for field in _RECORD_FIELDS:
+            values = [step[field] for step in steps if step.get(field) is not None]
+            record[field] = max(values) if values else None
+        return record
+
+    fields = [{"dp_rank": c["dp_rank"], "records": c["records"], "peak_bytes": c.get("peak_bytes")}
+              for c in contributions]
+    return merge_model_parallel_peers(fields, data_parallel_size, {"records": slowest_member})
+
+
+def _ratio(numerator, denominator):
+    return numerator / denominator if denominator > 0 else 0.0
+
+
+def compute_metrics(ranks, capacities=None, plan=None, device_names=None, events=()):
+    """The profile's metrics (a JSON-ready dict) from per-rank records (see the module docstring).
+
+    Args:
+        ranks: one ``{"records": [...], "peak_bytes": int or None}`` per data-parallel rank, in rank
+            order; records as the runtime writes them, the same steps on every rank.
+        capacities: per-rank memory capacity in bytes (entries may be None), or None.
+        plan: the plan in force as ``Plan.to_dict()``, or None.
+        device_names: per-rank device names, or None.
+        events: rebalance events as dicts (``step``, ``old_sizes``, ``new_sizes``, ...).
+    """
+    if not ranks:
+        raise ValueError("HeterogeneousProfiler: no ranks to compute metrics for")
+    world = len(ranks)
+    steps = [record["step"] for record in ranks[0]["records"]]
+    for rank, entry in enumerate(ranks):
+        if [record["step"] for record in entry["records"]] != steps:
+            raise ValueError(f"HeterogeneousProfiler: rank {rank} recorded steps "
+                             f"{[r['step'] for r in entry['records']]}, rank 0 {steps}; call "
+                             f"start_heterogeneous_profile() and stop_profile() on every rank at the same step")
+    if not steps:
+        raise ValueError("HeterogeneousProfiler: no optimizer step finished between start_heterogeneous_profile() "
+                         "and stop_profile(); train at least one step in between")
+    by_step = list(zip(*(entry["records"] for entry in ranks)))  # by_step[s][i]
+    step_times = [max(record["wall_s"] for record in step) for step in by_step]
+    transfers, waits = zip(*(split_collective_time([r["collective_s"] for r in step]) for step in by_step))
+    total_time = math.fsum(step_times)
+    capacities = list(capacities) if capacities is not None else [None] * world
+    names = list(device_names) if device_names is not None else ["-"] * world
+    rank_metrics = []
+    for rank, entry in enumerate(ranks):
+        records = entry["records"]
+        busy = [r["compute_s"] + r["optimizer_s"] for r in records]
+        waiting = [wait[rank] for wait in waits]
+        utilization = _ratio(math.fsum(busy), total_time)
+        transfer_share = _ratio(math.fsum(transfers), total_time)
+        waiting_share = _ratio(math.fsum(waiting), total_time)
+        peak, capacity = entry["peak_bytes"], capacities[rank]
+        memory_utilization = peak / capacity if peak is not None and capacity else None
+        rank_metrics.append({
+            "rank": rank,
+            "device": str(names[rank]),
+            "micro_batch_sizes": sorted({r["micro_batch_size"] for r in records}),
+            "samples_per_step": math.fsum(r["samples"] for r in records) / len(records),
+            "busy_s_per_step": math.fsum(busy) / len(records),
+            "forward_s_per_step": math.fsum(r.get("forward_s") or 0.0 for r in records) / len(records),
+            "backward_s_per_step": math.fsum(r.get("backward_s") or 0.0 for r in records) / len(records),
+            "optimizer_s_per_step": math.fsum(r["optimizer_s"] for r in records) / len(records),
+            "compute_utilization": utilization,
+            "communication_share": transfer_share + waiting_share,
+            "transfer_share": transfer_share,
+            "waiting_share": waiting_share,
+            "peak_memory_bytes": peak,
+            "memory_capacity_bytes": capacity,
+            "memory_utilization": memory_utilization,
+            "health": {
+                "utilization": health_status("utilization", utilization),
+                "communication_share": health_status("communication_share", transfer_share + waiting_share),
+            },
+            "timeline": [{
+                "step": r["step"],
+                "busy_s": b,
+                "waiting_s": w,
+                "transfer_s": t,
+                "wall_s": r["wall_s"]
+            } for r, b, w, t in zip(records, busy, waiting, transfers)],
+        })
+    utilization = math.fsum(r["compute_utilization"] for r in rank_metrics) / world
+    communication = math.fsum(r["communication_share"] for r in rank_metrics) / world
+    balance = memory_balance([r["peak_memory_bytes"] for r in rank_metrics], capacities)
+    samples = math.fsum(r["samples"] for entry in ranks for r in entry["records"])
+    return {
+        "version": METRICS_VERSION,
+        "world_size": world,
+        "steps": steps,
+        "step_time_s": step_times,
+        "mean_step_time_s": total_time / len(steps),
+        "samples_per_s": _ratio(samples, total_time),
+        "heterogeneous_utilization": utilization,
+        "communication_share": communication,
+        "transfer_share": math.fsum(r["transfer_share"] for r in rank_metrics) / world,
+        "waiting_share": math.fsum(r["waiting_share"] for r in rank_metrics) / world,
+        "memory_balance": balance,
+        "health": {
+            "utilization": health_status("utilization", utilization),
+            "communication_share": health_status("communication_share", communication),
+            "memory_balance": health_status("memory_balance", balance),
+        },
+        "ranks": rank_metrics,
+        "plan": plan,
+        "rebalance_events": [dict(event) for event in events],
+    }

@@ -1,0 +1,142 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The heterogeneous profiler's output (docs/architecture.md §4.7): the printable report, the JSON
+file and the PNG timeline, from the metrics ``heterogeneous_metrics.compute_metrics`` returns.
+
+``draw_timeline`` needs matplotlib (``pip install matplotlib``), imported only there; the rest does
+not.
+"""
+
+import json
+
+__all__ = ["draw_timeline", "format_metrics", "load_metrics", "write_metrics"]
+
+
+def write_metrics(metrics, path):
+    """Write ``metrics`` as JSON (per-step timeline included); ``load_metrics`` reads them back."""
+    with open(path, "w") as handle:
+        json.dump(metrics, handle, indent=1)
+    return path
+
+
+def load_metrics(path):
+    """Metrics written by ``HeterogeneousProfiler.export_json``."""
+    with open(path) as handle:
+        return json.load(handle)
+
+
+def _percent(value):
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def _bytes(value):
+    if value is None:
+        return "-"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if value >= size:
+            return f"{value / size:.3g} {unit}"
+    return f"{value} B"
+
+
+def _table(header, rows):
+    widths = [max(len(row[column]) for row in [header] + rows) for column in range(len(header))]
+    return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in [header] + rows]
+
+
+def format_metrics(metrics):
+    """The printable report: per-rank table, health targets, plan in force, rebalance events."""
+    steps = metrics["steps"]
+    lines = [f"deepspeed-hetero profile: steps {steps[0]}-{steps[-1]} ({len(steps)}), {metrics['world_size']} "
+             f"data-parallel ranks, mean step time {metrics['mean_step_time_s']:.4g} s, "
+             f"{metrics['samples_per_s']:.4g} samples/s"]
+    header = ("rank", "device", "mbs", "samples/step", "fwd/bwd/opt per step", "utilisation", "comm", "transfer",
+              "waiting", "peak mem", "mem util")
+    rows = [(str(r["rank"]), r["device"], ",".join(map(str, r["micro_batch_sizes"])), f"{r['samples_per_step']:.4g}",
+             f"{r.get('forward_s_per_step', 0):.3g}/{r.get('backward_s_per_step', 0):.3g}/"
+             f"{r.get('optimizer_s_per_step', 0):.3g} s",
+             f"{_percent(r['compute_utilization'])} {r['health']['utilization']}",
+             f"{_percent(r['communication_share'])} {r['health']['communication_share']}",
+             _percent(r["transfer_share"]), _percent(r["waiting_share"]), _bytes(r["peak_memory_bytes"]),
+             _percent(r["memory_utilization"])) for r in metrics["ranks"]]
+    lines += _table(header, rows)
+    balance = metrics["memory_balance"]
+    targets = [("heterogeneous utilisation", _percent(metrics["heterogeneous_utilization"]), "> 75%", "utilization"),
+               ("communication share", _percent(metrics["communication_share"]), "< 25%", "communication_share"),
+               ("memory balance", "-" if balance is None else f"{balance:.3g}", "> 0.8", "memory_balance")]
+    lines.append("health targets:")
+    lines += ["  " + line for line in _table(("metric", "value", "target", "status"),
+                                             [(name, value, target, metrics["health"][key])
+                                              for name, value, target, key in targets])]
+    lines.append(f"  (communication: transfer {_percent(metrics['transfer_share'])}, waiting for slower ranks "
+                 f"{_percent(metrics['waiting_share'])})")
+    if metrics.get("plan") is not None:
+        from deepspeed.runtime.heterogeneous.planner import Plan
+        names = [r["device"] for r in metrics["ranks"]]
+        lines += ["plan in force:", Plan.from_dict(metrics["plan"]).format_table(names)]
+    events = metrics["rebalance_events"]
+    lines.append("rebalance events:" + ("" if events else " none"))
+    for event in events:
+        lines.append(f"  step {event['step']}: micro-batches {list(event['old_sizes'])} -> "
+                     f"{list(event['new_sizes'])}, predicted gain {_percent(event['predicted_gain'])}, "
+                     f"observed {_percent(event.get('observed_gain'))}")
+    return "\n".join(lines)
+
+
+def _step_end_times(metrics):
+    ends, now = [], 0.0
+    for seconds in metrics["step_time_s"]:
+        now += seconds
+        ends.append(now)
+    return ends
+
+
+def draw_timeline(metrics, path):
+    """Write a PNG timeline of ``metrics`` (as ``get_metrics()`` or ``load_metrics()`` gives them).
+
+    One row per rank; each step occupies its step time ``T_s`` on the time axis and holds the
+    rank's busy, waiting and transfer seconds side by side (totals of the step, not the order in
+    which they happened); the rest of the step is other work (data loading, the user's loop).
+    Rebalance events are vertical lines at the end of their step. Needs matplotlib.
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise ImportError("HeterogeneousProfiler.save_timeline() draws with matplotlib, which is not installed: "
+                          "pip install matplotlib") from exc
+    ranks = metrics["ranks"]
+    # The object API with the Agg canvas leaves pyplot's global backend to the user.
+    figure = Figure(figsize=(10, 1.6 + 0.7 * len(ranks)))
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    ends = _step_end_times(metrics)
+    starts = [0.0] + ends[:-1]
+    colours = {"busy": "tab:green", "waiting": "tab:orange", "transfer": "tab:blue"}
+    for row, rank in enumerate(ranks):
+        spans = {kind: [] for kind in colours}
+        for start, entry in zip(starts, rank["timeline"]):
+            at = start
+            for kind in colours:
+                seconds = max(entry[f"{kind}_s"], 0.0)
+                spans[kind].append((at, seconds))
+                at += seconds
+        for kind, colour in colours.items():
+            axes.broken_barh(spans[kind], (row - 0.35, 0.7), facecolors=colour, label=kind if row == 0 else None)
+    for end in ends:
+        axes.axvline(end, color="0.85", linewidth=0.5, zorder=0)
+    for event in metrics["rebalance_events"]:
+        if event["step"] in metrics["steps"]:
+            at = ends[metrics["steps"].index(event["step"])]
+            axes.axvline(at, color="tab:red", linestyle="--")
+            axes.text(at, len(ranks) - 0.4, f" rebalance {list(event['old_sizes'])} -> {list(event['new_sizes'])}",
+                      color="tab:red", fontsize=8, va="bottom")
+    axes.set_yticks(range(len(ranks)), [f"rank {r['rank']} ({r['device']})" for r in ranks])
+    axes.set_ylim(len(ranks) - 0.3, -0.7)
+    axes.set_xlim(0, ends[-1] if ends else 1)
+    axes.set_xlabel("seconds since the first profiled step")
+    axes.set_title(f"steps {metrics['steps'][0]}-{metrics['steps'][-1]}: heterogeneous utilisation "
+                   f"{_percent(metrics['heterogeneous_utilization'])}, communication "
+                   f"{_percent(metrics['communication_share'])}")
+    axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, format="png")
+    return path
