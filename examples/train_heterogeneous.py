@@ -80,6 +80,7 @@ def main():
         samples = engine.train_batch_size() * (args.steps - MEASURE_FROM)
         print(json.dumps({"summary": True, "samples_per_s": samples / elapsed,
                           "emulation": "/".join(sorted(set(modes) - {"none"})) or "none"}), flush=True)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -7,5 +7,8 @@ Modules, pure logic first:
   results      metric selection, failure classification, summary table, learning-rate advice
   experiments  engine side: times a window of optimizer steps, gathers every rank, writes JSON
   runner       one experiment = one ``deepspeed`` launcher process group, with a time-out
-  tuner        the search (fast, gridsearch, random, model_based) and its outputs
+  search       the profiling run, the candidates and the strategies (fast, gridsearch, random,
+               model_based)
+  outputs      progress lines, results_dir's files, the optimal ds_config and command, the report
+  tuner        ``deepspeed --autotuning tune|run``: checks before launch, the experiment loop
 """

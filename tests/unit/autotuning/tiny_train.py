@@ -118,6 +118,9 @@ def main():
             engine.step()
     if engine.global_rank == 0:
         print(f"training finished after {args.steps} steps", flush=True)
+    # As a training script should: without it gloo's worker threads can outlive the interpreter
+    # and abort the process at exit ("terminate called without an active exception").
+    deepspeed.comm.destroy_process_group()
 
 
 if __name__ == "__main__":
