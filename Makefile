@@ -7,15 +7,21 @@ VENV        ?= .venv
 PY          := $(VENV)/bin/python
 PIP         := $(PY) -m pip --disable-pip-version-check
 TORCH_SPEC  ?= torch==2.13.0
+# Where the torch install looks (torch alone; everything else comes from PyPI). PyPI's Linux torch
+# is the CUDA build and pulls ~28 NVIDIA packages, so the default is PyTorch's CPU index; with
+# local wheels (PIP_FIND_LINKS) pip's own configuration decides. A GPU user passes a CUDA index
+# (TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126), or TORCH_INDEX_URL= for pip's default.
+ifdef PIP_FIND_LINKS
+TORCH_INDEX_URL ?=
+else
+TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
+endif
 PYTEST_ARGS ?=
 # The patch-set tool needs only python3, git and pip: no venv, so 'make check' works anywhere.
 PATCHSET    := $(PYTHON) scripts/patchset.py
 
-# ninja (a dependency installed into the venv) must be on PATH for JIT op builds; the tree's root
-# on PYTHONPATH makes every process take op builders from the same copy of op_builder/, so JIT
-# builds are not redone (see tests/conftest.py).
+# ninja (a dependency installed into the venv) must be on PATH for JIT op builds.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
-RUN_ENV     := PYTHONPATH=$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 .PHONY: help venv tree install export check dist test test-all demo perf clean
 
@@ -30,7 +36,7 @@ help:
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
 	@# torch first and pinned: an unpinned dependency would pull a multi-GB CUDA build.
-	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q "$(TORCH_SPEC)"$(if $(TORCH_INDEX_URL), --index-url "$(TORCH_INDEX_URL)")
 	$(PIP) install -q pytest pytest-timeout matplotlib
 	@touch $@
 
@@ -44,8 +50,17 @@ $(VENV)/.installed: $(VENV)/.torch setup.py UPSTREAM
 	$(PIP) install -q --no-build-isolation -e . $(INSTALL_ARGS)
 	@touch $@
 
+# The sdist ships the op builders and their C++ sources twice (op_builder/ + csrc/, and
+# deepspeed/ops/op_builder/ + deepspeed/ops/csrc/). The accelerator takes the top-level copy
+# whenever 'op_builder' is importable, and JIT builds record absolute source paths, so a process
+# that saw the other copy rebuilt shm_comm and fused_adam. This .pth puts the tree's root on
+# every venv process's sys.path, whatever PYTHONPATH says: one copy of the op sources.
+ROOT_PTH_CMD := import pathlib, sysconfig; \
+	pathlib.Path(sysconfig.get_paths()["purelib"], "deepspeed_hetero_root.pth").write_text("$(CURDIR)\n")
+
 install: venv tree
 	@$(MAKE) --no-print-directory $(VENV)/.installed
+	@$(PY) -c '$(ROOT_PTH_CMD)'
 
 export:
 	$(PATCHSET) export
@@ -57,14 +72,14 @@ dist:
 	$(PATCHSET) dist
 
 test: install
-	$(RUN_ENV) $(PY) -m pytest tests/unit $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
 demo: install
-	$(RUN_ENV) $(PY) examples/heterogeneous_demo.py
+	$(PY) examples/heterogeneous_demo.py
 
 perf: install
 	@# Benchmarks print ratios measured side by side and write JSON to tests/perf/results/.
-	set -e; for bench in tests/perf/bench_*.py; do $(RUN_ENV) $(PY) $$bench; done
+	set -e; for bench in tests/perf/bench_*.py; do $(PY) $$bench; done
 
 clean:
 	rm -rf build dist .pytest_cache $(VENV)/.installed

@@ -309,14 +309,19 @@ def isolated_git_env(home, author=FIXED_AUTHOR, date=FIXED_DATE):
     return env
 
 
-def format_patch(before, after, message, author=FIXED_AUTHOR, date=FIXED_DATE, binary=False):
-    """Render the change before -> after ({path: (bytes, mode)}) as `git format-patch` text."""
+def format_patch(before, after, message, author=FIXED_AUTHOR, date=FIXED_DATE, binary=False, opaque=()):
+    """Render the change before -> after ({path: (bytes, mode)}) as `git format-patch` text.
+
+    Files matching a glob in ``opaque`` are written as git binary patches (needs ``binary``).
+    """
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp) / "w"
         work.mkdir()
         env = isolated_git_env(tmp, author, date)
         run_git(["init", "-q"], work, env)
         run_git(["config", "core.autocrlf", "false"], work, env)
+        (work / ".git" / "info").mkdir(exist_ok=True)
+        (work / ".git" / "info" / "attributes").write_text("".join(f"{glob} binary\n" for glob in opaque))
         materialise(before, work)
         run_git(["add", "-A"], work, env)
         run_git(["commit", "-q", "--allow-empty", "-m", "base"], work, env)
@@ -660,7 +665,10 @@ def combined_patch(pin, pristine, tree):
                f"Apply with 'git apply' to a pristine DeepSpeed {pin['version']} (the PyPI sdist, or a\n"
                f"checkout of v{pin['version']}): it adds the fork's modules and applies patches/series.\n")
     name = f"deepspeed-hetero-{fork_version(pin)}.patch"
-    return name, format_patch(pristine, tree, message, binary=True)
+    # The series' own files are diffs: blank context lines are a lone space, which git apply
+    # would report as whitespace errors in the lines the combined patch adds. As binary hunks
+    # they apply byte for byte and without warnings.
+    return name, format_patch(pristine, tree, message, binary=True, opaque=("patches/*.patch", ))
 
 
 def cmd_dist(args):

@@ -31,6 +31,9 @@ def test_deepspeed_env_report_heterogeneous(tmp_path):
     lines = report_lines(out)
     assert set(lines) == {prefix[:-2] for prefix in FOUR_LINES}, out
     assert lines["Communication Optimization"] in ("Active", "Inactive")
+    # Run from the checkout (the test runs with the repository on PYTHONPATH), upstream's op list
+    # imported a second copy of the accelerator package, whose detection warned a second time.
+    assert (out + err).count("Setting accelerator to CPU") <= 1, err
 
 
 def test_ds_report_heterogeneous_with_config(tmp_path):
@@ -69,6 +72,39 @@ def test_bad_environment_value_stops_the_launch(tmp_path):
     assert code != 0
     assert "DS_HETEROGENEOUS_ENV='maybe': use one of 1/true/yes/on or 0/false/no/off" in err
     assert "must not run" not in out + err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("config_args", [["--deepspeed_config", "{path}"], ["--deepspeed_config={path}"],
+                                         ["--deepscale_config", "{path}"]])
+def test_invalid_fork_block_stops_the_launch_with_one_line(tmp_path, config_args):
+    script = tmp_path / "never.py"
+    script.write_text("raise SystemExit('must not run')\n")
+    config = tmp_path / "ds.json"
+    config.write_text('{"train_batch_size": 8, "heterogeneous_config": {"enabled": true, "profile_step": 3}}')
+    user_args = [arg.format(path=config) for arg in config_args]
+    code, out, err = run([str(BIN / "deepspeed"), "--num_gpus", "1", str(script), *user_args], cwd=tmp_path)
+    assert code == 2, err
+    failure = [line for line in err.splitlines() if line.startswith("deepspeed: invalid DeepSpeed config")]
+    assert failure == [f"deepspeed: invalid DeepSpeed config {config}: heterogeneous_config.profile_step: unknown key "
+                       "'profile_step'; allowed keys: emulation, enabled, load_balancing_strategy, "
+                       "micro_batch_sizes, mixed_precision_support, profile_steps, scheduler"]
+    assert (out + err).count("profile_step: unknown key") == 1
+    assert "must not run" not in out + err and "Traceback" not in err
+
+
+def test_launch_check_reads_the_config_argument_and_leaves_unreadable_files_to_upstream(tmp_path, capsys):
+    from deepspeed.runtime.heterogeneous.launcher import check_launch_environment, config_path_in
+    assert config_path_in(["train.py", "--deepspeed_config", "a.json", "--deepspeed_config=b.json"]) == "b.json"
+    assert config_path_in(["--num_gpus", "2", "train.py", "--deepscale_config", "c.json"]) == "c.json"
+    assert config_path_in(["train.py", "--deepspeed", "--lr", "0.1"]) is None
+    assert config_path_in(["train.py", "--deepspeed_config"]) is None
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"heterogeneous_config": ')
+    good = tmp_path / "good.json"
+    good.write_text('{"heterogeneous_config": {"enabled": true, "emulation": {"speeds": [1.0, 0.5, 0.5]}}}')
+    for path in (tmp_path / "missing.json", broken, good):  # the last one is valid for a world of 3
+        check_launch_environment(["train.py", "--deepspeed_config", str(path)], environ={})
+    assert capsys.readouterr().err == ""
 
 
 def test_multinode_launch_forwards_the_fork_variables(tmp_path):

@@ -86,7 +86,8 @@ def test_export_is_canonical_and_deterministic(pristine):
 
 def test_combined_patch_turns_pristine_upstream_into_the_assembled_tree(tmp_path, pristine):
     """`git apply` of the dist patch onto pristine upstream in a temporary repository gives, file
-    for file, what this checkout holds (upstream files patched, the fork's own files added)."""
+    for file, what this checkout holds (upstream files patched, the fork's own files added), and
+    reports no whitespace errors."""
     pin = patchset.read_pin()
     _, patch = patchset.combined_patch(pin, pristine, patchset.assembled_tree(pin))
     work = tmp_path / "upstream"
@@ -94,7 +95,8 @@ def test_combined_patch_turns_pristine_upstream_into_the_assembled_tree(tmp_path
     patchset.write_tree(pristine, work)
     git("init", "-q", cwd=work)
     (tmp_path / "fork.patch").write_text(patch)
-    git("apply", str(tmp_path / "fork.patch"), cwd=work)
+    # Without a single whitespace warning: a user's git may be configured to refuse them.
+    git("apply", "--whitespace=error-all", str(tmp_path / "fork.patch"), cwd=work)
     produced = [p for p in work.rglob("*") if (p.is_file() or p.is_symlink()) and ".git" not in p.parts]
     assert len(produced) == len(pristine) + len(
         [p for p in patchset.fork_tracked_files() if p not in pristine]), "file count differs"

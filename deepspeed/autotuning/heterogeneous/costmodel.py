@@ -142,4 +142,3 @@ class ClusterProfile:
                         f"activations {self.activation_per_sample[rank] / 2**20:.2f} MiB/sample, capacity "
                         f"{'unknown' if cap is None else f'{cap / 2**30:.3g} GiB'}")
         return rows
-

@@ -12,6 +12,7 @@ a feature off without a word; every model here forbids unknown keys and every er
 full key path and what is allowed.
 """
 
+import difflib
 import os
 import re
 import typing
@@ -273,7 +274,7 @@ def load_heterogeneous_settings(param_dict, world_size=None, environ=None):
         HeterogeneousSettings. Raises ValueError naming the key and the allowed values.
     """
     environ = os.environ if environ is None else environ
-    notes = []
+    notes = [misspelled_block_note(key, match) for key, match in misspelled_blocks(param_dict)]
     raw = param_dict.get(HETEROGENEOUS_CONFIG)
     raw = dict(raw) if isinstance(raw, dict) else raw
 
@@ -313,6 +314,50 @@ def load_heterogeneous_settings(param_dict, world_size=None, environ=None):
     if world_size is not None and config.enabled:
         _check_per_rank_lists(config, int(world_size))
     return HeterogeneousSettings(config=config, memory=memory, offload=offload, notes=notes)
+
+
+# The fork's own keys, and where each belongs; a near-miss of one at the top level is reported.
+_FORK_KEY_PATHS = {HETEROGENEOUS_CONFIG: HETEROGENEOUS_CONFIG, HETEROGENEOUS_MEMORY: HETEROGENEOUS_MEMORY,
+                   HETEROGENEOUS_OFFLOAD: f"{ZERO_OPTIMIZATION}.{HETEROGENEOUS_OFFLOAD}"}
+# Similarity (difflib ratio, 0..1) above which an unknown key is taken for a misspelled fork key:
+# 'heterogenous_config', 'heterogeneous-config' and 'heterogeneous_memmory' score 0.95 or more, a
+# bare 'heterogeneous' 0.79.
+_NEAR_MISS_CUTOFF = 0.85
+
+
+def _upstream_top_level_keys():
+    """The key names upstream's config reads (a superset of its top-level keys). A key upstream
+    knows is never reported, however close to a fork key it is."""
+    from deepspeed.runtime import constants
+    return {value for name, value in vars(constants).items() if name.isupper() and isinstance(value, str)}
+
+
+def misspelled_blocks(param_dict):
+    """(key, fork key it is close to) for each top-level key of ``param_dict`` that neither the
+    fork nor upstream knows but that is close to one of the fork's block names. Upstream ignores
+    unknown top-level keys, so such a block would silently leave the fork off."""
+    unknown = [key for key in param_dict if isinstance(key, str) and key not in (HETEROGENEOUS_CONFIG,
+                                                                                 HETEROGENEOUS_MEMORY)]
+    if not unknown:
+        return []
+    known = _upstream_top_level_keys()
+    found = []
+    for key in unknown:
+        if key in known:
+            continue
+        spelled = key.lower().replace("-", "_").replace(" ", "_")
+        match = difflib.get_close_matches(spelled, list(_FORK_KEY_PATHS), n=1, cutoff=_NEAR_MISS_CUTOFF)
+        if match:
+            found.append((key, match[0]))
+    return found
+
+
+def misspelled_block_note(key, fork_key):
+    path = _FORK_KEY_PATHS[fork_key]
+    if key == fork_key:  # heterogeneous_offload at the top level: right name, wrong place
+        return f"top-level '{key}' is ignored: it belongs in {ZERO_OPTIMIZATION} ('{path}')"
+    return (f"unknown top-level key '{key}' is ignored; did you mean '{path}'? (until it is renamed, none of its "
+            "settings apply)")
 
 
 def _check_per_rank_lists(config, world_size):

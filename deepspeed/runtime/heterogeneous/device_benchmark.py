@@ -5,21 +5,20 @@ The score is in TFLOP/s, like the table's rates, so that measured and datasheet 
 side by side in one plan; profiling on the real model replaces both later (docs/architecture.md §4.1).
 """
 
+import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
 from deepspeed.accelerator import get_accelerator
 
-try:
-    # The fork's native triad streams host memory with vectorised loops, closer to what the
-    # hardware sustains than torch's elementwise kernel; it falls back to torch by itself.
-    from .native import stream_triad_gbps as _native_triad
-except ImportError:
-    _native_triad = None  # a tree without the fork's native module: torch below does the same
+from .native import triad_
 
-
-_TIMED_RUNS = 3
+# One score is the median of this many short measurements that share the budget: on a shared
+# machine a single measurement varied 3.7x between runs of the same host, and the median of a
+# few, with their spread shown, says how far to trust it.
+_REPEATS = 5
 _SMALL_MATMUL, _LARGE_MATMUL = 512, 1024
 _TRIAD_ELEMENTS = 1 << 24  # 64 MiB per fp32 operand: well past any cache
 # Share of the budget for the matmul; the copy benchmark gets the rest.
@@ -29,6 +28,21 @@ _MATMUL_SHARE = 0.7
 # and starved memory is not overrated. It is a prior only; profiling on the model replaces it.
 _STEP_FLOPS_PER_BYTE = 100.0
 
+
+@dataclass(frozen=True)
+class MeasuredScore:
+    """A device's measured score and how noisy its measurement was."""
+
+    score: float
+    """Median of the repeats, in TFLOP/s."""
+    repeats: int
+    spread: float
+    """Half the range of the repeats' scores, relative to the median (0.1: within about ±10%)."""
+
+    def describe(self):
+        return f"median of {self.repeats}, spread ±{100 * self.spread:.0f}%"
+
+
 _measured_scores = {}
 
 
@@ -36,30 +50,27 @@ def _synchronize():
     get_accelerator().synchronize()
 
 
-def _best_rate(step, work, seconds):
-    """Best rate (work units per second) of `step` in a few timed runs that fit in `seconds`.
-
-    The first call is the warm-up (allocation, kernel selection, page faults) and sizes the runs:
-    calls are batched so that launch and synchronisation costs vanish on fast devices, while a
-    slow device still gets `_TIMED_RUNS` runs of one call. The best run is kept because on a
-    shared machine interference only ever slows a run down.
-    """
+def _calls_per_run(step, seconds):
+    """Warm `step` up (allocation, kernel selection, page faults) and return how many calls one
+    timed run of about `seconds` makes: batching calls makes launch and synchronisation costs
+    vanish on a fast device, while a slow one still times whole calls."""
     start = time.perf_counter()
     step()
     _synchronize()
-    single = time.perf_counter() - start
-    calls = max(1, int((seconds - single) / (_TIMED_RUNS * single)))
-    best = 0.0
-    for _ in range(_TIMED_RUNS):
-        start = time.perf_counter()
-        for _ in range(calls):
-            step()
-        _synchronize()
-        best = max(best, work * calls / (time.perf_counter() - start))
-    return best
+    return max(1, int(seconds / (time.perf_counter() - start)))
 
 
-def _matmul_tflops(device, seconds):
+def _rate(step, work, calls):
+    """Work units per second of one timed run of `calls` calls of `step`."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        step()
+    _synchronize()
+    return work * calls / (time.perf_counter() - start)
+
+
+def _matmul_step(device, seconds):
+    """(step, FLOPs per call): an fp32 matmul sized for measurements totalling about `seconds`."""
     size = _SMALL_MATMUL
     a = torch.randn(size, size, device=device)
     b = torch.randn(size, size, device=device)
@@ -67,41 +78,62 @@ def _matmul_tflops(device, seconds):
     torch.mm(a, b)
     _synchronize()
     # A 512 matmul leaves a fast device idle; take the 8x larger one when it fits the budget.
-    if (time.perf_counter() - start) * 8 * (_TIMED_RUNS + 2) < seconds:
+    if (time.perf_counter() - start) * 8 * 3 < seconds:
         size = _LARGE_MATMUL
         a = torch.randn(size, size, device=device)
         b = torch.randn(size, size, device=device)
     out = torch.empty(size, size, device=device)
-    return _best_rate(lambda: torch.mm(a, b, out=out), 2 * size**3, seconds) / 1e12
+    return (lambda: torch.mm(a, b, out=out)), 2 * size**3
 
 
-def _copy_gbps(device, seconds):
-    if _native_triad is not None:
-        return _native_triad(_TRIAD_ELEMENTS, _TIMED_RUNS, device=device)
-    b = torch.randn(_TRIAD_ELEMENTS, device=device)
-    c = torch.randn(_TRIAD_ELEMENTS, device=device)
-    a = torch.empty_like(b)
-    # STREAM triad a = b + s * c: two reads and one write per element.
-    moved_bytes = 3 * a.element_size() * _TRIAD_ELEMENTS
-    return _best_rate(lambda: torch.add(b, c, alpha=3.0, out=a), moved_bytes, seconds) / 1e9
+def _triad_step(device):
+    """(step, bytes moved per call): the STREAM triad a = b + s * c, two reads and one write per
+    element, with the fork's native kernel where it loads (vectorised loops stream host memory
+    closer to what the hardware sustains than torch's elementwise kernel)."""
+    a = torch.empty(_TRIAD_ELEMENTS, device=device)
+    b = torch.rand(_TRIAD_ELEMENTS, device=device)
+    c = torch.rand(_TRIAD_ELEMENTS, device=device)
+    return (lambda: triad_(a, b, c, 3.0)), 3 * a.element_size() * _TRIAD_ELEMENTS
 
 
-def measure_device_score(device=None, seconds_budget=0.5):
-    """Measured speed of a device in TFLOP/s, comparable with `spec_score` of a known one.
+def measure_device_score_with_spread(device=None, seconds_budget=0.5):
+    """Measured speed of a device in TFLOP/s, comparable with `spec_score` of a known one, with
+    the noise of its measurement (a MeasuredScore).
 
     Times fp32 matmuls (512 or 1024 square) and a STREAM triad on the device, and combines them
     as the effective FLOP rate of a step that moves one byte per `_STEP_FLOPS_PER_BYTE` FLOPs.
-    The result is cached per device for the life of the process.
+    This is repeated `_REPEATS` times within the budget and the median kept. The result is cached
+    per device for the life of the process.
 
     Args:
         device: a torch device or its name. Default None: the accelerator's current device.
-        seconds_budget: rough wall-clock budget of the whole measurement (default 0.5 s).
+        seconds_budget: rough wall-clock budget of the timed runs (default 0.5 s).
     """
     device = torch.device(device if device is not None else get_accelerator().current_device_name())
     key = str(device)
     if key not in _measured_scores:
-        matmul_tflops = _matmul_tflops(device, seconds_budget * _MATMUL_SHARE)
-        copy_gbps = _copy_gbps(device, seconds_budget * (1 - _MATMUL_SHARE))
-        memory_tflops = copy_gbps * _STEP_FLOPS_PER_BYTE / 1e3
-        _measured_scores[key] = 1.0 / (1.0 / matmul_tflops + 1.0 / memory_tflops)
+        matmul_seconds = seconds_budget * _MATMUL_SHARE / _REPEATS
+        copy_seconds = seconds_budget * (1 - _MATMUL_SHARE) / _REPEATS
+        # The matmul's size is chosen for the whole budget: a larger one runs nearer peak.
+        matmul, flops = _matmul_step(device, seconds_budget * _MATMUL_SHARE)
+        triad, moved_bytes = _triad_step(device)
+        matmul_calls, triad_calls = _calls_per_run(matmul, matmul_seconds), _calls_per_run(triad, copy_seconds)
+        scores = []
+        for _ in range(_REPEATS):
+            matmul_tflops = _rate(matmul, flops, matmul_calls) / 1e12
+            memory_tflops = _rate(triad, moved_bytes, triad_calls) / 1e9 * _STEP_FLOPS_PER_BYTE / 1e3
+            scores.append(1.0 / (1.0 / matmul_tflops + 1.0 / memory_tflops))
+        median = statistics.median(scores)
+        _measured_scores[key] = MeasuredScore(median, _REPEATS, (max(scores) - min(scores)) / (2 * median))
     return _measured_scores[key]
+
+
+def measure_device_score(device=None, seconds_budget=0.5):
+    """The score of `measure_device_score_with_spread` alone, in TFLOP/s (same arguments)."""
+    return measure_device_score_with_spread(device, seconds_budget).score
+
+
+def measured_score(device):
+    """The MeasuredScore cached for `device` (a torch device or its name), or None when it was
+    not measured in this process."""
+    return _measured_scores.get(str(torch.device(device)))

@@ -5,7 +5,7 @@ Besides the device table it prints four lines that users and scripts grep for (t
 env_report section), exactly as::
 
     Heterogeneous Environment: Enabled|Disabled
-    Mixed GPU Support: <distinct device names>
+    Mixed GPU Support: <distinct device names> | none (CPU accelerator: <model>; ...)
     Load Balancing Strategy: Compute-Aware|Uniform|Manual
     Communication Optimization: Active|Inactive
 """
@@ -20,6 +20,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.precision_config import get_bfloat16_config, get_float16_config
 
 from .config import load_heterogeneous_settings
+from .device_benchmark import measured_score
 from .devices import BYTES_PER_GB, describe_local_device, emulated_memory_bytes, local_device_count
 from .native import native_op_status
 from .precision import choose_precision_for_config
@@ -98,7 +99,7 @@ def _device_table(rows):
         memory = f"{device.memory_bytes / BYTES_PER_GB:.1f}" + (" (emulated)" if memory_emulated else "")
         score = f"{device.spec_score:.4g}" + (" (emulated)" if speed_emulated else "")
         cells.append((device.rank, device.host, device.name, memory, "yes" if device.bf16 else "no",
-                      "yes" if device.fp16 else "no", score, device.score_source))
+                      "yes" if device.fp16 else "no", score, _score_source(device)))
     return _format_table(header, cells)
 
 
@@ -107,18 +108,41 @@ def _model_fields(model):
 
 
 def _config_options(settings):
+    """(option, value) of each fork block the config gives (or the environment enables); a
+    block the config does not mention is left out rather than listed with its defaults."""
     config = settings.config
-    sizes = config.micro_batch_sizes
-    return [
-        ("load_balancing_strategy", config.load_balancing_strategy),
-        ("mixed_precision_support", config.mixed_precision_support),
-        ("profile_steps", config.profile_steps),
-        ("micro_batch_sizes", "none (the strategy decides)" if sizes is None else sizes),
-        ("scheduler", _model_fields(config.scheduler)),
-        ("emulation", "off" if config.emulation is None else _model_fields(config.emulation)),
-        ("heterogeneous_memory", _model_fields(settings.memory)),
-        ("zero_optimization.heterogeneous_offload", _model_fields(settings.offload)),
-    ]
+    options = []
+    if config.model_fields_set or settings.enabled:
+        sizes = config.micro_batch_sizes
+        options += [
+            ("load_balancing_strategy", config.load_balancing_strategy),
+            ("mixed_precision_support", config.mixed_precision_support),
+            ("profile_steps", config.profile_steps),
+            ("micro_batch_sizes", "none (the strategy decides)" if sizes is None else sizes),
+            ("scheduler", _model_fields(config.scheduler)),
+            ("emulation", "off" if config.emulation is None else _model_fields(config.emulation)),
+        ]
+    if settings.memory.model_fields_set:
+        options.append(("heterogeneous_memory", _model_fields(settings.memory)))
+    if settings.offload.model_fields_set:
+        options.append(("zero_optimization.heterogeneous_offload", _model_fields(settings.offload)))
+    return options
+
+
+def _mixed_gpu_support(rows):
+    """The distinct device models; on the CPU accelerator, what that means for the fork."""
+    names = ", ".join(dict.fromkeys(device.name for device, _, _ in rows))
+    if all(device.accelerator == "cpu" for device, _, _ in rows):
+        return f"none (CPU accelerator: {names}; heterogeneous_config.emulation emulates a mixed cluster on it)"
+    return names
+
+
+def _score_source(device):
+    """The table's source column: a measured score says how noisy its measurement was."""
+    if device.score_source != "measured":
+        return device.score_source
+    measured = measured_score(get_accelerator().device_name(device.local_rank))
+    return f"measured ({measured.describe()})" if measured is not None else device.score_source
 
 
 def _precision_line(settings, param_dict, devices):
@@ -150,7 +174,6 @@ def heterogeneous_report(config_path=None, file=None):
     rows = _device_rows(settings)
     precision = _precision_line(settings, param_dict, [device for device, _, _ in rows])
     strategy = settings.config.load_balancing_strategy if settings.enabled else "uniform"
-    device_names = dict.fromkeys(device.name for device, _, _ in rows)
 
     file = sys.stdout if file is None else file
 
@@ -166,7 +189,7 @@ def heterogeneous_report(config_path=None, file=None):
     emit(_device_table(rows))
     emit()
     emit(f"Heterogeneous Environment: {'Enabled' if settings.enabled else 'Disabled'}")
-    emit(f"Mixed GPU Support: {', '.join(device_names)}")
+    emit(f"Mixed GPU Support: {_mixed_gpu_support(rows)}")
     emit(f"Load Balancing Strategy: {STRATEGY_LABELS[strategy]}")
     emit(f"Communication Optimization: {'Active' if communication_optimization_active(settings) else 'Inactive'}")
     if config_path is not None:
@@ -174,8 +197,12 @@ def heterogeneous_report(config_path=None, file=None):
         if precision[1]:
             emit(f"note: {precision[1]}")
         emit()
-        emit("Options selected by the config:")
-        for key, value in _config_options(settings):
+        options = _config_options(settings)
+        if not options:
+            emit("Options selected by the config: none (no heterogeneous block: upstream behaviour)")
+        else:
+            emit("Options selected by the config:")
+        for key, value in options:
             emit(f"  {key}: {value}")
     for note in settings.notes:
         emit(f"note: {note}")

@@ -86,10 +86,21 @@ class HeterogeneousRuntime:
     def emulation_mode(self):
         return self.limits.mode
 
-    def log_plan(self, title, plan):
-        if dist.get_rank() == 0:
-            names = [d.name for d in self.state.devices or []] or None
-            logger.info(f"deepspeed-hetero {title} (strategy {plan.strategy}):\n{plan.format_table(names)}")
+    def log_plan(self, title, plan, change=None):
+        """Print ``plan`` as one block on global rank 0: a title, an optional line saying what
+        changed, and the plan's table.
+
+        Printed, not logged: DeepSpeed's logger shows WARNING and above by default, and a plan is
+        not a warning, yet it is the first thing a user of the fork wants to see (as the flops
+        profiler prints its report)."""
+        if dist.get_rank() != 0:
+            return
+        names = [d.name for d in self.state.devices or []] or None
+        lines = [f"[deepspeed-hetero] {title} (strategy {plan.strategy}):"]
+        if change:
+            lines.append(f"  {change}")
+        lines.append(plan.format_table(names))
+        print("\n".join(lines), flush=True)
 
     # -- hooks --------------------------------------------------------------------------------
 
@@ -309,12 +320,10 @@ class HeterogeneousRuntime:
         gas = list(plan.gradient_accumulation_steps) if plan.per_rank_gas else None
         for sampler in self.loaders:
             sampler.set_micro_batch_sizes(list(plan.micro_batch_sizes), gradient_accumulation_steps=gas)
-        if dist.get_rank() == 0:
-            logger.info(f"deepspeed-hetero {reason}: micro-batches {list(old.micro_batch_sizes)} -> "
-                        f"{list(plan.micro_batch_sizes)}, gas {list(old.gradient_accumulation_steps)} -> "
-                        f"{list(plan.gradient_accumulation_steps)}, predicted step time "
-                        f"{old.predicted_step_time:.4g} s -> {plan.predicted_step_time:.4g} s")
-            self.log_plan(reason, plan)
+        self.log_plan(reason, plan, change=(
+            f"micro-batches {list(old.micro_batch_sizes)} -> {list(plan.micro_batch_sizes)}, gas "
+            f"{list(old.gradient_accumulation_steps)} -> {list(plan.gradient_accumulation_steps)}, predicted step "
+            f"time {old.predicted_step_time:.4g} s -> {plan.predicted_step_time:.4g} s"))
 
     def close(self):
         self.meter.stop()

@@ -150,6 +150,29 @@ def test_environment_variables():
     assert "DS_ADAPTIVE_SCHEDULING='2'" in error_of({}, DS_ADAPTIVE_SCHEDULING="2")
 
 
+@pytest.mark.parametrize("key, suggestion", [
+    ("heterogenous_config", "did you mean 'heterogeneous_config'?"),
+    ("heterogeneous-config", "did you mean 'heterogeneous_config'?"),
+    ("Heterogeneous_Config", "did you mean 'heterogeneous_config'?"),
+    ("heterogeneous_memmory", "did you mean 'heterogeneous_memory'?"),
+    ("heterogeneous_offload", "it belongs in zero_optimization ('zero_optimization.heterogeneous_offload')"),
+])
+def test_misspelled_block_is_noted_with_a_suggestion(key, suggestion):
+    settings = parse({"train_batch_size": 8, key: {"enabled": True}})
+    assert not settings.enabled  # still ignored, as upstream ignores unknown keys, but not silently
+    assert len(settings.notes) == 1
+    assert f"'{key}' is ignored" in settings.notes[0] and suggestion in settings.notes[0]
+
+
+@pytest.mark.parametrize("config", [
+    {"heterogeneous_config": {"enabled": True}, "heterogeneous_memory": {}},  # the right names
+    {"train_batch_size": 8, "zero_optimization": {"stage": 1}, "fp16": {"enabled": True}},  # upstream keys
+    {"heterogeneous": {}, "my_experiment": {}, "hetero": 1},  # unknown but not near a fork block
+])
+def test_no_note_for_known_or_unrelated_keys(config):
+    assert parse(config).notes == []
+
+
 def test_parse_bytes():
     assert parse_bytes("64GB") == 64 * 10**9
     assert parse_bytes("512MiB") == 512 * 2**20

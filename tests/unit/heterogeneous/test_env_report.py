@@ -3,6 +3,7 @@
 
 import io
 import json
+import re
 
 import pytest
 
@@ -37,10 +38,15 @@ def write_config(tmp_path, config):
     return str(path)
 
 
+def cpu_support_line():
+    return (f"Mixed GPU Support: none (CPU accelerator: {describe_local_device().name}; "
+            "heterogeneous_config.emulation emulates a mixed cluster on it)")
+
+
 def test_without_config_or_environment_it_is_disabled():
     assert status_lines(report_lines()) == [
         "Heterogeneous Environment: Disabled",
-        f"Mixed GPU Support: {describe_local_device().name}",
+        cpu_support_line(),
         "Load Balancing Strategy: Uniform",
         "Communication Optimization: Inactive",
     ]
@@ -50,7 +56,7 @@ def test_environment_variable_enables_compute_aware_defaults(monkeypatch):
     monkeypatch.setenv("DS_HETEROGENEOUS_ENV", "1")
     assert status_lines(report_lines()) == [
         "Heterogeneous Environment: Enabled",
-        f"Mixed GPU Support: {describe_local_device().name}",
+        cpu_support_line(),
         "Load Balancing Strategy: Compute-Aware",
         "Communication Optimization: Inactive",
     ]
@@ -72,7 +78,7 @@ def test_config_enabling_compute_aware_shows_options_and_emulated_capacities(tmp
     lines = report_lines(config_path)
     assert status_lines(lines) == [
         "Heterogeneous Environment: Enabled",
-        f"Mixed GPU Support: {describe_local_device().name}",
+        cpu_support_line(),
         "Load Balancing Strategy: Compute-Aware",
         "Communication Optimization: Inactive",
     ]
@@ -85,6 +91,30 @@ def test_config_enabling_compute_aware_shows_options_and_emulated_capacities(tmp
     assert "speeds=[1.0, 0.5]" in text and "mode=dilation" in text
     assert "cpu_memory_limit=4GB" in text
     assert "heterogeneous_offload: cpu_offload=True" in text
+
+
+def test_measured_score_says_how_noisy_it_was():
+    row = next(line for line in report_lines() if line.startswith("0 "))
+    assert re.search(r"  measured \(median of 5, spread ±[0-9]+%\)$", row), row
+
+
+def test_config_without_a_fork_block_lists_no_defaults(tmp_path):
+    lines = report_lines(write_config(tmp_path, {"train_batch_size": 8, "fp16": {"enabled": True}}))
+    assert "Options selected by the config: none (no heterogeneous block: upstream behaviour)" in lines
+    assert not [line for line in lines if line.startswith("  ")]
+
+
+def test_only_the_blocks_a_config_gives_are_listed(tmp_path):
+    lines = report_lines(write_config(tmp_path, {"heterogeneous_memory": {"cpu_memory_limit": "4GB"}}))
+    start = lines.index("Options selected by the config:")
+    assert [line.split(":")[0] for line in lines[start + 1:] if line.startswith("  ")] == ["  heterogeneous_memory"]
+
+
+def test_misspelled_block_is_noted_in_the_report(tmp_path):
+    lines = report_lines(write_config(tmp_path, {"heterogenous_config": {"enabled": True}}))
+    assert "Heterogeneous Environment: Disabled" in lines
+    assert any(line.startswith("note: unknown top-level key 'heterogenous_config'") and
+               "did you mean 'heterogeneous_config'?" in line for line in lines)
 
 
 def test_emulated_speed_scales_the_score(tmp_path):
