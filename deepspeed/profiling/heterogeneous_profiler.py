@@ -111,12 +111,11 @@ class HeterogeneousProfiler:
             raise RuntimeError(f"HeterogeneousProfiler.stop_profile(): data-parallel rank {runtime.rank} could not "
                                f"gather the other ranks' records; every rank must call stop_profile() at the same "
                                f"step, and a peer failed or timed out ({exc})") from exc
-        devices = self.engine.heterogeneous_devices
         self._snapshot = {
             "ranks": merge_replicas(gathered, runtime.plan.world_size),
             "capacities": runtime.capacities,
             "plan": runtime.plan.to_dict(),
-            "device_names": [d.name for d in devices] if devices else None,
+            "device_names": self.engine.heterogeneous_state.device_names,
             "events": gathered[0]["events"],
         }
         self._metrics = None

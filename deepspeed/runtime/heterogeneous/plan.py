@@ -7,6 +7,7 @@ read it, and the log prints ``Plan.format_table``. Pure logic.
 
 import math
 from dataclasses import asdict, dataclass, fields
+from functools import cached_property
 from typing import Tuple
 
 import numpy as np
@@ -61,7 +62,7 @@ class Plan:
         """The slowest rank's predicted time for one optimizer step."""
         return max(self.predicted_rank_times)
 
-    @property
+    @cached_property  # read at every backward, and per gradient tensor under torch-style backward
     def loss_weights(self):
         """w_i = W * mbs_i * gas_i / train_batch_size (W * mbs_i / sum(mbs) when gas is equal).
 

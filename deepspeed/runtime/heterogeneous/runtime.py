@@ -95,7 +95,7 @@ class HeterogeneousRuntime:
         profiler prints its report)."""
         if dist.get_rank() != 0:
             return
-        names = [d.name for d in self.state.devices or []] or None
+        names = self.state.device_names
         lines = [f"[deepspeed-hetero] {title} (strategy {plan.strategy}):"]
         if change:
             lines.append(f"  {change}")
@@ -226,7 +226,7 @@ class HeterogeneousRuntime:
 
     def memory_limits(self):
         """Per-rank micro-batch limits from the profiling steps' activations, or None without capacities."""
-        return memory_limits(self.history, self.capacities, [d.name for d in self.state.devices or []] or None,
+        return memory_limits(self.history, self.capacities, self.state.device_names,
                              self.state.settings.memory.hbm_utilization_threshold)
 
     @property

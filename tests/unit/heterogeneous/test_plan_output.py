@@ -9,6 +9,8 @@ import pytest
 from deepspeed.runtime.heterogeneous import runtime as runtime_module
 from deepspeed.runtime.heterogeneous.planner import Plan
 from deepspeed.runtime.heterogeneous.runtime import HeterogeneousRuntime
+from deepspeed.runtime.heterogeneous.state import HeterogeneousState
+from deepspeed.runtime.heterogeneous.config import load_heterogeneous_settings
 
 START = Plan((4, 4), (1, 1), 8, "compute_aware", (2.0, 4.0))
 PROFILED = Plan((6, 2), (1, 1), 8, "compute_aware", (3.0, 2.5))
@@ -19,8 +21,9 @@ def runtime_on_rank(monkeypatch, rank):
     parallel beyond), reduced to what logging and switching plans touch: no engine, no group."""
     monkeypatch.setattr(runtime_module, "dist", types.SimpleNamespace(get_rank=lambda: rank))
     runtime = HeterogeneousRuntime.__new__(HeterogeneousRuntime)
-    runtime.state = types.SimpleNamespace(plan=START, devices=[types.SimpleNamespace(name="fast-gpu"),
-                                                               types.SimpleNamespace(name="slow-gpu")])
+    runtime.state = HeterogeneousState(load_heterogeneous_settings({}), plan=START,
+                                       devices=[types.SimpleNamespace(name="fast-gpu"),
+                                                types.SimpleNamespace(name="slow-gpu")])
     runtime.config = types.SimpleNamespace(heterogeneous=runtime.state)
     runtime.engine = types.SimpleNamespace(micro_steps=0)
     runtime.rank, runtime.loaders, runtime.gas_origin = rank % 2, [], 0
