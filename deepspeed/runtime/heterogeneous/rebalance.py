@@ -112,15 +112,27 @@ NOISE_STANDARD_ERRORS = 2.0
 
 
 def interval_statistics(step_times):
-    """(mean, relative standard error of the mean) of one rank's per-step times per micro-step."""
+    """(centre, relative standard error of the centre) of one rank's per-step times per micro-step.
+
+    Robust: the median, and the spread from the median absolute deviation (scaled by 1.4826 to a
+    normal distribution's standard deviation). A check interval holds a handful of steps, and on a
+    shared machine one of them is often an outlier (a scheduler hiccup, a collection): with the
+    mean and the sample deviation that one step decided both the drift and the noise bound, and a
+    noisy baseline interval then hid a real slowdown for the whole life of the plan."""
     count = len(step_times)
     if count == 0:
         raise ValueError("a rebalancing check needs at least one measured step per rank")
-    mean = sum(step_times) / count
-    if count < 2 or mean <= 0:
-        return mean, 0.0
-    variance = sum((t - mean)**2 for t in step_times) / (count - 1)
-    return mean, math.sqrt(variance / count) / mean
+    centre = _median(step_times)
+    if count < 2 or centre <= 0:
+        return centre, 0.0
+    spread = 1.4826 * _median([abs(t - centre) for t in step_times])
+    return centre, spread / math.sqrt(count) / centre
+
+
+def _median(values):
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def interval_noise(measured, baseline):

@@ -114,7 +114,10 @@ def test_interval_noise_is_the_standard_error_of_both_intervals():
     mean, error = interval_statistics([1.0, 1.0, 1.0, 1.0])
     assert (mean, error) == (1.0, 0.0)
     mean, error = interval_statistics([0.9, 1.1, 0.9, 1.1])
-    assert mean == pytest.approx(1.0) and error == pytest.approx(0.11547 / 2, rel=1e-3)
+    assert mean == pytest.approx(1.0) and error == pytest.approx(1.4826 * 0.1 / 2, rel=1e-3)
+    # One outlier step moves neither the centre nor the error much (the mean would be 1.25).
+    centre, outlier_error = interval_statistics([1.0, 1.02, 0.98, 2.0])
+    assert centre == pytest.approx(1.01) and outlier_error < 0.02
     assert interval_noise([(1.0, 0.03)], [(1.0, 0.04)]) == pytest.approx(2 * 0.05)
 
 
