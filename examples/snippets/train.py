@@ -38,6 +38,9 @@ def main():
             plan = engine.heterogeneous_plan
             print(f"step {step}: loss {loss.item():.4f}, dtype {dtype}, "
                   f"micro-batches {list(plan.micro_batch_sizes) if plan else None}", flush=True)
+    # Without this, gloo's worker threads can outlive the interpreter and abort the exit
+    # ("terminate called without an active exception"), now and then, on any rank.
+    deepspeed.comm.destroy_process_group()
 
 
 if __name__ == "__main__":

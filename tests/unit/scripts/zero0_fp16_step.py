@@ -65,6 +65,7 @@ def main():
     torch.save({"deepspeed_file": os.path.realpath(deepspeed.__file__), "optimizer": type(optimizer).__name__,
                 "update": {name: after[name] - before[name] for name in before}, "reference": reference_update()},
                args.out)
+    deepspeed.comm.destroy_process_group()  # else gloo's threads may abort the interpreter's exit
 
 
 if __name__ == "__main__":
