@@ -42,6 +42,14 @@ $(VENV)/.torch:
 
 venv: $(VENV)/.torch
 
+# What only the tests need: the Hugging Face Trainer integration is tested with the real packages.
+# The installed torch is pinned as a constraint so that nothing replaces it.
+TEST_EXTRAS := transformers==5.24.0 accelerate==1.15.0
+$(VENV)/.test-extras: $(VENV)/.torch
+	$(PY) -c 'import torch; print("torch==" + torch.__version__)' > $(VENV)/torch-constraint.txt
+	$(PIP) install -q $(TEST_EXTRAS) -c $(VENV)/torch-constraint.txt
+	@touch $@
+
 tree:
 	$(PATCHSET) tree
 
@@ -71,7 +79,7 @@ check:
 dist:
 	$(PATCHSET) dist
 
-test: install
+test: install $(VENV)/.test-extras
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
 demo: install

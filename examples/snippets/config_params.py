@@ -18,8 +18,8 @@ engine, optimizer, _, _ = deepspeed.initialize(model=model, config_params={
                              "mixed_precision_support": "fp32", "profile_steps": 3},
     "heterogeneous_memory": {"enabled": True, "hbm_utilization_threshold": 0.85, "cpu_memory_limit": "64GB"},
 })
-mbs = engine.train_micro_batch_size_per_gpu()   # this rank's share of the global batch
 for step in range(5):
+    mbs = engine.train_micro_batch_size_per_gpu()   # this rank's share now: profiling changes it
     inputs, targets = torch.randn(mbs, 16), torch.randn(mbs, 1)
     loss = torch.nn.functional.mse_loss(engine(inputs), targets)
     engine.backward(loss)

@@ -38,8 +38,10 @@ def main():
             plan = engine.heterogeneous_plan
             print(f"step {step}: loss {loss.item():.4f}, dtype {dtype}, "
                   f"micro-batches {list(plan.micro_batch_sizes) if plan else None}", flush=True)
-    # Without this, gloo's worker threads can outlive the interpreter and abort the exit
-    # ("terminate called without an active exception"), now and then, on any rank.
+    # Shut down cleanly: a collective still finishing in one of gloo's worker threads when the
+    # interpreter exits aborts the process ("terminate called without an active exception"). The
+    # barrier waits for every earlier collective; then the process groups go.
+    deepspeed.comm.barrier()
     deepspeed.comm.destroy_process_group()
 
 

@@ -38,6 +38,7 @@ never measures their max-abs, so the scaler would run blind: ``check_adaptive_sc
 refuses that configuration.
 """
 
+import copy
 import math
 from collections import deque
 
@@ -99,7 +100,8 @@ class AdaptiveLossScaler(DynamicLossScaler):
         self._observed = None
 
     def __setstate__(self, state):
-        # ZeRO checkpoints pickle the scaler whole; those of an earlier revision lack the recovery state.
+        # Checkpoints of earlier revisions pickled the scaler whole (now: saved_loss_scaler / state_dict);
+        # the oldest of them lack the recovery state.
         self.__dict__.update({"_recovery_steps": MARGIN_RECOVERY_STEPS, "_lowered": False, **state})
 
     def observe(self, reduced):
@@ -165,6 +167,22 @@ class AdaptiveLossScaler(DynamicLossScaler):
 
     def _first_level_steps(self):
         return max(MARGIN_RECOVERY_STEPS, MARGIN_DECAY_WINDOWS * self.scale_window)
+
+    def state_dict(self):
+        """Every field as plain values (the history as a list): what checkpoints store, so that they
+        hold no class of the fork and unpickle in upstream DeepSpeed (see ``saved_loss_scaler``)."""
+        return {key: list(value) if isinstance(value, deque) else value
+                for key, value in vars(self).items() if key != "_observed"}
+
+    def load_state_dict(self, state):
+        """Restore ``state_dict()``; also takes a whole scaler, as checkpoints of earlier revisions
+        pickled it."""
+        if isinstance(state, AdaptiveLossScaler):
+            state = state.state_dict()
+        values = dict(state)
+        values["history"] = deque(values.get("history", ()), maxlen=HISTORY)
+        values["_observed"] = None
+        self.__setstate__(values)
 
     def state_summary(self):
         return {"cur_scale": self.cur_scale, "history": list(self.history), "cur_iter": self.cur_iter,
@@ -240,7 +258,49 @@ def overflow_and_max_abs(grads):
 
 
 ADAPTIVE_LOSS_SCALER = "adaptive_loss_scaler"
-"""Checkpoint key of the ZeRO-0 fp16 optimizers' adaptive scaler (ZeRO 1-3 store their scaler whole)."""
+"""Checkpoint key of the ZeRO-0 fp16 optimizers' adaptive scaler state (a plain dict), and the
+attribute that carries it on the scaler ZeRO 1-3 store (``saved_loss_scaler``)."""
+
+
+def saved_loss_scaler(scaler):
+    """What a ZeRO 1-3 checkpoint stores as its loss scaler (upstream pickles the object whole).
+
+    The scaler itself, unless it is the adaptive one: then an upstream ``DynamicLossScaler`` with the
+    same scale, iteration and hysteresis, which carries the adaptive state as plain values under
+    ``ADAPTIVE_LOSS_SCALER``. The checkpoint then names no class of the fork: upstream DeepSpeed
+    loads it and goes on with dynamic scaling from the adaptive scale, and the fork turns it back
+    into the adaptive scaler (``loaded_loss_scaler``)."""
+    if not isinstance(scaler, AdaptiveLossScaler):
+        return scaler
+    state = scaler.state_dict()
+    stored = DynamicLossScaler.__new__(DynamicLossScaler)
+    upstream_fields = set(vars(DynamicLossScaler(init_scale=1.0, scale_window=1, min_scale=1.0, delayed_shift=1,
+                                                 consecutive_hysteresis=False)))
+    stored.__dict__.update({key: value for key, value in state.items() if key in upstream_fields})
+    stored.__dict__[ADAPTIVE_LOSS_SCALER] = state
+    return stored
+
+
+def loaded_loss_scaler(loaded, current):
+    """The scaler a ZeRO 1-3 optimizer continues with after loading ``loaded`` from a checkpoint
+    (upstream: ``loaded`` itself); ``current`` is the one its config built.
+
+    With the adaptive scaler configured: a copy of it with the checkpoint's state, from the
+    adaptive state ``saved_loss_scaler`` stored, else (an upstream scaler, a run without the
+    adaptive scaler) from the dynamic scale, iteration and hysteresis alone. Otherwise
+    ``loaded``, as upstream does."""
+    if not isinstance(current, AdaptiveLossScaler) or isinstance(loaded, AdaptiveLossScaler):
+        return loaded
+    if not isinstance(loaded, DynamicLossScaler):  # a static scaler: the config's adaptive one starts afresh
+        return current
+    restored = copy.copy(current)
+    state = vars(loaded).get(ADAPTIVE_LOSS_SCALER)
+    if state is not None:
+        restored.load_state_dict(state)
+    else:
+        restored.__dict__.update({key: vars(loaded)[key] for key in ("cur_scale", "cur_iter", "last_overflow_iter",
+                                                                     "cur_hysteresis") if key in vars(loaded)})
+    return restored
 
 
 def zero0_adaptive_scaler(loss_scale_config, engine):

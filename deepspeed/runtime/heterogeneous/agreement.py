@@ -14,9 +14,20 @@ one that died the store is unreachable, and the message says so.
 
 ``merge_replicas`` (pure) folds the contributions of model-parallel peers into one entry per
 data-parallel rank; the heterogeneous profiler merges its records with it too.
+
+``check_settings_agree`` runs once per ``DeepSpeedConfig`` with the fork enabled, before any
+collective of the fork: every rank must run the same blocks and environment switches, and a
+rank that has the fork off (an environment variable set on one node only) never joins a
+collective of the fork. So the settings go through the rendezvous store, where a missing rank
+ends in an error naming it instead of a hang, and a mismatch in an error naming the setting.
 """
 
+import json
+import time
+from datetime import timedelta
+
 from deepspeed import comm as dist
+from deepspeed.utils import logger
 
 _CHECK_IN_KEY = "deepspeed-hetero/agreement/{rank}"
 
@@ -135,3 +146,136 @@ def merge_replicas(contributions, data_parallel_size, sequences, error=ValueErro
                 entry[key] = max(known) if known else None
         merged.append(entry)
     return merged
+
+
+# -- the ranks' settings agree (at config time) ---------------------------------------------------
+
+_SETTINGS_KEY = "deepspeed-hetero/settings/{round}/{rank}"
+_VERDICT_KEY = "deepspeed-hetero/settings/{round}/verdict"
+SETTINGS_TIMEOUT_S = None
+"""How long rank 0 waits for every rank's settings; None: the process group's timeout (the
+store's), as long as upstream's first collective would wait for a late rank."""
+WAIT_NOTICE_S = 60.0
+"""After this long, say which ranks are awaited (the wait itself goes on)."""
+_FIX = ("every rank must run the same heterogeneous settings: set the environment variables on every node "
+        "(srun and torchrun do not forward them; the deepspeed launcher does) and give every rank the same "
+        "ds_config")
+_rounds = 0  # configs with the fork enabled built by this process: the same count on every rank
+
+
+class SettingsMismatchError(ValueError):
+    """The ranks run different heterogeneous settings, or some run without the fork."""
+
+
+def check_settings_agree(summary):
+    """Raise ``SettingsMismatchError`` on every rank unless every rank's ``summary``
+    (``config.settings_summary``) is the same; called by each rank with the fork enabled.
+
+    Each rank puts its summary in the store; rank 0 waits for all of them (a rank without the fork
+    never writes one: the wait ends after ``SETTINGS_TIMEOUT_S`` with an error naming it), compares
+    and publishes the verdict, which every rank raises alike. Nothing when the world is one process
+    or there is no store (another comm backend).
+    """
+    global _rounds
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    store = _store()
+    if store is None:
+        return
+    _rounds += 1
+    rank, world = dist.get_rank(), dist.get_world_size()
+    keys = [_SETTINGS_KEY.format(round=_rounds, rank=r) for r in range(world)]
+    verdict_key = _VERDICT_KEY.format(round=_rounds)
+    store.set(keys[rank], json.dumps(summary))
+    timeout = _settings_timeout(store)
+    if rank == 0:
+        missing = _wait_for(store, keys, timeout, "every rank's heterogeneous settings")
+        if missing:
+            verdict = missing_ranks_message(missing, world, summary, timeout)
+        else:
+            verdict = settings_mismatch([json.loads(store.get(key)) for key in keys]) or ""
+        store.set(verdict_key, verdict)
+    else:
+        # Rank 0 publishes a verdict, possibly after waiting out its own timeout for a late rank.
+        if _wait_for(store, [verdict_key], timeout + max(30.0, 0.1 * timeout), "rank 0's verdict on the settings"):
+            verdict = (f"deepspeed-hetero: global rank 0 did not check the ranks' heterogeneous settings within "
+                       f"{timeout:.0f} s: it runs without the fork (no heterogeneous_config block and "
+                       f"DS_HETEROGENEOUS_ENV unset there?) or is stuck; here {_env_text(summary)}; {_FIX}")
+        else:
+            verdict = store.get(verdict_key).decode()
+    if verdict:
+        raise SettingsMismatchError(verdict)
+
+
+def _settings_timeout(store):
+    if SETTINGS_TIMEOUT_S is not None:
+        return float(SETTINGS_TIMEOUT_S)
+    try:
+        return store.timeout.total_seconds()
+    except Exception:
+        return 1800.0  # torch's default process-group timeout
+
+
+def _wait_for(store, keys, timeout, what):
+    """Wait until every key is set; returns the keys still missing after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    noticed = False
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            store.wait(keys, timedelta(seconds=max(0.001, min(remaining, WAIT_NOTICE_S))))
+            return []
+        except Exception:  # a timeout (DistStoreError); which keys are missing is read below
+            missing = [key for key in keys if not store.check([key])]
+            if not missing:
+                return []
+            if time.monotonic() >= deadline:
+                return missing
+            if not noticed:
+                noticed = True
+                ranks = [key.rsplit("/", 1)[1] for key in missing]
+                logger.warning(f"deepspeed-hetero: still waiting for {what} ({', '.join(ranks)}) after "
+                               f"{WAIT_NOTICE_S:.0f} s; a rank that runs without the fork never reports, and the "
+                               f"wait ends with an error after {timeout:.0f} s")
+
+
+def _rank_list(ranks):
+    ranks = sorted(ranks)
+    shown = ranks if len(ranks) <= 8 else ranks[:6] + ["..."] + ranks[-1:]
+    return "[" + ", ".join(str(r) for r in shown) + "]" + (f" ({len(ranks)} ranks)" if len(ranks) > 8 else "")
+
+
+def _env_text(summary):
+    return ", ".join(f"{name} is {_env_value(value)}" for name, value in summary["env"].items())
+
+
+def _env_value(value):
+    return "unset" if value is None else repr(value)
+
+
+def missing_ranks_message(missing_keys, world_size, summary, timeout):
+    """The error when ranks never reported their settings (they run without the fork)."""
+    missing = [int(key.rsplit("/", 1)[1]) for key in missing_keys]
+    present = [rank for rank in range(world_size) if rank not in missing]
+    return (f"deepspeed-hetero: global ranks {_rank_list(missing)} did not report their heterogeneous settings "
+            f"within {timeout:.0f} s while ranks {_rank_list(present)} run with heterogeneous_config enabled "
+            f"(on rank 0 {_env_text(summary)}): the missing ranks run without the fork (no heterogeneous_config "
+            f"block, DS_HETEROGENEOUS_ENV unset there) or are stuck; {_FIX}")
+
+
+def settings_mismatch(summaries):
+    """The message naming every environment switch and setting that differs between ranks
+    (``summaries`` in global rank order), or None when all agree. Pure."""
+    differences = []
+    for part, show in (("env", _env_value), ("settings", lambda value: json.dumps(value))):
+        names = list(dict.fromkeys(name for summary in summaries for name in summary[part]))
+        for name in names:
+            groups = {}
+            for rank, summary in enumerate(summaries):
+                groups.setdefault(show(summary[part].get(name)), []).append(rank)
+            if len(groups) > 1:
+                parts = [f"{value} on ranks {_rank_list(ranks)}" for value, ranks in groups.items()]
+                differences.append(f"{name} is " + ", ".join(parts[:-1]) + f" and {parts[-1]}")
+    if not differences:
+        return None
+    return "deepspeed-hetero: the ranks run different heterogeneous settings: " + "; ".join(differences) + f"; {_FIX}"

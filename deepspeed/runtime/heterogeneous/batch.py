@@ -15,17 +15,47 @@ from dataclasses import replace
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
+from .agreement import Agreement
 from .devices import DeviceDescription, describe_local_device, emulated_memory_bytes, local_device_index
-from .planner import plan_micro_batches, time_models_from_scores
+from .memory import config_model_state_bytes, startup_memory_limits
+from .planner import Plan, plan_micro_batches, time_models_from_scores
 
 
-def data_parallel_rank(mpu=None, mesh_device=None):
-    """This process's data-parallel rank (its global rank without model parallelism)."""
+def data_parallel_rank(mpu=None, mesh_device=None, world_size=None, sequence_parallel_size=None):
+    """This process's data-parallel rank: which of the ``world_size`` replicas that
+    ``DeepSpeedConfig`` counts it belongs to. Derived here once (``state.dp_rank``); the plan, the
+    loss weight and the training loader all use it.
+
+    It follows the grouping the engine reduces gradients over
+    (``groups._get_sequence_data_parallel_group``, divided by the replica count): an mpu's own
+    data-parallel rank; with a sequence-parallel mpu (Ulysses, which has no data-parallel calls) the
+    sequence-parallel groups are consecutive ranks of the sequence-data-parallel group, so the
+    replica is that rank divided by the sequence-parallel size (its members split the same samples'
+    sequences, as model-parallel members split the model); with a device mesh, the rank in its
+    "data_parallel" dimension; otherwise the global rank.
+
+    Args:
+        world_size: the data-parallel world size the config counts; checked against, when given.
+        sequence_parallel_size: the config's top-level ``sequence_parallel_size`` (used only to
+            refuse it without an mpu or a mesh, which leaves the replicas unknown).
+    """
     if mpu is not None and hasattr(mpu, "get_data_parallel_rank"):
-        return mpu.get_data_parallel_rank()
-    if mesh_device is not None:
-        return dist.get_rank(group=mesh_device.get_group(mesh_dim="data_parallel"))
-    return dist.get_rank() if dist.is_initialized() else 0
+        rank = mpu.get_data_parallel_rank()
+    elif mpu is not None and hasattr(mpu, "get_sequence_parallel_world_size"):
+        rank = mpu.get_sequence_data_parallel_rank() // mpu.get_sequence_parallel_world_size()
+    elif mesh_device is not None:
+        rank = dist.get_rank(group=mesh_device.get_group(mesh_dim="data_parallel"))
+    elif sequence_parallel_size not in (None, 1):
+        raise ValueError(f"heterogeneous_config with sequence_parallel_size {sequence_parallel_size} needs the "
+                         "sequence-parallel groups: pass the mpu (deepspeed.initialize(mpu=...)) or give "
+                         "data_parallel_size too (a device mesh), so that each rank's replica is known")
+    else:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = int(rank)
+    if world_size is not None and not 0 <= rank < int(world_size):
+        raise ValueError(f"deepspeed-hetero: data-parallel rank {rank} is out of range for the data-parallel world "
+                         f"size {world_size} the config counts; the mpu / mesh and the config disagree")
+    return rank
 
 
 def gather_devices(dp_rank, world_size, memory_bytes=None):
@@ -70,19 +100,20 @@ def gather_local_devices(settings, dp_rank, world_size):
 
 def memory_capacities(state):
     """Per data-parallel rank, the device memory plans must fit in (bytes), or None where no limit
-    is known: the CPU accelerator reports host RAM, which its ranks share, so on CPU a limit comes
+    is known: the CPU accelerator reports host RAM, which its ranks share, so there a limit comes
     only from an emulated capacity."""
     devices = state.devices
     if not devices:
         return None
     if _emulated_memory(state.settings) is not None:
         return [d.memory_bytes for d in devices]
-    capacities = [None if d.accelerator == "cpu" else d.memory_bytes for d in devices]
+    capacities = [None if d.shared_host_memory else d.memory_bytes for d in devices]
     return capacities if any(c is not None for c in capacities) else None
 
 
-def initial_plan(settings, train_batch_size, gas, world_size, zero_stage, devices=None):
-    """The plan in force until measurements replace the priors (pure: no collectives)."""
+def initial_plan(settings, train_batch_size, gas, world_size, zero_stage, devices=None, max_micro_batch=None):
+    """The plan in force until measurements replace the priors (pure: no collectives);
+    ``max_micro_batch``: per-rank memory limits (``startup_memory_limits``), or None."""
     config = settings.config
     names = [d.name for d in devices] if devices else None
     scores = [1.0] * world_size
@@ -95,7 +126,7 @@ def initial_plan(settings, train_batch_size, gas, world_size, zero_stage, device
     return plan_micro_batches(time_models_from_scores(scores), train_batch_size=train_batch_size,
                               gradient_accumulation_steps=gas, strategy=config.load_balancing_strategy,
                               manual=config.micro_batch_sizes, device_names=names,
-                              allow_per_rank_gas=zero_stage <= 1)
+                              max_micro_batch=max_micro_batch, allow_per_rank_gas=zero_stage <= 1)
 
 
 def configure_heterogeneous_batch(ds_config, state):
@@ -133,3 +164,49 @@ def apply_plan(ds_config, plan):
     ds_config.train_batch_size = plan.train_batch_size
     ds_config.train_micro_batch_size_per_gpu = plan.micro_batch_sizes[state.dp_rank]
     ds_config.gradient_accumulation_steps = plan.gradient_accumulation_steps[state.dp_rank]
+
+
+def cap_startup_plan(ds_config, model, optimizer=None):
+    """Keep the start-up plan within every rank's memory before anything was measured; returns the
+    plan in force. Runs as the engine starts (``HeterogeneousState.engine_starting``), when the
+    model is known and nothing has read the batch fields yet.
+
+    Datasheet priors can give a fast device many times a slow one's share (an H100 next to a
+    V100: 8:1), more than its memory may hold, and the first step would run out of memory before
+    the profiling steps measured anything. The limits are those of the measured plans
+    (``memory.max_micro_batch``: capacity, this rank's model-state bytes under its ZeRO stage,
+    ``hbm_utilization_threshold``) with an activation estimate in place of the measurement
+    (``memory.startup_memory_limits``). Every rank reaches the same decision: the model-state
+    bytes are gathered (one collective, only when a rank's prior share exceeds an equal one and
+    capacities are known, which every rank knows alike).
+    """
+    state = ds_config.heterogeneous
+    plan = state.plan
+    if plan is None or model is None or state.settings.config.load_balancing_strategy != "compute_aware":
+        return plan
+    capacities = memory_capacities(state)
+    per_micro_step = plan.train_batch_size // state.base_gas
+    equal_share = -(-per_micro_step // plan.world_size)
+    if capacities is None or max(plan.micro_batch_sizes) <= equal_share:
+        return plan  # no limit known, or an equal share everywhere: what upstream itself would run
+    mine = config_model_state_bytes(ds_config, model, optimizer)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = Agreement(f"data-parallel rank {state.dp_rank}").gather_from_every_rank(
+            {"dp_rank": state.dp_rank, "state_bytes": mine}, "the model-state bytes at start-up")
+        # Model-parallel members of a replica hold different shards: the largest one counts.
+        state_bytes = [max(g["state_bytes"] for g in gathered if g["dp_rank"] == rank)
+                       for rank in range(plan.world_size)]
+    else:
+        state_bytes = [mine] * plan.world_size
+    names = state.device_names or [f"rank {rank}" for rank in range(plan.world_size)]
+    limits = startup_memory_limits(capacities, state_bytes, state.settings.memory.hbm_utilization_threshold,
+                                   per_micro_step, [f"data-parallel rank {r} ({names[r]})" for r in range(len(names))])
+    if all(limit is None or size <= limit for size, limit in zip(plan.micro_batch_sizes, limits)):
+        return plan
+    capped = initial_plan(state.settings, plan.train_batch_size, state.base_gas, plan.world_size,
+                          int(ds_config.zero_optimization_stage or 0), state.devices, max_micro_batch=limits)
+    shown = ["-" if limit is None else limit for limit in limits]
+    capped = Plan(**{**capped.to_dict(), "notes": list(capped.notes) + [
+        f"start-up memory limits (samples per micro-step, per rank, before any activation was measured): {shown}"]})
+    apply_plan(ds_config, capped)
+    return capped

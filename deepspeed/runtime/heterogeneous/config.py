@@ -32,6 +32,9 @@ LR_SCHEDULER = "scheduler"
 
 ENV_ENABLE = "DS_HETEROGENEOUS_ENV"
 ENV_ADAPTIVE_SCHEDULING = "DS_ADAPTIVE_SCHEDULING"
+ENV_SWITCHES = (ENV_ENABLE, ENV_ADAPTIVE_SCHEDULING)
+"""Every environment variable ``load_heterogeneous_settings`` reads: each rank reads its own, so
+they must be set alike on every node (``agreement.check_settings_agree``)."""
 
 STRATEGIES = ("uniform", "compute_aware", "manual")
 Strategy = Literal["uniform", "compute_aware", "manual"]
@@ -111,6 +114,9 @@ class HeterogeneousConfig(DeepSpeedConfigModel):
     """Steps timed at start-up to replace the spec-sheet prior with measured speeds."""
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     emulation: Optional[EmulationConfig] = None
+    check_fed_batch: bool = True
+    """Stop when a rank is fed a micro-batch whose size (dim 0 of the first tensor passed to forward)
+    is not its planned one; turn off only for inputs that are not batch-first."""
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -200,6 +206,27 @@ class HeterogeneousSettings:
     @property
     def enabled(self):
         return self.config.enabled
+
+
+def settings_summary(settings, environ=None):
+    """What every rank must agree on, as plain data: ``{"settings": {key path: value}, "env":
+    {variable: raw value or None}}``, the parsed blocks flattened to the key paths a user writes
+    (``heterogeneous_config.scheduler.dynamic_rebalancing``) and the raw environment switches
+    (``ENV_SWITCHES``) that shaped them."""
+    environ = os.environ if environ is None else environ
+    flat = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for key in sorted(value):
+                walk(f"{prefix}.{key}", value[key])
+        else:
+            flat[prefix] = value
+
+    for block, model in ((HETEROGENEOUS_CONFIG, settings.config), (HETEROGENEOUS_MEMORY, settings.memory),
+                         (f"{ZERO_OPTIMIZATION}.{HETEROGENEOUS_OFFLOAD}", settings.offload)):
+        walk(block, model.model_dump(mode="json"))
+    return {"settings": flat, "env": {name: environ.get(name) for name in ENV_SWITCHES}}
 
 
 def _allowed_keys(model, loc):

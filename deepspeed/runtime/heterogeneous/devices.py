@@ -12,12 +12,13 @@ device with ``describe_local_device`` at ``local_device_index`` / ``local_device
 use of it.
 """
 
+import contextlib
 import math
 import os
 import platform
 import re
 import socket
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Tuple
 
 import torch
@@ -190,6 +191,9 @@ class DeviceDescription:
     """Prior speed in TFLOP/s, from the datasheet table or a short benchmark (see score_source)."""
     score_source: str
     """'spec' or 'measured'."""
+    shared_host_memory: bool = False
+    """memory_bytes is the host's RAM, which every rank on the host shares (DeepSpeed's CPU
+    accelerator reports it as each device's memory): not a limit of this rank's own."""
 
     def to_dict(self):
         return asdict(self)
@@ -197,7 +201,8 @@ class DeviceDescription:
     @classmethod
     def from_dict(cls, values):
         expected = {f.name for f in fields(cls)}
-        missing, unknown = expected - set(values), set(values) - expected
+        required = {f.name for f in fields(cls) if f.default is MISSING}
+        missing, unknown = required - set(values), set(values) - expected
         if missing or unknown:
             raise ValueError(f"DeviceDescription.from_dict: missing keys {sorted(missing)}, unknown keys "
                              f"{sorted(unknown)}")
@@ -231,8 +236,29 @@ def _device_model_name(local_rank):
     return torch.get_device_module(kind).get_device_name(local_rank)
 
 
+def _current_device(local_rank):
+    """A context in which device ``local_rank`` is the current one (the torch device module's own
+    ``device`` context, e.g. ``torch.cuda.device``); a no-op where there is none (the CPU)."""
+    kind = get_accelerator().device_name()
+    module = getattr(torch, kind, None) if kind != "cpu" else None
+    context = getattr(module, "device", None)
+    available = getattr(module, "is_available", lambda: False)
+    return context(local_rank) if callable(context) and available() else contextlib.nullcontext()
+
+
+def _host_memory_bytes():
+    try:
+        import psutil
+        return psutil.virtual_memory().total
+    except ImportError:
+        return None
+
+
 def describe_local_device(local_rank=0, memory_bytes=None, rank=None, measure=True):
     """Describe this process's device, with a prior speed score.
+
+    Name, capacity and score are those of device ``local_rank`` (on a host with several devices,
+    each rank describes its own: see ``local_device_index``).
 
     Args:
         local_rank: index of the device on this host (default 0).
@@ -246,9 +272,12 @@ def describe_local_device(local_rank=0, memory_bytes=None, rank=None, measure=Tr
     accelerator = get_accelerator()
     name = _device_model_name(local_rank)
     real_memory = accelerator.total_memory(local_rank)
-    bf16 = bool(accelerator.is_bf16_supported())
-    # The CPU accelerator's check returns None instead of False when mkldnn lacks fp16.
-    fp16 = bool(accelerator.is_fp16_supported())
+    with _current_device(local_rank):
+        # The accelerator answers these for its current device, which is not yet set when the
+        # config is parsed (the engine sets it later).
+        bf16 = bool(accelerator.is_bf16_supported())
+        # The CPU accelerator's check returns None instead of False when mkldnn lacks fp16.
+        fp16 = bool(accelerator.is_fp16_supported())
     spec = find_spec(name, real_memory)
     if spec is not None:
         score, source = spec_score(spec), "spec"
@@ -265,7 +294,9 @@ def describe_local_device(local_rank=0, memory_bytes=None, rank=None, measure=Tr
                              fp16=fp16,
                              accelerator=accelerator.device_name(),
                              spec_score=float(score),
-                             score_source=source)
+                             score_source=source,
+                             shared_host_memory=bool(accelerator.device_name() == "cpu"
+                                                     and real_memory == _host_memory_bytes()))
 
 
 def local_device_count():
@@ -277,13 +308,18 @@ def local_device_count():
 
 def local_device_index():
     """This process's device on its host: $LOCAL_RANK, as the engine picks its device, when that
-    index exists here (a launcher that isolates devices leaves one visible), else the current one."""
+    index exists here (a launcher that isolates devices leaves one visible), else the current one
+    (device 0 on the CPU accelerator, whose "current device" is $LOCAL_RANK whatever the count).
+
+    On a host with several accelerators rank k is thus described by device k's name and memory,
+    not by device 0's (the accelerator's index-less calls answer for the current device, which is
+    not yet set when the config is parsed)."""
     accelerator = get_accelerator()
-    if accelerator.device_name() == "cpu":
-        return 0
     local_rank = os.environ.get("LOCAL_RANK")
     if local_rank is not None and 0 <= int(local_rank) < accelerator.device_count():
         return int(local_rank)
+    if accelerator.device_name() == "cpu":
+        return 0
     return int(accelerator.current_device())
 
 

@@ -7,6 +7,8 @@ planner (``planner.py``) and the fork's state (``state.py``, ``engine._config.he
 
 import weakref
 
+import torch
+
 from .devices import DeviceDescription, normalize_scores
 from .planner import device_score, distribute_workload, schedule_heterogeneous_tasks
 
@@ -91,10 +93,13 @@ class HeterogeneousEngineMixin:
             state.runtime = HeterogeneousRuntime(self)
         return state.runtime
 
-    def _heterogeneous_micro_step_begin(self):
+    def _heterogeneous_micro_step_begin(self, inputs=(), kwargs=None):
+        """A training forward begins (one with autograd on: evaluation forwards are neither timed
+        nor checked); ``inputs``/``kwargs`` are forward's arguments, whose batch size is checked
+        against the plan."""
         runtime = self._heterogeneous_runtime()
-        if runtime is not None:
-            runtime.micro_step_begin()
+        if runtime is not None and torch.is_grad_enabled():
+            runtime.micro_step_begin(inputs, kwargs)
 
     def _heterogeneous_backward_begin(self):
         runtime = self._heterogeneous_runtime()
@@ -117,18 +122,78 @@ class HeterogeneousEngineMixin:
         runtime = self._config.heterogeneous.runtime
         return 0 if runtime is None else runtime.gas_origin
 
-    def _heterogeneous_train_loader(self, dataset, data_parallel_rank, collate_fn):
+    def _heterogeneous_train_loader(self, dataset, data_parallel_rank, collate_fn, pin_memory=False,
+                                    num_workers=None):
         """The loader ``deepspeed.initialize(training_data=...)`` returns in heterogeneous mode: rank r
-        gets its mbs_r of every sum(mbs) samples, and a new plan applies from the next step."""
+        gets its mbs_r of every sum(mbs) samples, and a new plan applies from the next step.
+
+        ``num_workers`` (deepspeed_io's ``num_local_io_workers``; None: load in the main process)
+        and ``pin_memory`` pass through; workers load one optimizer step's micro-batches at a time
+        (see ``loader.py``)."""
+        from deepspeed.accelerator import get_accelerator
         from .loader import HeterogeneousDataLoader
+        if self.curriculum_learning_enabled():
+            raise ValueError("heterogeneous_config.enabled does not support data_efficiency curriculum learning: "
+                             "its sampler sets every rank's batch size itself, the plan sets per-rank ones. "
+                             "Disable one of them")
+        batch_sampler = self.heterogeneous_sampler(dataset, shuffle=True, drop_last=self.dataloader_drop_last())
+        self._heterogeneous_runtime().engine_loader = True
+        return HeterogeneousDataLoader(dataset, batch_sampler, collate_fn=collate_fn, tput_timer=self.tput_timer,
+                                       num_workers=num_workers or 0,
+                                       pin_memory=pin_memory and get_accelerator().device_name() != "cpu",
+                                       micro_batches_per_step=self.gradient_accumulation_steps)
+
+    # -- users' own loaders -------------------------------------------------------------------
+
+    def heterogeneous_sampler(self, dataset, shuffle=True, seed=0, drop_last=False):
+        """A batch sampler that feeds this rank its planned micro-batches of ``dataset`` and follows
+        every plan change (it is registered with the engine).
+
+        Use it as ``DataLoader(dataset, batch_sampler=engine.heterogeneous_sampler(dataset))`` (no
+        ``batch_size``/``shuffle``/``drop_last`` on the DataLoader). Rank r takes its mbs_r of
+        every sum(mbs) samples of an epoch's permutation (seeded with ``seed + epoch``; call
+        ``set_epoch`` each epoch). A plan change applies from the first round the loader has not
+        fetched yet, so give the DataLoader ``num_workers=0`` (workers fetch ahead and would feed
+        the old sizes after a change, which the engine's batch check refuses).
+        """
         from .sampler import HeterogeneousBatchSampler
-        plan = self.heterogeneous_plan
-        batch_sampler = HeterogeneousBatchSampler(dataset, list(plan.micro_batch_sizes), rank=data_parallel_rank,
-                                                  drop_last=self.dataloader_drop_last(),
-                                                  gradient_accumulation_steps=list(plan.gradient_accumulation_steps)
-                                                  if plan.per_rank_gas else None)
-        self._heterogeneous_runtime().loaders.append(batch_sampler)
-        return HeterogeneousDataLoader(dataset, batch_sampler, collate_fn=collate_fn, tput_timer=self.tput_timer)
+        plan = self._require_plan("heterogeneous_sampler")
+        sampler = HeterogeneousBatchSampler(dataset, list(plan.micro_batch_sizes), rank=self.heterogeneous_state.dp_rank,
+                                            shuffle=shuffle, seed=seed, drop_last=drop_last,
+                                            gradient_accumulation_steps=list(plan.gradient_accumulation_steps)
+                                            if plan.per_rank_gas else None)
+        return self.register_heterogeneous_sampler(sampler)
+
+    def register_heterogeneous_sampler(self, sampler):
+        """Make ``sampler`` (a ``HeterogeneousBatchSampler`` of this rank, e.g. built before the
+        engine existed) follow the plan in force from its next round and every later change.
+        Returns ``sampler``."""
+        from .sampler import HeterogeneousBatchSampler
+        plan = self._require_plan("register_heterogeneous_sampler")
+        if not isinstance(sampler, HeterogeneousBatchSampler):
+            raise TypeError(f"register_heterogeneous_sampler() takes a HeterogeneousBatchSampler, got "
+                            f"{type(sampler).__name__}: a plan change must reach a running loader, which only a batch "
+                            f"sampler allows (a DataLoader's batch_size is fixed); use "
+                            f"DataLoader(dataset, batch_sampler=engine.heterogeneous_sampler(dataset))")
+        rank = self.heterogeneous_state.dp_rank
+        if sampler.num_replicas != plan.world_size or sampler.rank != rank:
+            raise ValueError(f"register_heterogeneous_sampler(): the sampler is for rank {sampler.rank} of "
+                             f"{sampler.num_replicas} data-parallel ranks, this engine is rank {rank} of "
+                             f"{plan.world_size}")
+        gas = list(plan.gradient_accumulation_steps) if plan.per_rank_gas else None
+        if (tuple(sampler.micro_batch_sizes), tuple(sampler.gradient_accumulation_steps)) != (
+                tuple(plan.micro_batch_sizes), tuple(gas or [1] * plan.world_size)):
+            sampler.set_micro_batch_sizes(list(plan.micro_batch_sizes), gradient_accumulation_steps=gas)
+        samplers = self._heterogeneous_runtime().samplers
+        if not any(s is sampler for s in samplers):
+            samplers.append(sampler)
+        return sampler
+
+    def _require_plan(self, method):
+        if self.heterogeneous_plan is None:
+            raise RuntimeError(f"{method}() needs heterogeneous_config.enabled: true (without it every rank takes "
+                               f"train_micro_batch_size_per_gpu samples; use torch's DistributedSampler)")
+        return self.heterogeneous_plan
 
     def _plan_gas(self):
         return self._config.heterogeneous.base_gas or self.gradient_accumulation_steps()

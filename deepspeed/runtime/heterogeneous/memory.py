@@ -71,19 +71,39 @@ def model_state_bytes(num_parameters,
     return int(math.ceil(params + grads + optimizer))
 
 
-def engine_model_state_inputs(engine):
-    """What ``model_state_bytes`` needs to know of ``engine`` besides the ZeRO stage and the
-    data-parallel size (the autotuner re-evaluates other stages and sizes from these)."""
-    params = [p for p in engine.module.parameters() if p.requires_grad]
-    half = engine.fp16_enabled() or engine.bfloat16_enabled()
-    optimizer = engine.basic_optimizer if engine.basic_optimizer is not None else engine.optimizer
+def _model_state_inputs(parameters, half, optimizer, optimizer_offloaded):
+    params = [p for p in parameters if p.requires_grad]
     return {
+        # A ZeRO-3 partitioned parameter's numel() is its local shard; ds_numel is the whole.
         "num_parameters": sum(getattr(p, "ds_numel", p.numel()) for p in params),
         "param_bytes": 2 if half else 4,
         "optimizer_bytes": optimizer_state_bytes(optimizer),
         "master_bytes": 4 if half else 0,
-        "optimizer_offloaded": bool(engine.zero_use_cpu_optimizer()),
+        "optimizer_offloaded": bool(optimizer_offloaded),
     }
+
+
+def engine_model_state_inputs(engine):
+    """What ``model_state_bytes`` needs to know of ``engine`` besides the ZeRO stage and the
+    data-parallel size (the autotuner re-evaluates other stages and sizes from these)."""
+    optimizer = engine.basic_optimizer if engine.basic_optimizer is not None else engine.optimizer
+    return _model_state_inputs(engine.module.parameters(), engine.fp16_enabled() or engine.bfloat16_enabled(),
+                               optimizer, engine.zero_use_cpu_optimizer())
+
+
+def config_model_state_bytes(ds_config, model, optimizer=None):
+    """This rank's predicted model-state bytes before the engine exists: what
+    ``engine_model_state_bytes`` will count, from the ``DeepSpeedConfig``, the model and the
+    client's optimizer (an instance; a factory or none: the config's optimizer type, else the
+    Adam-like default)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = getattr(ds_config, "optimizer_name", None) or "unknown"
+    offload = ds_config.zero_config.offload_optimizer
+    offloaded = offload is not None and str(getattr(offload.device, "value", offload.device)) in ("cpu", "nvme")
+    half = ds_config.float16_config.enabled or ds_config.bfloat16_config.enabled
+    inputs = _model_state_inputs(model.parameters(), half, optimizer, offloaded)
+    return model_state_bytes(zero_stage=int(ds_config.zero_optimization_stage or 0),
+                             data_parallel_size=int(ds_config.world_size), **inputs)
 
 
 def engine_model_state_bytes(engine, data_parallel_size):
@@ -148,6 +168,40 @@ def max_micro_batch(capacity_bytes, state_bytes, activations, utilization=1.0, r
             f"{utilization:.0%} of its {_gib(capacity_bytes)} (heterogeneous_memory.hbm_utilization_threshold); "
             f"offload optimizer states, use a higher ZeRO stage, or give the rank more memory")
     return samples
+
+
+def startup_memory_limits(capacities, state_bytes, utilization, samples_per_micro_step, rank_labels=None):
+    """Per-rank micro-batch limits before any activation was measured (None entries: no limit
+    known), from the same rule as the measured ones (``max_micro_batch``).
+
+    The activation bytes of a sample are not known until the profiling steps count them. The
+    estimate is the largest per-sample size at which an equal split of the micro-step (rounded up)
+    still fits the rank with the least room (capacity * utilization - model state): a batch the
+    user could have run with upstream's equal split. A rank with k times that room may then take
+    k equal shares, however much faster its datasheet says it is; profiling replaces the estimate
+    with measured bytes.
+
+    Raises RankCannotFitError naming a rank whose model state alone exceeds its budget.
+    """
+    world = len(capacities)
+    labels = rank_labels or [f"data-parallel rank {rank}" for rank in range(world)]
+    equal_share = -(-int(samples_per_micro_step) // world)
+    rooms = {}
+    for rank, (capacity, state) in enumerate(zip(capacities, state_bytes)):
+        if capacity is None:
+            continue
+        rooms[rank] = capacity * utilization - state
+        if rooms[rank] <= 0:
+            raise RankCannotFitError(
+                f"{labels[rank]} cannot hold its model state {_gib(state)} within {utilization:.0%} of its "
+                f"{_gib(capacity)} (heterogeneous_memory.hbm_utilization_threshold); offload optimizer states, use "
+                f"a higher ZeRO stage, or give the rank more memory")
+    if not rooms:
+        return [None] * world
+    # A hair under the exact quotient, so that float rounding cannot cost a rank its k-th share.
+    estimate = ActivationModel(0.0, min(rooms.values()) / equal_share * (1 - 1e-9))
+    return [None if capacities[rank] is None else max_micro_batch(capacities[rank], state_bytes[rank], estimate,
+                                                                  utilization, labels[rank]) for rank in range(world)]
 
 
 def _gib(size):

@@ -3,11 +3,30 @@
 
 A profiling step's measurements, pooled over the ranks (``agreement.merge_replicas``), are one
 entry per data-parallel rank: ``{"samples": [(mbs, seconds, activation bytes or None), ...],
-"step_overhead": seconds, "state_bytes": bytes}``. ``history`` is the list of those steps.
+"step_overhead": seconds, "state_bytes": bytes, "wall": seconds}``. ``history`` is the list of
+those steps.
+
+A plan must be one a user can trust (issue 12): never a split of noise, never absurd, and checked
+after the switch (``rebalance.Rebalancer.judge_switch``). ``trusted_plan`` keeps the start-up
+plan unless two ranks' speeds differ beyond the noise of their own measurements, and caps what a
+fitted fixed cost may move; the last profiling step runs the start-up plan again, the reference
+the switch is judged against.
 """
+
+import math
+from dataclasses import dataclass
+from typing import Optional
 
 from .memory import fit_activation_model, max_micro_batch
 from .planner import Plan, TimeModel, fit_time_model, plan_micro_batches, plausible_time_model
+from .time_model import relative_standard_error
+
+NOISE_STANDARD_ERRORS = 2.0
+"""How many standard errors two ranks' measured speeds must differ by before work moves (about 95%)."""
+
+SHARE_LIMIT = 1.5
+"""A measured plan may give a rank at most this many times the samples that the measured speed
+ratio alone (time per sample, no fixed cost) gives it, plus one sample per micro-step."""
 
 
 def fit_steps(history):
@@ -28,7 +47,10 @@ def measured_time_models(history, gradient_accumulation_steps):
     models, fits = [], []
     for rank in range(len(steps[0])):
         samples = [sample[:2] for step in steps for sample in step[rank]["samples"]]
-        fit = fit_time_model(samples)  # raises a clear ValueError without samples
+        if not samples:
+            raise ValueError(f"fit_time_model: no samples for data-parallel rank {rank}: it recorded no "
+                             f"micro-steps in the profiling steps; {_NO_MICRO_STEPS_HINT}")
+        fit = fit_time_model(samples)
         fit = plausible_time_model(fit, sum(m for m, _ in samples) / len(samples))
         fits.append(fit)
         # The optimizer step runs once per step on every rank, at the rank's own speed: a slow
@@ -37,6 +59,174 @@ def measured_time_models(history, gradient_accumulation_steps):
         overhead = sum(step[rank]["step_overhead"] for step in steps) / len(steps)
         models.append(TimeModel(fit.a + overhead / gradient_accumulation_steps, fit.b))
     return models, fits
+
+
+def _rank_points(steps, rank, optimizer_share=True):
+    """Rank ``rank``'s micro-steps as (mbs, seconds), by default with the step's optimizer share: the
+    footing of the planner's models, whose fixed cost includes the optimizer step spread over the
+    micro-steps."""
+    points = []
+    for step in steps:
+        samples = step[rank]["samples"]
+        share = step[rank]["step_overhead"] / len(samples) if samples and optimizer_share else 0.0
+        points += [(sample[0], sample[1] + share) for sample in samples]
+    return points
+
+
+def rank_errors(history, models, fits):
+    """Per rank, the relative standard error of its measured level (``relative_standard_error``).
+
+    The residuals are taken against the planner's model (the fit plus the optimizer share). When a
+    line through two sizes leaves no degree of freedom (the default 3 profiling steps with gas 1),
+    the residuals are those of the optimizer share plus a time proportional to the samples: that
+    counts any fixed cost of the forward+backward as noise, so it errs on the side of keeping the
+    plan. ``math.inf`` where a rank has a single micro-step: its noise is unknown.
+    """
+    steps = fit_steps(history)
+    errors = []
+    for rank, (model, fit) in enumerate(zip(models, fits)):
+        points = _rank_points(steps, rank)
+        error = relative_standard_error(model, points, 2 if fit.a > 0 else 1)
+        if math.isinf(error) and len(points) >= 2:
+            compute = _rank_points(steps, rank, optimizer_share=False)
+            share = math.fsum(t for _, t in points) / len(points) - math.fsum(t for _, t in compute) / len(compute)
+            per_sample = math.fsum(t for _, t in compute) / math.fsum(m for m, _ in compute)
+            error = relative_standard_error(TimeModel(max(share, 0.0), per_sample), points, 1)
+        errors.append(error)
+    return errors
+
+
+def measured_rates(history):
+    """Per rank, the measured forward+backward seconds per sample over the fitted steps: the speed
+    ratio the measurements support without any split into fixed and per-sample cost.
+
+    The optimizer step is left out: it does not grow with the samples, and it is where a rank can
+    measure time that is not its own compute (waiting for a slower peer in a step that is not timed
+    as a collective), which would otherwise pass for a fixed cost and push work onto that peer."""
+    steps = fit_steps(history)
+    rates = []
+    for rank in range(len(steps[0])):
+        points = _rank_points(steps, rank, optimizer_share=False)
+        if not points:
+            raise ValueError(f"data-parallel rank {rank} recorded no micro-steps in the profiling steps; "
+                             f"{_NO_MICRO_STEPS_HINT}")
+        rates.append(math.fsum(t for _, t in points) / math.fsum(m for m, _ in points))
+    return rates
+
+
+_NO_MICRO_STEPS_HINT = ("its forward must go through the engine (engine(inputs), not engine.module(inputs)) so "
+                        "that its micro-steps are timed")
+
+
+def significant_difference(models, errors, plan, standard_errors=NOISE_STANDARD_ERRORS, times=None):
+    """The clearest difference between two ranks' predicted times under ``plan`` beyond the noise.
+
+    Under the plan in force the ranks' times are equal if that plan is right (uniform: equal
+    speeds; a datasheet plan: the datasheet's ratio). Ranks i and j differ when
+    ``log(T_i / T_j) > standard_errors * hypot(e_i, e_j)``. Returns ``(slower, faster, ratio)``
+    for the pair furthest beyond its bound, or None when every difference is within the noise
+    (then moving work would follow noise, not speed). ``times``: per-rank step times measured
+    under ``plan`` to use instead of the models' predictions.
+    """
+    if times is None:
+        times = [g * model.micro_step_time(m)
+                 for model, m, g in zip(models, plan.micro_batch_sizes, plan.gradient_accumulation_steps)]
+    found, margin = None, 0.0
+    for i, (time_i, error_i) in enumerate(zip(times, errors)):
+        for j, (time_j, error_j) in enumerate(zip(times, errors)):
+            if time_i <= time_j or math.isinf(error_i) or math.isinf(error_j):
+                continue
+            excess = math.log(time_i / time_j) - standard_errors * math.hypot(error_i, error_j)
+            if excess > margin:
+                found, margin = (i, j, time_i / time_j), excess
+    return found
+
+
+def beyond_measured_ratio(plan, reference, limit=SHARE_LIMIT):
+    """Ranks that ``plan`` gives more than ``limit`` times their samples in ``reference`` (the plan
+    of the measured speed ratio, within the same memory limits), plus one sample per micro-step."""
+    return [rank for rank, (n, r, g) in enumerate(zip(plan.samples_per_rank, reference.samples_per_rank,
+                                                       plan.gradient_accumulation_steps))
+            if n > limit * r + g]
+
+
+@dataclass(frozen=True)
+class ProfilingDecision:
+    """The plan after a profiling step, the models that chose it, and what the log should say."""
+
+    plan: Plan
+    models: Optional[list]
+    """The time models behind ``plan`` (what rebalancing scales); None when the plan in force at
+    start-up was kept because the measurements cannot tell the ranks apart."""
+    note: str = ""
+    """Why the measured best plan was not taken (noise, an absurd split, the reference step)."""
+    best: Optional[Plan] = None
+    """The measured best plan before the gate and the guard (profiling spreads sizes toward it)."""
+
+
+def trusted_plan(history, startup_plan, gradient_accumulation_steps, limits, allow_per_rank_gas):
+    """The measured best plan when the measurements support it, else a safer one.
+
+    - Noise gate: when no two ranks' predicted times under the start-up plan differ beyond the
+      noise (``significant_difference``), the start-up plan (uniform, or the datasheet's) stays:
+      a rank that mostly waits in collectives measures little compute, and a split of noise is
+      no better than the split already in force, only riskier.
+    - Absurd-split guard: a plan that gives a rank more than ``SHARE_LIMIT`` times what the
+      measured speed ratio gives it (``beyond_measured_ratio``) is replaced by the plan of that
+      ratio: the fitted fixed costs, extrapolated, may not overrule the measured speeds by that
+      much.
+
+    Returns a ``ProfilingDecision``.
+    """
+    models, fits = measured_time_models(history, gradient_accumulation_steps)
+    rates = measured_rates(history)
+    errors = rank_errors(history, models, fits)
+
+    def best_for(time_models):
+        return plan_micro_batches(time_models, train_batch_size=startup_plan.train_batch_size,
+                                  gradient_accumulation_steps=gradient_accumulation_steps, strategy="compute_aware",
+                                  max_micro_batch=limits, allow_per_rank_gas=allow_per_rank_gas)
+
+    best = best_for(models)
+    # The ranks' own times in the steps that ran the start-up plan (after the warm-up), where there
+    # are some: measured where the question is asked, at sizes every rank has run before. A fit
+    # through the profiled sizes also carries the first step at each new size, which pays one-off
+    # allocations and can make a rank look slower per sample than it is.
+    measured = [step for step in history[1:] if ran_plan(step, startup_plan)]
+    at_startup = None
+    if measured:
+        at_startup = [math.fsum(math.fsum(s[1] for s in step[rank]["samples"]) + step[rank]["step_overhead"]
+                                for step in measured) / len(measured) for rank in range(startup_plan.world_size)]
+    over = [rank for rank, (m, cap) in enumerate(zip(startup_plan.micro_batch_sizes, limits or []))
+            if cap is not None and m > cap]
+    if over:  # memory decides, whatever the speeds
+        return ProfilingDecision(best, models, f"the start-up plan exceeds the measured memory limits of rank(s) "
+                                 f"{over}", best)
+    difference = significant_difference(models, errors, startup_plan, times=at_startup)
+    if difference is None:
+        shown = ", ".join("?" if math.isinf(e) else f"{e:.0%}" for e in errors)
+        why = ("too few micro-steps to measure the noise (use more profile_steps)" if any(math.isinf(e) for e in errors)
+               else "within the measured noise")
+        spread = _spread_text(models, startup_plan, at_startup)
+        return ProfilingDecision(startup_plan, None, f"kept the start-up plan: the ranks' measured speeds differ "
+                                 f"{spread}, {why} (relative standard errors per rank: {shown}, bound "
+                                 f"{NOISE_STANDARD_ERRORS:g} standard errors)", best)
+    ratio_models = [TimeModel(0.0, rate) for rate in rates]
+    by_ratio = best_for(ratio_models)
+    absurd = beyond_measured_ratio(best, by_ratio)
+    slower, faster, ratio = difference
+    note = f"rank {slower} measured {ratio:.2f}x rank {faster}'s time under the start-up plan, beyond the noise"
+    if absurd:
+        return ProfilingDecision(by_ratio, ratio_models, f"{note}; the fitted plan {list(best.micro_batch_sizes)} "
+                                 f"gives rank(s) {absurd} more than {SHARE_LIMIT:g}x the samples of the measured "
+                                 f"speed ratio, so the plan of that ratio is used", best)
+    return ProfilingDecision(best, models, note, best)
+
+
+def _spread_text(models, plan, times=None):
+    times = times or [g * model.micro_step_time(m)
+                      for model, m, g in zip(models, plan.micro_batch_sizes, plan.gradient_accumulation_steps)]
+    return f"by up to {max(times) / min(times) - 1:.1%}"
 
 
 def memory_limits(history, capacities, device_names, utilization):
@@ -72,7 +262,7 @@ def _spread(sizes):
     return max(sizes) - min(sizes)
 
 
-def spread_profiling_sizes(sizes, seen, caps=None):
+def spread_profiling_sizes(sizes, seen, caps=None, toward=None):
     """Sizes for the next profiling step that widen each rank's range of timed sizes.
 
     Fitting a + b * mbs needs sizes far enough apart per rank: sizes one sample apart leave the
@@ -87,6 +277,9 @@ def spread_profiling_sizes(sizes, seen, caps=None):
         sizes: per-rank micro-batch sizes the planner chose.
         seen: per-rank sets of sizes already timed.
         caps: per-rank memory limits (entries may be None), or None.
+        toward: per-rank sizes of the (unconfirmed) measured best plan, or None: within a pair,
+            the rank that plan gives more work takes the samples, so the timed sizes reach
+            toward where the final plan may go (without it, the larger rank gives).
     """
     chosen = list(sizes)
     sizes = list(sizes)
@@ -102,11 +295,18 @@ def spread_profiling_sizes(sizes, seen, caps=None):
     def spread_enough(rank):
         return _spread(seen[rank] | {sizes[rank]}) >= wanted_spread(sizes[rank])
 
+    def giver_first(pair):
+        if toward is not None:
+            wants = [toward[r] - sizes[r] for r in pair]
+            if wants[0] != wants[1]:
+                return pair if wants[0] < wants[1] else pair[::-1]
+        return sorted(pair, key=lambda r: (-sizes[r], r))
+
     world = len(sizes)
     for left in range(0, world - 1, 2):
         pair = (left, left + 1)
         if not all(spread_enough(r) for r in pair):
-            trade(*sorted(pair, key=lambda r: (-sizes[r], r)))
+            trade(*giver_first(pair))
     if world % 2 == 1 and world > 1 and not spread_enough(world - 1):
         last, neighbour = world - 1, world - 2
         moved = sizes[neighbour] - chosen[neighbour]
@@ -120,8 +320,8 @@ def spread_profiling_sizes(sizes, seen, caps=None):
 
 
 def plan_after_profiling_step(history, plan, gradient_accumulation_steps, limits, allow_per_rank_gas,
-                              last_profiling_step):
-    """The plan for the next step after a profiling step, and the time models that chose it.
+                              steps_left, startup_plan=None):
+    """The plan for the next step after a profiling step (a ``ProfilingDecision``).
 
     Args:
         history: the profiling steps so far (pooled per data-parallel rank).
@@ -129,21 +329,48 @@ def plan_after_profiling_step(history, plan, gradient_accumulation_steps, limits
         gradient_accumulation_steps: the configured (base) gas.
         limits: per-rank memory limits (``memory_limits``), or None.
         allow_per_rank_gas: whether ranks may run different gas (ZeRO-0/1 without host optimizer).
-        last_profiling_step: no further profiling step follows (the sizes are not spread).
+        steps_left: profiling steps still to run after this one (0: this decision is final).
+        startup_plan: the plan in force at start-up (default ``plan``).
+
+    The schedule: the first step (warm-up, left out of the fits) runs the start-up plan; the
+    middle ones run the trusted plan so far (``trusted_plan``) with each rank's sizes spread
+    toward the measured best plan; the last one runs the start-up plan again, the reference
+    against which the switch to the final plan is judged after profiling (its first step paid
+    warm-up costs, so it cannot be that reference); then the final plan, not spread.
     """
-    models, _ = measured_time_models(history, gradient_accumulation_steps)
-    best = plan_micro_batches(models, train_batch_size=plan.train_batch_size,
-                              gradient_accumulation_steps=gradient_accumulation_steps, strategy="compute_aware",
-                              max_micro_batch=limits, allow_per_rank_gas=allow_per_rank_gas)
+    startup_plan = startup_plan or plan
+    if steps_left == 1:
+        return ProfilingDecision(startup_plan, None, "the last profiling step runs the start-up plan: the reference "
+                                 "the plan chosen after profiling is checked against")
+    decision = trusted_plan(history, startup_plan, gradient_accumulation_steps, limits, allow_per_rank_gas)
+    chosen = decision.plan
     if limits is not None:
         shown = ["-" if cap is None else cap for cap in limits]
-        best = Plan(**{**best.to_dict(), "notes": list(best.notes) + [f"memory limits (samples per micro-step, "
-                                                                      f"per rank): {shown}"]})
-    if last_profiling_step or set(best.gradient_accumulation_steps) != {gradient_accumulation_steps}:
-        return best, models
-    sizes = spread_profiling_sizes(best.micro_batch_sizes, sizes_seen(history, plan.world_size), limits)
-    if sizes == list(best.micro_batch_sizes):
-        return best, models
-    return plan_micro_batches(models, train_batch_size=plan.train_batch_size,
-                              gradient_accumulation_steps=gradient_accumulation_steps, strategy="manual",
-                              manual=sizes), models
+        chosen = Plan(**{**chosen.to_dict(), "notes": list(chosen.notes) + [f"memory limits (samples per "
+                                                                            f"micro-step, per rank): {shown}"]})
+    decision = ProfilingDecision(chosen, decision.models, decision.note, decision.best)
+    if steps_left <= 0 or set(chosen.gradient_accumulation_steps) != {gradient_accumulation_steps}:
+        return decision
+    sizes = spread_profiling_sizes(chosen.micro_batch_sizes, sizes_seen(history, plan.world_size), limits,
+                                   toward=None if decision.best is None else decision.best.micro_batch_sizes)
+    if sizes == list(chosen.micro_batch_sizes):
+        return decision
+    models = decision.models or [TimeModel(0.0, rate) for rate in measured_rates(history)]
+    spread = plan_micro_batches(models, train_batch_size=plan.train_batch_size,
+                                gradient_accumulation_steps=gradient_accumulation_steps, strategy="manual",
+                                manual=sizes)
+    return ProfilingDecision(spread, decision.models, decision.note, decision.best)
+
+
+def ran_plan(step, plan):
+    """Whether every rank of a pooled profiling step ran ``plan``'s micro-batch size and gas."""
+    return all(len(entry["samples"]) == gas and all(sample[0] == size for sample in entry["samples"])
+               for entry, size, gas in zip(step, plan.micro_batch_sizes, plan.gradient_accumulation_steps))
+
+
+def reference_walls(history, startup_plan):
+    """Wall seconds (the slowest rank's) of the profiling steps after the first that ran the
+    start-up plan: what the plan chosen after profiling is judged against (the first step paid
+    warm-up costs). Empty when none did, or the steps carry no wall times."""
+    return [max(entry["wall"] for entry in step) for step in history[1:]
+            if all(entry.get("wall") is not None for entry in step) and ran_plan(step, startup_plan)]

@@ -19,11 +19,18 @@ interval's own measurements (``interval_noise``): a predicted gain within the no
 ``Rebalancer`` holds rank 0's state across checks (the models that chose the plan in force and
 the baseline interval they are scaled against) and turns an interval's measurements into a
 ``Decision``; the runtime only pools the measurements and broadcasts the decision.
+
+Every switch (after profiling, a rebalance, ``reschedule_workload``) is then checked against
+what it was meant to improve: the observed step time (wall, the slowest rank) of the steps at
+the new plan against the steps before it (``slowdown_beyond_noise``). A switch that made the
+step slower beyond the noise is reverted, and the plan it brought is not adopted again for
+``RETRY_AFTER_CHECKS`` checks: a prediction is only a prediction, and a user must be able to
+trust that a plan never stays worse than the one it replaced.
 """
 
 import math
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import List, Optional
 
 from .planner import Plan, TimeModel, fit_time_model
 
@@ -39,6 +46,8 @@ class Decision:
     reason: str
     plan: Optional[Plan] = None
     """The plan to adopt when ``rebalance`` (``Rebalancer.check`` only)."""
+    revert: bool = False
+    """``plan`` is the plan before a switch that made the step slower (``Rebalancer.judge_switch``)."""
 
 
 def predicted_gain(current_time, best_time):
@@ -99,6 +108,9 @@ class RebalanceEvent:
     predicted_gain: float
     step_time_before: float
     step_time_after: Optional[float] = None
+    kind: str = "rebalance"
+    """"rebalance" (a check or ``reschedule_workload``) or "revert" (back to the plan before a switch
+    that made the step slower)."""
 
     @property
     def observed_gain(self):
@@ -143,6 +155,72 @@ def interval_noise(measured, baseline):
         (math.hypot(error, base_error) for (_, error), (_, base_error) in zip(measured, baseline)), default=0.0)
 
 
+REVERT_STANDARD_ERRORS = 3.0
+"""How many standard errors an observed slowdown must exceed before a switch is reverted: more
+than a move needs, since the reference may be a single profiling step and a wrong revert costs
+the whole gain of a good plan."""
+
+MIN_SLOWDOWN = 0.02
+"""A slowdown below this is never reverted, however small the noise: 1-2% is within what a
+machine's load moves between two intervals."""
+
+MIN_STEPS_TO_JUDGE = 3
+"""Steps at the new plan needed before a switch is judged (a median of fewer is one step)."""
+
+RETRY_AFTER_CHECKS = 10
+"""Checks during which a reverted plan is not adopted again."""
+
+
+def slowdown_beyond_noise(before, after, standard_errors=REVERT_STANDARD_ERRORS, minimum=MIN_SLOWDOWN):
+    """``(slowdown, bound)``: the observed relative slowdown ``median(after) / median(before) - 1``
+    and the bound it must exceed to count (``slowdown > bound``).
+
+    The noise is a pooled two-sample estimate: each group's relative deviations from its own
+    median (1.4826 * their median absolute value, the standard deviation of a normal
+    distribution), from the groups of two steps or more; its standard error for the two medians
+    is ``sigma * sqrt(1/n_before + 1/n_after)``. A group of one step (the profiling reference may
+    be a single step) thus borrows the other's spread rather than claiming none.
+
+    Args:
+        before, after: per-step wall seconds (the slowest rank's) at the old and the new plan.
+    """
+    if not before or not after:
+        raise ValueError("slowdown_beyond_noise: needs at least one step before and one after the switch")
+    centres = [_median(group) for group in (before, after)]
+    deviations = [abs(t / centre - 1.0) for group, centre in zip((before, after), centres) if len(group) >= 2
+                  for t in group]
+    sigma = 1.4826 * _median(deviations) if deviations else 0.0
+    bound = max(minimum, standard_errors * sigma * math.sqrt(1.0 / len(before) + 1.0 / len(after)))
+    return centres[1] / centres[0] - 1.0, bound
+
+
+def balanced_models(plan):
+    """Models under which ``plan`` is exactly balanced (every rank's step predicted at 1.0): the
+    reference for drift when the plan in force was kept or restored on observation rather than
+    chosen by models (profiling kept the start-up plan within the noise; a switch was reverted).
+    Nothing changed, nothing to gain; a rank that slows down later still shows as drift."""
+    return [TimeModel(0.0, 1.0 / n) for n in plan.samples_per_rank]
+
+
+def plan_key(plan):
+    return tuple(plan.micro_batch_sizes), tuple(plan.gradient_accumulation_steps)
+
+
+@dataclass
+class PendingSwitch:
+    """A switch waiting for its steps at the new plan to be judged (``Rebalancer.judge_switch``)."""
+
+    old_plan: Plan
+    new_plan: Plan
+    old_models: Optional[list]
+    """The models that chose ``old_plan`` (None: it was not chosen by measurements)."""
+    before: List[float] = field(default_factory=list)
+    """Per-step wall seconds (the slowest rank's) at ``old_plan``, just before the switch."""
+    label: str = "switch"
+    after: List[float] = field(default_factory=list)
+    """Per-step wall seconds at ``new_plan`` so far (checks shorter than ``MIN_STEPS_TO_JUDGE`` add up)."""
+
+
 def plan_step_time(models, plan):
     """The slowest rank's predicted step time for ``plan`` under ``models``."""
     return max(g * model.micro_step_time(m)
@@ -164,10 +242,56 @@ class Rebalancer:
     nothing changed, whatever the split, so noise alone predicts no gain.
     """
 
-    def __init__(self, policy):
+    def __init__(self, policy, retry_after_checks=RETRY_AFTER_CHECKS):
         self.policy = policy
         self.reference_models = None  # the time models that chose the plan in force
         self.baseline = None  # per rank (mean, relative error) in the plan's first interval
+        self.retry_after_checks = int(retry_after_checks)
+        self.pending = None  # a PendingSwitch not judged yet
+        self.reverted = {}  # plan_key -> checks during which that plan is not adopted again
+        self.startup_plan = None  # the plan in force at start-up (what profiling falls back to)
+        self.previous_models = None  # the models that chose the plan before the last adopted one
+
+    # -- checking a switch against what it was meant to improve -------------------------------
+
+    def switched(self, old_plan, new_plan, before, old_models, label):
+        """A switch from ``old_plan`` to ``new_plan`` happened; ``before``: per-step wall seconds at
+        ``old_plan``. Returns a line for the log (whether and how the switch will be checked)."""
+        if not before:
+            self.pending = None
+            return f"{label}: no step at the old plan was measured, so this switch is not checked"
+        self.pending = PendingSwitch(old_plan, new_plan, old_models, list(before), label)
+        return None
+
+    def judge_switch(self, plan, after):
+        """Judge the pending switch from ``after``, the per-step wall seconds (the slowest rank's)
+        at ``plan`` since the switch. Returns None when there is nothing to judge yet (no pending
+        switch, or fewer than ``MIN_STEPS_TO_JUDGE`` steps), else a Decision: ``rebalance`` and
+        ``revert`` with the old plan when the step got slower beyond the noise."""
+        pending = self.pending
+        if pending is None:
+            return None
+        if plan_key(plan) != plan_key(pending.new_plan):
+            self.pending = None
+            return None
+        pending.after += list(after)
+        after = pending.after
+        if len(after) < MIN_STEPS_TO_JUDGE:
+            return None
+        self.pending = None
+        slowdown, bound = slowdown_beyond_noise(pending.before, after)
+        before, now = _median(pending.before), _median(after)
+        observed = (f"{pending.label}: observed step time {before:.4g} s over {len(pending.before)} step(s) at "
+                    f"{list(pending.old_plan.micro_batch_sizes)} -> {now:.4g} s over {len(after)} step(s) at "
+                    f"{list(plan.micro_batch_sizes)} ({slowdown:+.1%}, noise bound {bound:.1%})")
+        if slowdown <= bound:
+            return Decision(False, -slowdown, f"{observed}: kept")
+        self.reverted[plan_key(pending.new_plan)] = self.retry_after_checks
+        self.plan_chosen(pending.old_models or balanced_models(pending.old_plan))
+        return Decision(True, -slowdown, f"{observed}: slower beyond the noise, reverted; "
+                        f"{list(plan.micro_batch_sizes)} is not tried again for {self.retry_after_checks} checks",
+                        pending.old_plan, revert=True)
+
 
     def plan_chosen(self, models):
         """A plan chosen by ``models`` is in force from now on; its first interval is the baseline."""
@@ -182,6 +306,11 @@ class Rebalancer:
                 (the optimizer step's share included, see ``timing.StepTiming``).
             best_plan_for: ``models -> Plan``, the planner with the run's constraints.
         """
+        for rank, times in enumerate(step_times):
+            if not times:
+                raise ValueError(f"data-parallel rank {rank} recorded no micro-steps in the last check interval: its "
+                                 f"forward must go through the engine (engine(inputs), not engine.module(inputs)) so "
+                                 f"that its micro-steps are timed")
         measured = [interval_statistics(times) for times in step_times]
         if self.baseline is None:
             self.baseline = measured
@@ -193,12 +322,21 @@ class Rebalancer:
                                [mean / base for (mean, _), (base, _) in zip(measured, self.baseline)])
         return self._decide(plan, models, best_plan_for, interval_noise(measured, self.baseline))
 
-    def check_on_demand(self, plan, models, best_plan_for):
-        """``reschedule_workload``: adopt the best plan for ``models`` whenever it is predicted faster."""
+    def check_on_demand(self, plan, models, best_plan_for, threshold=None):
+        """``reschedule_workload``: adopt the best plan for ``models`` when its predicted gain exceeds
+        ``threshold`` (default: the policy's ``imbalance_threshold``), as automatic rebalancing
+        requires: a re-plan on demand moves work on the same evidence, not on any predicted gain."""
+        if threshold is None:
+            if self.policy is None:
+                raise ValueError("check_on_demand needs a threshold (scheduler.imbalance_threshold)")
+            threshold = self.policy.threshold
         best = best_plan_for(models)
         current = plan_step_time(models, plan)
         gain = predicted_gain(current, best.predicted_step_time)
-        decision = Decision(gain > 0, gain, f"on demand, predicted gain {gain:.1%}")
+        if gain > threshold:
+            decision = Decision(True, gain, f"on demand, predicted gain {gain:.1%} > threshold {threshold:.0%}")
+        else:
+            decision = Decision(False, gain, f"on demand, predicted gain {gain:.1%} <= threshold {threshold:.0%}")
         return self._adopt_if_new(plan, best, models, decision)
 
     def _decide(self, plan, models, best_plan_for, noise):
@@ -209,10 +347,65 @@ class Rebalancer:
     def _adopt_if_new(self, plan, best, models, decision):
         same = (best.micro_batch_sizes, best.gradient_accumulation_steps) == (plan.micro_batch_sizes,
                                                                              plan.gradient_accumulation_steps)
+        # A reverted plan stays barred for its number of checks, this one included.
+        left = self.reverted.get(plan_key(best), 0)
+        self.reverted = {key: count - 1 for key, count in self.reverted.items() if count > 1}
         if not decision.rebalance or same:
             return Decision(False, decision.predicted_gain, decision.reason)
+        if left:
+            return Decision(False, decision.predicted_gain, f"{decision.reason}, but {list(best.micro_batch_sizes)} "
+                            f"made the step slower and was reverted; not tried again for {left - 1} more check(s)")
+        self.previous_models = self.reference_models
         self.plan_chosen(models)
         return Decision(True, decision.predicted_gain, decision.reason, best)
+
+    # -- checkpoints (checkpoint.py) ----------------------------------------------------------
+
+    _POLICY_SETTINGS = ("threshold", "cooldown_checks", "consecutive")
+    """Policy attributes that come from the config, not from the checks so far: a resumed run
+    takes them from its own config."""
+
+    def state_dict(self):
+        """What the checks so far taught, as plain values: the models that chose the plan in force,
+        its baseline interval and the policy's counters (streak, cool-down, ...)."""
+        policy = None
+        if self.policy is not None:
+            policy = {key: value for key, value in vars(self.policy).items()
+                      if key not in self._POLICY_SETTINGS and isinstance(value, (bool, int, float, str, list, tuple))}
+        return {
+            "reference_models": None if self.reference_models is None else [[m.a, m.b] for m in self.reference_models],
+            "baseline": None if self.baseline is None else [list(entry) for entry in self.baseline],
+            "policy": policy,
+        }
+
+    def load_state_dict(self, state):
+        models = state.get("reference_models")
+        self.reference_models = None if models is None else [TimeModel(a, b) for a, b in models]
+        baseline = state.get("baseline")
+        self.baseline = None if baseline is None else [tuple(entry) for entry in baseline]
+        if self.policy is not None and state.get("policy"):
+            for key, value in state["policy"].items():
+                if hasattr(self.policy, key) and key not in self._POLICY_SETTINGS:
+                    setattr(self.policy, key, value)
+
+
+def decision_failure(exc):
+    """Rank 0's failed decision as the box every rank receives: the exception's type and message."""
+    return {"error": str(exc), "type": type(exc).__name__}
+
+
+class PlanDecisionError(RuntimeError):
+    """Rank 0 failed while deciding a plan; raised on every rank, with rank 0's exception."""
+
+
+def raise_decision_failure(box, what):
+    """On every rank: raise rank 0's failure from ``decision_failure``. A ValueError (the planner's
+    and the measurements' errors say what to change) stays a ValueError; anything else is a
+    PlanDecisionError naming its type."""
+    kind = box.get("type", "ValueError")
+    if kind == "ValueError":
+        raise ValueError(f"deepspeed-hetero: {what}: {box['error']}")
+    raise PlanDecisionError(f"deepspeed-hetero: {what}: rank 0 raised {kind}: {box['error']}")
 
 
 def window_models(step_samples, fits, step_overheads, gradient_accumulation_steps):
@@ -228,6 +421,10 @@ def window_models(step_samples, fits, step_overheads, gradient_accumulation_step
     models = []
     for rank, samples in enumerate(step_samples):
         samples = [s[:2] for s in samples]
+        if not samples:
+            raise ValueError(f"data-parallel rank {rank} recorded no micro-steps since the last check: its forward "
+                             f"must go through the engine (engine(inputs), not engine.module(inputs)) so that its "
+                             f"micro-steps are timed; or pass utilization_metrics")
         base = fits[rank] if fits else fit_time_model(samples)
         drift = sum(t for _, t in samples) / sum(base.micro_step_time(m) for m, _ in samples)
         models.append(TimeModel(drift * base.a + step_overheads[rank] / gradient_accumulation_steps,

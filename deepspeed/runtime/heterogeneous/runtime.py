@@ -18,17 +18,24 @@ sampler follows). Any allocation gives the exact global-batch gradient (loss wei
 profiling trains for real.
 """
 
+import copy
+import statistics
+import time
+from dataclasses import asdict
+
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
 from .agreement import Agreement, PlanAgreementError, merge_replicas
 from .batch import apply_plan, memory_capacities
+from .fed_batch import FedBatchMismatchError, check_fed_batch, leading_batch_size
 from .emulated_limits import EmulatedLimits, EmulatedOutOfMemoryError
 from .memory import ActivationMeter, engine_model_state_bytes
 from .planner import Plan, TimeModel, plan_micro_batches
-from .profiling import measured_time_models, memory_limits, plan_after_profiling_step
-from .rebalance import RebalanceEvent, RebalancePolicy, Rebalancer, window_models
-from .timing import StepTimer
+from .profiling import measured_time_models, memory_limits, plan_after_profiling_step, reference_walls
+from .rebalance import RebalanceEvent, RebalancePolicy, Rebalancer, balanced_models, decision_failure, \
+    raise_decision_failure, window_models
+from .timing import StepTimer, StepTiming
 
 __all__ = ["HeterogeneousRuntime", "PlanAgreementError", "EmulatedOutOfMemoryError"]
 
@@ -55,7 +62,10 @@ class HeterogeneousRuntime:
         self.profiling = self.settings.load_balancing_strategy == "compute_aware" and self.settings.profile_steps > 0
         self.history = []  # per profiling step: every data-parallel rank's pooled measurements
         self.base_models = None  # the profiled fits alone: what an on-demand re-plan scales
-        self.loaders = []
+        self.samplers = []  # batch samplers that follow the plan (the engine's loader's, users' registered)
+        self.engine_loader = False  # the engine's own loader (training_data=) feeds this rank
+        self.check_fed_batch = self.settings.check_fed_batch
+        self._fed = None  # the size of the micro-batch being fed (None: not known)
         self.gas_origin = 0  # the engine's micro-step count when this rank's current gas took effect
         scheduler = self.settings.scheduler
         self.dynamic = scheduler.dynamic_rebalancing and self.settings.load_balancing_strategy == "compute_aware"
@@ -67,6 +77,10 @@ class HeterogeneousRuntime:
         self.recording = False  # per-step records for the heterogeneous profiler
         self.records = []
         self._window = []  # this rank's StepTimings since the last rebalancing check
+        # deepspeed-hetero plan trust: a switch waits for one check of its observed step time
+        # (without dynamic rebalancing, the only check); the agreement's own seconds are not a step's.
+        self._verifying = False
+        self._agreement_s = 0.0
         self.limits.apply_speed_schedule(1)
         self.log_plan("plan at start-up", self.plan)
 
@@ -117,7 +131,8 @@ class HeterogeneousRuntime:
         return ((self.profiling and self.capacities is not None) or self.limits.capacity_bytes is not None
                 or self.recording)
 
-    def micro_step_begin(self):
+    def micro_step_begin(self, inputs=(), kwargs=None):
+        self._fed = self._check_fed_batch(inputs, kwargs)
         if self.measuring_memory:
             self.meter.start()
         if self.times_each_micro_step or self.dynamic:
@@ -129,9 +144,26 @@ class HeterogeneousRuntime:
         if self.recording:
             self.timer.end_forward()
 
+    def _check_fed_batch(self, inputs, kwargs):
+        """The size fed (checked against the plan), or None when it cannot be read or is not checked."""
+        plan = self.plan
+        if plan.per_rank_gas and not self.engine_loader:
+            raise FedBatchMismatchError(
+                f"deepspeed-hetero: the plan in force gives the ranks different gradient_accumulation_steps "
+                f"{list(plan.gradient_accumulation_steps)}, which only the engine's own loader "
+                f"(deepspeed.initialize(training_data=...)) feeds correctly: a loop that counts micro-steps itself "
+                f"would pair the ranks' gradient reductions wrongly. Use the engine's loader, or give the ranks "
+                f"equal gas (a manual plan without per-rank gas, or more memory)")
+        if not self.check_fed_batch:
+            return None
+        fed = leading_batch_size(inputs, kwargs or {})
+        check_fed_batch(fed, plan.micro_batch_sizes[self.rank], self.rank, plan.micro_batch_sizes)
+        return fed
+
     def micro_step_end(self):
         activations = self.meter.stop() if self.meter.active else None
-        size = self.config.train_micro_batch_size_per_gpu
+        # The size that was fed (checked against the plan at forward), else the planned one.
+        size = self._fed if self._fed is not None else self.config.train_micro_batch_size_per_gpu
         # The profiling steps measure what the plan must fit; the plan is enforced after.
         if activations is not None and not self.profiling:
             self.limits.check_memory(size, self.model_state_bytes(), activations)
@@ -144,7 +176,7 @@ class HeterogeneousRuntime:
         self.limits.apply_speed_schedule(self.steps + 1)
         if self.profiling:
             self._profiling_step(timing)
-        elif self.dynamic:
+        elif self.dynamic or self._verifying:
             self._window.append(timing)
             # A check needs a whole interval at the plan in force (the same on every rank: the
             # window restarts at the end of profiling and at every check).
@@ -189,35 +221,69 @@ class HeterogeneousRuntime:
 
     def _pooled(self, entry, what):
         gathered = self.agreement.gather_from_every_rank(entry, what)
-        return merge_replicas(gathered, self.plan.world_size, {"samples": _slowest_micro_step, "step_times": _slowest},
-                              error=PlanAgreementError)
+        sequences = {"samples": _slowest_micro_step, "step_times": _slowest, "walls": _slowest}
+        return merge_replicas(gathered, self.plan.world_size, sequences, error=PlanAgreementError)
 
     def _profiling_step(self, timing):
         mine = {"dp_rank": self.rank, "samples": timing.samples, "step_overhead": timing.step_overhead,
-                "state_bytes": self.model_state_bytes() if self.capacities else 0}
+                "state_bytes": self.model_state_bytes() if self.capacities else 0,
+                "wall": max(timing.wall - self._agreement_s, 0.0)}
+        began = time.perf_counter()
         self.history.append(self._pooled(mine, f"the measurements of step {self.steps} to agree on a plan"))
         last = len(self.history) >= self.settings.profile_steps
         decision = self._decide_after_profiling(last) if dist.get_rank() == 0 else None
         box = self.agreement.broadcast_from_rank0(decision, "the new plan")
         if "error" in box:
-            raise ValueError(f"deepspeed-hetero: no plan fits after profiling step {self.steps}: {box['error']}")
+            raise_decision_failure(box, f"no plan fits after profiling step {self.steps}")
         new_plan = Plan.from_dict(box["plan"])
         if (new_plan.micro_batch_sizes, new_plan.gradient_accumulation_steps) != (
                 self.plan.micro_batch_sizes, self.plan.gradient_accumulation_steps):
             self.switch_to(new_plan, f"plan after profiling step {self.steps}")
+        if last and box.get("note"):
+            self._log_decision(f"after profiling (step {self.steps}): {box['note']}")
         if last:
             self.profiling = False
             self._window = []
+            # The switch is judged one check interval later (the first check with dynamic
+            # rebalancing; without it, this one check and no collective in between).
+            self._verifying = bool(box.get("verify"))
+        self._agreement_s = time.perf_counter() - began
 
     def _decide_after_profiling(self, last):
-        """Rank 0's plan, or the reason there is none (sent to every rank, which all stop)."""
+        """Rank 0's plan, or the reason there is none (sent to every rank, which all stop).
+
+        Any exception is sent too: raised here alone, it would leave the other ranks waiting in
+        the broadcast until the process group's time-out."""
         try:
-            plan, models = plan_after_profiling_step(self.history, self.plan, self.state.base_gas,
-                                                     self.memory_limits(), self.per_rank_gas_allowed, last)
-        except ValueError as exc:  # the planner's and the memory model's errors say what to change
-            return {"error": str(exc)}
-        self.rebalancer.plan_chosen(models)  # what dynamic rebalancing scales
-        return {"plan": plan.to_dict()}
+            rebalancer = self.rebalancer
+            if rebalancer.startup_plan is None:
+                rebalancer.startup_plan = self.plan  # the first profiling step runs it
+            startup = rebalancer.startup_plan
+            steps_left = max(self.settings.profile_steps - len(self.history), 0)
+            decision = plan_after_profiling_step(self.history, self.plan, self.state.base_gas, self.memory_limits(),
+                                                 self.per_rank_gas_allowed, steps_left, startup)
+            plan = decision.plan
+            if not last:
+                return {"plan": plan.to_dict()}
+            _, self.base_models = measured_time_models(self.history, self.state.base_gas)
+            # What dynamic rebalancing scales: a start-up plan kept within the noise is its reference.
+            rebalancer.plan_chosen(decision.models or balanced_models(plan))
+            note = decision.note
+            verify = False
+            if (plan.micro_batch_sizes, plan.gradient_accumulation_steps) != (
+                    self.plan.micro_batch_sizes, self.plan.gradient_accumulation_steps):
+                unchecked = rebalancer.switched(self.plan, plan, reference_walls(self.history, startup), None,
+                                                "switch after profiling")
+                verify = unchecked is None
+                note = "; ".join(filter(None, [note, unchecked]))
+            return {"plan": plan.to_dict(), "note": note, "verify": verify}
+        except Exception as exc:  # noqa: BLE001 -- every failure must reach every rank
+            return decision_failure(exc)
+
+    def _log_decision(self, text):
+        """One line on global rank 0 (printed, like ``log_plan``): why a plan was kept or reverted."""
+        if dist.get_rank() == 0:
+            print(f"[deepspeed-hetero] {text}", flush=True)
 
     def measured_time_models(self):
         """Per-rank time models fitted to the profiling steps (see ``profiling.measured_time_models``)."""
@@ -234,7 +300,8 @@ class HeterogeneousRuntime:
         """ZeRO-0/1 reduce gradients only at the accumulation boundary, so ranks may run different
         numbers of micro-steps; ZeRO-2/3 reduce every micro-step and need equal gas. An optimizer
         offloaded to the host sizes its accumulation buffers by the gas at start-up."""
-        return int(self.engine.zero_optimization_stage()) <= 1 and not self.engine.zero_use_cpu_optimizer()
+        return (int(self.engine.zero_optimization_stage()) <= 1 and not self.engine.zero_use_cpu_optimizer()
+                and self.engine_loader)
 
     # -- dynamic rebalancing ------------------------------------------------------------------
 
@@ -247,47 +314,77 @@ class HeterogeneousRuntime:
         """Every rank: pool the interval's measurements, let rank 0 decide, switch together."""
         steps, self._window = self._window, []
         count = max(len(steps), 1)
+        walls = [step.wall for step in steps]
+        if walls:  # the first step after the last agreement carried that agreement's time
+            walls[0] = max(walls[0] - self._agreement_s, 0.0)
         mine = {"dp_rank": self.rank, "samples": [s for step in steps for s in step.samples],
                 "step_times": [step.time_per_micro_step for step in steps if step.time_per_micro_step is not None],
                 "step_overhead": sum(step.step_overhead for step in steps) / count,
-                "wall": sum(step.wall for step in steps) / count}
+                "wall": sum(walls) / count, "walls": walls}
+        began = time.perf_counter()
         everyone = self._pooled(mine, f"the measurements of step {self.steps} to agree on a plan")
         box = self._decide_rebalance(everyone, forced_models, on_demand) if dist.get_rank() == 0 else None
         box = self.agreement.broadcast_from_rank0(box, "the rebalancing decision")
         if "error" in box:
-            raise ValueError(f"deepspeed-hetero: rebalancing at step {self.steps} failed: {box['error']}")
+            raise_decision_failure(box, f"rebalancing at step {self.steps} failed")
+        # Without dynamic rebalancing a switch is checked once (the window served that check).
+        self._verifying = bool(box.get("verify")) and not self.dynamic
+        if box.get("note"):
+            self._log_decision(f"step {self.steps}: {box['note']}")
         if "plan" in box:
             new_plan, old = Plan.from_dict(box["plan"]), self.plan
-            self.switch_to(new_plan, f"rebalance at step {self.steps} ({box['reason']})")
+            kind = "revert" if box.get("revert") else "rebalance"
+            self.switch_to(new_plan, f"{kind} at step {self.steps} ({box['reason']})")
             self.events.append(RebalanceEvent(self.steps, tuple(old.micro_batch_sizes),
-                                              tuple(new_plan.micro_batch_sizes), box["gain"], box["wall"]))
+                                              tuple(new_plan.micro_batch_sizes), box["gain"], box["wall"], kind=kind))
+        self._agreement_s = time.perf_counter() - began
         return self.plan
 
     def _decide_rebalance(self, everyone, forced_models, on_demand):
+        """Rank 0: first judge the last switch on the steps since (revert it if it made the step
+        slower), then, with dynamic rebalancing or on demand, the check itself. Any exception is
+        returned as ``{"error": ...}`` for every rank to raise."""
         try:
-            wall = max(entry["wall"] for entry in everyone)
-            self._observe_last_event(wall)
+            walls = [max(step) for step in zip(*(entry["walls"] for entry in everyone))]
+            wall = statistics.median(walls) if walls else max(entry["wall"] for entry in everyone)
+            judged = self._observe_last_event(walls)
+            if judged is not None and judged.revert:
+                return {"plan": judged.plan.to_dict(), "reason": judged.reason, "gain": judged.predicted_gain,
+                        "wall": wall, "revert": True}
+            note = None if judged is None else judged.reason
             if on_demand:
                 models = forced_models or window_models([e["samples"] for e in everyone], self.base_models,
                                                         [e["step_overhead"] for e in everyone], self.state.base_gas)
-                decision = self.rebalancer.check_on_demand(self.plan, models, self._best_plan_for)
-            else:
+                decision = self.rebalancer.check_on_demand(self.plan, models, self._best_plan_for,
+                                                           self.settings.scheduler.imbalance_threshold)
+            elif self.dynamic:
                 decision = self.rebalancer.check(self.plan, [e["step_times"] for e in everyone], self._best_plan_for)
-        except ValueError as exc:
-            return {"error": str(exc)}
-        if not decision.rebalance:
-            return {"keep": decision.reason, "gain": decision.predicted_gain}
-        return {"plan": decision.plan.to_dict(), "reason": decision.reason, "gain": decision.predicted_gain,
-                "wall": wall}
+            else:  # the check of a switch without dynamic rebalancing (again while too few steps)
+                return {"keep": note or "nothing to check", "gain": 0.0, "note": note,
+                        "verify": self.rebalancer.pending is not None}
+            if not decision.rebalance:
+                return {"keep": decision.reason, "gain": decision.predicted_gain, "note": note,
+                        "verify": self.rebalancer.pending is not None}
+            old = self.plan
+            unchecked = self.rebalancer.switched(old, decision.plan, walls, self.rebalancer.previous_models,
+                                                 f"rebalance at step {self.steps}")
+            return {"plan": decision.plan.to_dict(), "reason": decision.reason, "gain": decision.predicted_gain,
+                    "wall": wall, "verify": unchecked is None, "note": "; ".join(filter(None, [note, unchecked]))}
+        except Exception as exc:  # noqa: BLE001 -- every failure must reach every rank
+            return decision_failure(exc)
 
-    def _observe_last_event(self, wall):
-        """Log the observed gain of the last rebalance once an interval ran with its plan."""
+    def _observe_last_event(self, walls):
+        """Judge the last switch on ``walls`` (per-step wall seconds, the slowest rank's, at the plan
+        in force since): None when nothing is pending, else the Decision (a revert, or kept); the
+        event's observed step time and gain are filled in and logged."""
+        judged = self.rebalancer.judge_switch(self.plan, walls)
         event = self.events[-1] if self.events else None
-        if event is not None and event.step_time_after is None and event.step < self.steps:
-            event.step_time_after = wall
-            logger.info(f"deepspeed-hetero rebalance at step {event.step}: predicted gain "
+        if walls and event is not None and event.step_time_after is None and event.step < self.steps:
+            event.step_time_after = sorted(walls)[len(walls) // 2]
+            logger.info(f"deepspeed-hetero {event.kind} at step {event.step}: predicted gain "
                         f"{event.predicted_gain:.1%}, observed {event.observed_gain:.1%} (step time "
-                        f"{event.step_time_before:.4g} s -> {wall:.4g} s)")
+                        f"{event.step_time_before:.4g} s -> {event.step_time_after:.4g} s)")
+        return judged
 
     def reschedule(self, utilization_metrics=None):
         """Re-plan now (every rank calls this at the same step boundary), from ``utilization_metrics``
@@ -318,7 +415,7 @@ class HeterogeneousRuntime:
             # The engine finds the accumulation boundary by counting micro-steps from here on.
             self.gas_origin = self.engine.micro_steps + 1
         gas = list(plan.gradient_accumulation_steps) if plan.per_rank_gas else None
-        for sampler in self.loaders:
+        for sampler in self.samplers:
             sampler.set_micro_batch_sizes(list(plan.micro_batch_sizes), gradient_accumulation_steps=gas)
         self.log_plan(reason, plan, change=(
             f"micro-batches {list(old.micro_batch_sizes)} -> {list(plan.micro_batch_sizes)}, gas "
@@ -328,6 +425,47 @@ class HeterogeneousRuntime:
     def close(self):
         self.meter.stop()
         self.limits.close()
+
+    # -- checkpoints (checkpoint.py) ----------------------------------------------------------
+
+    def state_dict(self):
+        """The runtime's progress as plain values (no class of the fork is pickled): whether
+        profiling finished and what it measured so far, the rebalancer's state, the plan changes.
+        The same on every rank except the rebalancer, which only rank 0's decides with."""
+        return {
+            "profiling": self.profiling,
+            "history": copy.deepcopy(self.history),
+            "base_models": None if self.base_models is None else [[m.a, m.b] for m in self.base_models],
+            "rebalancer": self.rebalancer.state_dict(),
+            "events": [asdict(event) for event in self.events],
+        }
+
+    def window_state(self):
+        """This rank's steps since the last rebalancing check (its own measurements: per rank)."""
+        return [asdict(timing) for timing in self._window]
+
+    def load_state_dict(self, state, window=None):
+        """Continue from a checkpoint, between steps (engine.load_checkpoint restored the step count).
+
+        ``state``: ``state_dict()`` of the saving run on the same cluster; None to start over on
+        this one (another cluster: profiling runs again from the plan in force, the measurements
+        and rebalancing history of the old cluster no longer apply). ``window``: this rank's
+        ``window_state()``, so that the rebalancing checks keep their cadence.
+        """
+        if state is not None:
+            self.profiling = bool(state["profiling"]) and self.profiling
+            self.history = copy.deepcopy(state["history"])
+            models = state["base_models"]
+            self.base_models = None if models is None else [TimeModel(a, b) for a, b in models]
+            self.rebalancer.load_state_dict(state["rebalancer"])
+            self.events = [RebalanceEvent(**{**event, "old_sizes": tuple(event["old_sizes"]),
+                                             "new_sizes": tuple(event["new_sizes"])}) for event in state["events"]]
+            self._window = [StepTiming(**timing) for timing in window or []]
+        # DeepSpeed does not save the engine's micro-step count: accumulation boundaries are
+        # counted from here (a checkpoint is taken at an optimizer step's end).
+        self.gas_origin = self.engine.micro_steps
+        self.timer.restart()
+        self.limits.apply_speed_schedule(self.steps + 1)
 
 
 def _slowest_micro_step(steps, rank):

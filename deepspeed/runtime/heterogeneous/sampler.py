@@ -21,6 +21,12 @@ Two front ends share the layout:
   ``DataLoader(batch_sampler=...)``. It looks up the split in force when it starts each round, so
   a change applies without a new loader, from the first round the loader has not fetched yet
   (a loader with workers fetches a few batches ahead).
+
+Both resume from a checkpoint: ``state_dict()`` describes the epoch's position (epoch, the splits
+by round, the rounds handed out) without the rank, the same on every rank, so that each rank,
+and a rank of a resized group, derives its own slices from it; after ``load_state_dict`` the next
+pass starts at the first round not handed out before (``checkpoint.py`` saves and restores them
+with the engine's checkpoints).
 """
 
 from dataclasses import dataclass
@@ -80,6 +86,21 @@ def _make_split(micro_batch_sizes, gradient_accumulation_steps, num_replicas):
     return _Split(_positive_ints(sizes, "micro_batch_sizes"), _positive_ints(steps, "gradient_accumulation_steps"))
 
 
+def _segments_from_state(state):
+    try:
+        segments = [
+            _Segment(int(entry["first_round"]), int(entry["first_position"]),
+                     _make_split(entry["micro_batch_sizes"], entry["gradient_accumulation_steps"], None))
+            for entry in state["segments"]
+        ]
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"sampler state: malformed 'segments' ({exc!r}); expected a list of "
+                         f"{{first_round, first_position, micro_batch_sizes, gradient_accumulation_steps}}") from exc
+    if not segments or segments[0].first_round != 0:
+        raise ValueError("sampler state: 'segments' must start at round 0")
+    return segments
+
+
 def _resolve_rank(rank, num_replicas):
     if rank is None:
         if num_replicas == 1:
@@ -110,6 +131,10 @@ class _RoundLayout(Sampler):
         self.drop_last = bool(drop_last)
         self.epoch = 0
         self._segments = [_Segment(0, 0, split)]
+        self._rounds_drawn = 0  # rounds of this pass started (handed out, at least in part)
+        self._round_left = 0  # items of the last started round not handed out yet
+        self._resume_round = None  # the next pass starts here (a checkpoint's position), once
+        self._pass_first_round = 0  # the round this pass started at
 
     @property
     def micro_batch_sizes(self):
@@ -128,12 +153,19 @@ class _RoundLayout(Sampler):
         return last.first_round + self._rounds_from(last.first_position, last.split)
 
     def set_epoch(self, epoch):
-        """Start epoch ``epoch``: a new permutation when shuffling, the latest split from round 0."""
+        """Start epoch ``epoch``: a new permutation when shuffling, the latest split from round 0.
+
+        After ``load_state_dict``, the checkpoint's own epoch keeps the checkpoint's position, so
+        that a training loop that calls ``set_epoch`` at the top of each epoch resumes mid-epoch."""
+        if self._resume_round is not None and int(epoch) == self.epoch:
+            return
         self.epoch = int(epoch)
         self._restart()
 
     def _restart(self):
         self._segments = [_Segment(0, 0, self._segments[-1].split)]
+        self._rounds_drawn = self._round_left = self._pass_first_round = 0
+        self._resume_round = None
 
     def _rounds_from(self, position, split):
         remaining = self.dataset_size - position
@@ -185,6 +217,88 @@ class _RoundLayout(Sampler):
                 indices = permutation[torch.arange(start, start + length) % self.dataset_size]
             yield round_index, segment.split, indices.tolist()
             round_index += 1
+
+    def _rounds_by_split(self, first_round):
+        """(split, rounds) of each segment, counting rounds from ``first_round`` to the epoch's end."""
+        segments = self._segments
+        for index, segment in enumerate(segments):
+            end = segments[index + 1].first_round if index + 1 < len(segments) else self.steps_per_epoch
+            start = max(segment.first_round, first_round)
+            if end > start:
+                yield segment.split, end - start
+
+    def _take_resume_round(self):
+        """The round a pass resumed from a checkpoint starts at (once), or None."""
+        first_round, self._resume_round = self._resume_round, None
+        self._pass_first_round = 0 if first_round is None else first_round
+        return first_round
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    @property
+    def rounds_done(self):
+        """Rounds of the epoch wholly handed out. A round this rank has begun but not finished
+        (``mid_round``) is not counted: a resumed run hands it out again from its start."""
+        if self._resume_round is not None:
+            return self._resume_round
+        return self._rounds_drawn - (1 if self._round_left else 0)
+
+    @property
+    def mid_round(self):
+        """True between the first and last micro-batch of a round of several (per-rank gas)."""
+        return self._resume_round is None and self._round_left > 0
+
+    def state_dict(self):
+        """The epoch's position as plain values: the same on every rank of a run that hands out
+        rounds in step (every rank derives its own slices from it, see ``load_state_dict``)."""
+        return {
+            "dataset_size": self.dataset_size,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "drop_last": self.drop_last,
+            "epoch": self.epoch,
+            "segments": [{
+                "first_round": segment.first_round,
+                "first_position": segment.first_position,
+                "micro_batch_sizes": list(segment.split.micro_batch_sizes),
+                "gradient_accumulation_steps": list(segment.split.accumulation_steps),
+            } for segment in self._segments],
+            "rounds_done": self.rounds_done,
+        }
+
+    def load_state_dict(self, state):
+        """Continue at the position ``state`` (a ``state_dict()`` of this sampler in the saving run,
+        from any rank) describes: the next pass starts at the first round not handed out then.
+
+        When the split in force at that round is this sampler's split (the same data-parallel
+        ranks and plan), the rest of the epoch is laid out exactly as the saving run had it. Else
+        (another world size, another plan) the samples not yet handed out are split with this
+        sampler's split from there on: no sample of the epoch is repeated or dropped.
+        """
+        for key, current in (("dataset_size", self.dataset_size), ("shuffle", self.shuffle), ("seed", self.seed),
+                             ("drop_last", self.drop_last)):
+            if key not in state:
+                raise ValueError(f"sampler state: missing key {key!r}; expected a HeterogeneousBatchSampler/"
+                                 f"HeterogeneousDistributedSampler state_dict()")
+            if state[key] != current:
+                raise ValueError(f"sampler state: {key} is {state[key]!r} in the checkpoint but {current!r} here; the "
+                                 f"resumed epoch would not be the saved one's permutation. Build the sampler with "
+                                 f"{key}={state[key]!r} (over the same dataset)")
+        segments = _segments_from_state(state)
+        rounds = state["rounds_done"]
+        end = segments[-1].first_round + self._rounds_from(segments[-1].first_position, segments[-1].split)
+        if isinstance(rounds, bool) or not isinstance(rounds, int) or not 0 <= rounds <= end:
+            raise ValueError(f"sampler state: rounds_done = {rounds!r} must be an integer in 0..{end}")
+        current = self._segments[-1].split
+        at = next(segment for segment in reversed(segments) if segment.first_round <= rounds)
+        self.epoch = int(state["epoch"])
+        if at.split == current:
+            self._segments = segments
+        else:  # re-split the rest of the epoch
+            position = at.first_position + (rounds - at.first_round) * at.split.round_size
+            self._segments = [_Segment(rounds, position, current)]
+        self._rounds_drawn, self._round_left = rounds, 0
+        self._resume_round = self._pass_first_round = rounds
 
 
 class HeterogeneousDistributedSampler(_RoundLayout):
@@ -247,17 +361,24 @@ class HeterogeneousDistributedSampler(_RoundLayout):
     def __iter__(self):
         # A generator, so nothing happens before the first index is asked for: torch's DataLoader
         # creates sampler iterators that it never advances.
-        if self._resumes():
+        first_round = self._take_resume_round()
+        if first_round is None and self._resumes():
             first_round = self._segments[-1].first_round
-        else:
+        elif first_round is None:
             self._restart()
             first_round = 0
         self._resume = False
-        for _, _, indices in self._rank_rounds(first_round):
-            yield from indices
+        for round_index, _, indices in self._rank_rounds(first_round):
+            self._rounds_drawn = round_index + 1
+            for left, index in zip(range(len(indices) - 1, -1, -1), indices):
+                self._round_left = left
+                yield index
 
     def __len__(self):
         last = self._segments[-1]
+        if self._resume_round is not None:
+            return sum(rounds * split.share(self.rank)[1]
+                       for split, rounds in self._rounds_by_split(self._resume_round))
         if self._resumes():
             rounds = self.steps_per_epoch - last.first_round
         else:
@@ -318,17 +439,20 @@ class HeterogeneousBatchSampler(_RoundLayout):
     def __iter__(self):
         # A generator, so nothing happens before the first batch is asked for: torch's DataLoader
         # creates sampler iterators that it never advances.
-        if self._rounds_drawn:  # a pass has begun: this is a new one
-            self._restart()
-        for round_index, split, indices in self._rank_rounds(0):
+        first_round = self._take_resume_round()
+        if first_round is None:
+            if self._rounds_drawn:  # a pass has begun: this is a new one
+                self._restart()
+            first_round = 0
+        for round_index, split, indices in self._rank_rounds(first_round):
             self._rounds_drawn = round_index + 1
             size = split.micro_batch_sizes[self.rank]
-            for start in range(0, len(indices), size):
+            starts = range(0, len(indices), size)
+            for left, start in zip(range(len(starts) - 1, -1, -1), starts):
+                self._round_left = left
                 yield indices[start:start + size]
 
     def __len__(self):
-        micro_batches, segments = 0, self._segments
-        for index, segment in enumerate(segments):
-            end = segments[index + 1].first_round if index + 1 < len(segments) else self.steps_per_epoch
-            micro_batches += (end - segment.first_round) * segment.split.accumulation_steps[self.rank]
-        return micro_batches
+        """Micro-batches of this pass (from the checkpoint's round in a resumed one)."""
+        return sum(rounds * split.accumulation_steps[self.rank]
+                   for split, rounds in self._rounds_by_split(self._pass_first_round))

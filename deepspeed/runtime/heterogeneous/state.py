@@ -22,7 +22,7 @@ from typing import List, Optional
 
 from deepspeed.utils import logger
 
-from .config import HeterogeneousSettings, load_heterogeneous_settings
+from .config import HeterogeneousSettings, load_heterogeneous_settings, settings_summary
 from .devices import DeviceDescription
 from .planner import Plan
 from .precision import PrecisionChoice
@@ -69,6 +69,7 @@ class HeterogeneousState:
         left unmodified) and, when enabled, gather the devices and apply the precision choice to
         ``param_dict`` before upstream parses it. A seed-style workload "scheduler" is moved out of
         the LR scheduler's key."""
+        from .agreement import check_settings_agree
         from .batch import data_parallel_rank, gather_local_devices
         from .precision import choose_precision_for_config
 
@@ -78,11 +79,25 @@ class HeterogeneousState:
         state = cls(settings)
         if not settings.enabled:
             return state
-        state.dp_rank = data_parallel_rank(mpu, mesh_device)
+        # Before the fork's first collective: a rank whose environment or config differs, or that
+        # runs without the fork, ends here with an error naming it rather than in a hang.
+        check_settings_agree(settings_summary(settings))
+        state.dp_rank = data_parallel_rank(mpu, mesh_device, world_size, param_dict.get("sequence_parallel_size"))
         state.devices = gather_local_devices(settings, state.dp_rank, int(world_size))
         state.precision = choose_precision_for_config(settings.config.mixed_precision_support, state.devices,
                                                       param_dict)
         return state
+
+    def engine_starting(self, ds_config, engine_class, model=None, optimizer=None):
+        """The engine is about to be built from ``ds_config`` (``HeterogeneousEngineMixin.__init__``):
+        refuse engines the fork does not drive, and keep the start-up plan within memory now that
+        the model is known (``batch.cap_startup_plan``). Nothing when the fork is off."""
+        if not self.enabled:
+            return
+        refuse_unsupported_engine(engine_class)
+        if model is not None:
+            from .batch import cap_startup_plan
+            cap_startup_plan(ds_config, model, optimizer)
 
     def configure(self, ds_config):
         """Upstream's batch arithmetic, replaced: set this rank's batch fields from the start-up plan.
@@ -96,3 +111,17 @@ class HeterogeneousState:
         comm_clock.enable()  # the runtime subtracts time in collectives from each rank's compute time
         configure_heterogeneous_batch(ds_config, self)
         return True
+
+
+def refuse_unsupported_engine(engine_class):
+    """Raise for an engine class the fork cannot drive: the pipeline engine (and its subclasses)
+    runs its own schedule, data path and optimizer step, so no profiling, re-planning or per-rank
+    micro-batch would take effect there."""
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    if issubclass(engine_class, PipelineEngine):
+        raise ValueError(f"heterogeneous_config.enabled is true, but pipeline parallelism ({engine_class.__name__} "
+                         "for a PipelineModule) is not supported by deepspeed-hetero: the pipeline engine runs "
+                         "its own schedule and data path, so per-rank micro-batches, profiling and rebalancing "
+                         "would not apply. Set heterogeneous_config.enabled to false (and leave "
+                         "DS_HETEROGENEOUS_ENV unset) to train the PipelineModule as upstream does, or train a "
+                         "model that is not a PipelineModule (data parallelism, ZeRO) for heterogeneous training")

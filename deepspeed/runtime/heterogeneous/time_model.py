@@ -90,6 +90,29 @@ def plausible_time_model(model, size):
     return TimeModel(0.0, model.micro_step_time(size) / size)
 
 
+def relative_standard_error(model, samples, parameters):
+    """Relative standard error of the level of ``model`` over the micro-steps it was fitted to.
+
+    Each measured time divided by the model's prediction at its size is one estimate of the
+    rank's level (1.0 when the model is exact); their root-mean-square deviation from 1, with
+    ``parameters`` degrees of freedom spent on the fit, over the square root of their count, is
+    how far the level (and so the rank's speed relative to the others) could be off. Returns
+    ``math.inf`` when the samples leave no degree of freedom (one micro-step, or two fitted with
+    a line): the noise is then unknown, which the caller must not read as none.
+
+    Args:
+        model: the fitted TimeModel (with any fixed cost added after the fit).
+        samples: (micro_batch_size, seconds) pairs, times on the model's footing.
+        parameters: the number of fitted parameters (2 for ``a + b * mbs``, 1 through the origin).
+    """
+    pairs = [(float(m), float(t)) for m, t in samples]
+    freedom = len(pairs) - parameters
+    if freedom < 1:
+        return math.inf
+    squares = math.fsum((t / model.micro_step_time(m) - 1.0)**2 for m, t in pairs)
+    return math.sqrt(squares / freedom) / math.sqrt(len(pairs))
+
+
 def time_models_from_scores(scores):
     """Prior time models from relative speed scores (e.g. TFLOP/s): ``b_i = 1 / score_i``, ``a_i = 0``."""
     scores = list(scores)

@@ -43,7 +43,7 @@ def train_compute_aware(rank, world_size, stage, steps):
 
     model = make_model()
     engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                config=config(stage), training_data=dataset())
+                                                config=config(stage, profile_steps=5), training_data=dataset())
     assert engine.train_batch_size() / engine.gradient_accumulation_steps() == 16  # the flops profiler's count
     try:
         engine.set_train_micro_batch_size(4)

@@ -58,7 +58,7 @@ def test_design_example_parses():
 
 @pytest.mark.parametrize("config, expected", [
     ({"heterogeneous_config": {"enabled": True, "profile_step": 3}},
-     "heterogeneous_config.profile_step: unknown key 'profile_step'; allowed keys: emulation, enabled"),
+     "heterogeneous_config.profile_step: unknown key 'profile_step'; allowed keys: check_fed_batch, emulation, enabled"),
     ({"heterogeneous_config": {"scheduler": {"interval": 5}}},
      "heterogeneous_config.scheduler.interval: unknown key 'interval'; allowed keys: check_interval"),
     ({"heterogeneous_config": {"emulation": {"speed": [1]}}},
@@ -171,6 +171,33 @@ def test_misspelled_block_is_noted_with_a_suggestion(key, suggestion):
 ])
 def test_no_note_for_known_or_unrelated_keys(config):
     assert parse(config).notes == []
+
+
+def test_settings_summary_and_mismatch_name_what_differs():
+    """What the ranks compare at start-up (agreement.check_settings_agree): every parsed key path and
+    the raw environment switches; the message names each difference and which ranks hold what."""
+    from deepspeed.runtime.heterogeneous.agreement import settings_mismatch
+    from deepspeed.runtime.heterogeneous.config import ENV_SWITCHES, settings_summary
+
+    block = {"heterogeneous_config": {"enabled": True, "emulation": {"speeds": [1.0, 0.5, 0.5]}}}
+    plain = settings_summary(parse(block), environ={})
+    assert set(plain["env"]) == set(ENV_SWITCHES) and not any(plain["env"].values())
+    assert plain["settings"]["heterogeneous_config.emulation.speeds"] == [1.0, 0.5, 0.5]
+    assert plain["settings"]["heterogeneous_memory.hbm_utilization_threshold"] == 0.85
+    assert plain["settings"]["zero_optimization.heterogeneous_offload.cpu_offload"] is False
+    adaptive = settings_summary(parse(block, DS_ADAPTIVE_SCHEDULING="yes"), environ={"DS_ADAPTIVE_SCHEDULING": "yes"})
+    assert settings_mismatch([plain, plain, plain]) is None
+    message = settings_mismatch([plain, adaptive, plain])
+    assert "DS_ADAPTIVE_SCHEDULING is unset on ranks [0, 2] and 'yes' on ranks [1]" in message
+    assert "heterogeneous_config.scheduler.dynamic_rebalancing is false on ranks [0, 2] and true on ranks [1]" \
+        in message
+    assert "srun and torchrun do not forward them" in message and "same ds_config" in message
+    threshold = settings_summary(parse({**block, "heterogeneous_memory": {"hbm_utilization_threshold": 0.5}}),
+                                 environ={})
+    message = settings_mismatch([plain] * 9 + [threshold])
+    assert "hbm_utilization_threshold is 0.85 on ranks [0, 1, 2, 3, 4, 5, ..., 8] (9 ranks) and 0.5 on ranks [9]" \
+        in message
+    assert "DS_" not in message
 
 
 def test_parse_bytes():

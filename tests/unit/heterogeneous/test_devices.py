@@ -238,3 +238,52 @@ def test_local_device_follows_local_rank_where_the_index_exists(monkeypatch):
     assert (devices.local_device_index(), devices.local_device_count()) == (1, 2)
     monkeypatch.setenv("LOCAL_RANK", "3")  # a launcher that isolates devices: the one visible device
     assert devices.local_device_index() == 0
+
+
+def _two_device_cpu_host():
+    """DeepSpeed's CPU accelerator reporting two devices with names and memory of their own."""
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    class TwoDeviceHost(CPU_Accelerator):
+
+        def device_count(self):
+            return 2
+
+        def get_device_name(self, device_index=None):
+            return ["NVIDIA H100 80GB HBM3", "Tesla V100-SXM2-16GB"][int(device_index or 0)]
+
+        def total_memory(self, device_index=None):
+            return [80, 16][int(device_index or 0)] * BYTES_PER_GB
+
+    return TwoDeviceHost()
+
+
+def test_each_local_rank_describes_its_own_device(monkeypatch):
+    """Rank k of a host describes device k: its name, its memory, its datasheet score (the CPU
+    accelerator's index-less answers, and device 0's, are not rank 1's)."""
+    host = _two_device_cpu_host()
+    monkeypatch.setattr(devices, "get_accelerator", lambda: host)
+    described = []
+    for local_rank in ("0", "1"):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        monkeypatch.setenv("RANK", local_rank)
+        described.append(describe_local_device(local_rank=devices.local_device_index(), measure=False))
+    assert [(d.local_rank, d.name, d.memory_bytes) for d in described] == [
+        (0, "NVIDIA H100 80GB HBM3", 80 * BYTES_PER_GB), (1, "Tesla V100-SXM2-16GB", 16 * BYTES_PER_GB)]
+    assert [d.spec_score for d in described] == [989.0, 125.0]
+    # Memory of their own, not the host's RAM that the CPU accelerator reports: a limit per rank.
+    assert not any(d.shared_host_memory for d in described)
+
+
+def test_the_cpu_accelerator_reports_shared_host_memory(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_SIZE", "2")
+    assert devices.local_device_index() == 1  # its "devices" are one processor: the same description
+    description = describe_local_device(local_rank=devices.local_device_index(), measure=False)
+    assert description.shared_host_memory and description.accelerator == "cpu"
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    assert devices.local_device_index() == 0
+    # A description written without the key (before the field existed) reads as not shared.
+    values = description.to_dict()
+    del values["shared_host_memory"]
+    assert DeviceDescription.from_dict(values).shared_host_memory is False

@@ -231,3 +231,67 @@ def test_engine_model_state_bytes_is_the_one_count_of_an_engine():
     assert inputs == {"num_parameters": 100, "param_bytes": 2, "optimizer_bytes": 8, "master_bytes": 4,
                       "optimizer_offloaded": False}
     assert engine_model_state_bytes(engine, 4) == model_state_bytes(100, 2, 4, 2, 8, 4) == 200 + 50 + 300
+
+
+def test_start_up_limits_before_any_activation_was_measured():
+    """An equal share (rounded up) must fit the rank with the least room; a rank with k times that
+    room may take k shares, never more, whatever its datasheet speed."""
+    from deepspeed.runtime.heterogeneous.memory import startup_memory_limits
+
+    gib = BYTES_PER_GB
+    # 18 samples per micro-step on 2 ranks: an equal share is 9.
+    assert startup_memory_limits([16 * gib, 16 * gib], [0, 0], 0.85, 18) == [9, 9]
+    assert startup_memory_limits([80 * gib, 16 * gib], [0, 0], 1.0, 18) == [45, 9]
+    # Model state counts against the room: 10 of 20 GiB left vs 40 of 50 GiB.
+    assert startup_memory_limits([20 * gib, 50 * gib], [10 * gib, 10 * gib], 1.0, 18) == [9, 36]
+    # 15 samples: the tightest rank may hold 8 (rounded up), so that the shares can add up.
+    assert startup_memory_limits([gib, gib], [0, 0], 1.0, 15) == [8, 8]
+    # Unknown capacity: no limit there.
+    assert startup_memory_limits([None, 16 * gib], [0, 0], 1.0, 18) == [None, 9]
+    assert startup_memory_limits([None, None], [0, 0], 1.0, 18) == [None, None]
+    with pytest.raises(RankCannotFitError, match=r"data-parallel rank 1 \(T4\) cannot hold its model state"):
+        startup_memory_limits([16 * gib, 16 * gib], [0, 15 * gib], 0.85, 18,
+                              ["data-parallel rank 0 (A10)", "data-parallel rank 1 (T4)"])
+
+
+def test_start_up_plan_from_priors_keeps_within_memory():
+    """The datasheet prior of an H100 next to a V100 (989 vs 125 TFLOP/s) is 8:1; with the same
+    memory on both, the start-up limits bring it back to an equal split, the planner's own rule."""
+    from deepspeed.runtime.heterogeneous.config import load_heterogeneous_settings
+    from deepspeed.runtime.heterogeneous.batch import initial_plan
+    from deepspeed.runtime.heterogeneous.memory import startup_memory_limits
+
+    settings = load_heterogeneous_settings({"heterogeneous_config": {"enabled": True}}, environ={})
+    devices = [_device("NVIDIA H100 80GB HBM3", 989.0), _device("Tesla V100-SXM2-16GB", 125.0)]
+    free = initial_plan(settings, 18, 1, 2, 0, devices)
+    assert list(free.micro_batch_sizes) == [16, 2]
+    limits = startup_memory_limits([16 * BYTES_PER_GB] * 2, [BYTES_PER_GB] * 2, 0.85, 18)
+    assert limits == [9, 9]
+    capped = initial_plan(settings, 18, 1, 2, 2, devices, max_micro_batch=limits)  # ZeRO-2: one gas
+    assert list(capped.micro_batch_sizes) == [9, 9]
+    # ZeRO-0/1 may give the fast rank more micro-steps instead, each within its limit.
+    capped = initial_plan(settings, 18, 1, 2, 0, devices, max_micro_batch=limits)
+    assert list(capped.micro_batch_sizes) == [8, 2] and list(capped.gradient_accumulation_steps) == [2, 1]
+
+
+def _device(name, score):
+    from deepspeed.runtime.heterogeneous.devices import DeviceDescription
+    return DeviceDescription(rank=0, local_rank=0, host="h", name=name, memory_bytes=16 * BYTES_PER_GB, bf16=True,
+                             fp16=True, accelerator="cuda", spec_score=score, score_source="spec")
+
+
+def test_model_state_before_the_engine_exists_counts_as_the_engine_will():
+    """cap_startup_plan counts the model state from the config and the model, before the engine:
+    the same count engine_model_state_bytes makes of the engine afterwards."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.heterogeneous.memory import config_model_state_bytes
+
+    model = torch.nn.Linear(10, 10)  # 110 parameters
+    base = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 4}
+    adam = DeepSpeedConfig({**base, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    assert config_model_state_bytes(adam, model) == model_state_bytes(110, 0, 1, 4, 8)
+    bf16 = DeepSpeedConfig({**base, "bf16": {"enabled": True}, "zero_optimization": {"stage": 2}})
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert config_model_state_bytes(bf16, model, sgd) == model_state_bytes(110, 2, 1, 2, 0, 4)
+    offload = DeepSpeedConfig({**base, "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}})
+    assert config_model_state_bytes(offload, model) == model_state_bytes(110, 1, 1, 4, 8, optimizer_offloaded=True)

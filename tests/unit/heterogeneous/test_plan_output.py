@@ -26,7 +26,7 @@ def runtime_on_rank(monkeypatch, rank):
                                                 types.SimpleNamespace(name="slow-gpu")])
     runtime.config = types.SimpleNamespace(heterogeneous=runtime.state)
     runtime.engine = types.SimpleNamespace(micro_steps=0)
-    runtime.rank, runtime.loaders, runtime.gas_origin = rank % 2, [], 0
+    runtime.rank, runtime.samplers, runtime.gas_origin = rank % 2, [], 0
     # apply_plan writes the engine's batch fields; here only the plan in force matters.
     monkeypatch.setattr(runtime_module, "apply_plan", lambda config, plan: setattr(config.heterogeneous, "plan", plan))
     return runtime

@@ -297,10 +297,13 @@ def _reschedule(rank, world_size):
         bad = None
     except ValueError as exc:
         bad = str(exc)
+    # Issue 12: a predicted gain of 6% ([9, 7] for busy times 1.0 and 1.2) is below the 10%
+    # threshold automatic rebalancing applies; on demand it used to move work anyway.
+    below = list(engine.reschedule_workload({"busy_seconds": [1.0, 1.2]}).micro_batch_sizes)
     # Rank 1 reports three times rank 0's busy time for the same share: it gets about a quarter.
     after = list(engine.reschedule_workload({"busy_seconds": [1.0, 3.0]}).micro_batch_sizes)
     _, inputs, targets = next(batches)  # the loader follows the new plan at the next step
-    return {"before": before, "after": after, "bad": bad, "next_batch": len(inputs)}
+    return {"before": before, "below": below, "after": after, "bad": bad, "next_batch": len(inputs)}
 
 
 @pytest.mark.multiprocess
@@ -308,5 +311,6 @@ def test_reschedule_workload_on_demand():
     results = run_ranks(_reschedule, world_size=2, timeout=300)
     assert results[0]["after"] == results[1]["after"]
     assert results[0]["before"] == [8, 8] and results[0]["after"] == [12, 4], results
+    assert results[0]["below"] == results[1]["below"] == [8, 8], results
     assert [r["next_batch"] for r in results] == [12, 4]
     assert all("one positive busy time per data-parallel rank (2)" in r["bad"] for r in results), results

@@ -1,0 +1,201 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Checkpoints of heterogeneous runs: the plan in force, the samplers' positions, the runtime's progress.
+
+Without them a resumed run restarts the epoch from its first sample and from the start-up plan:
+samples are seen twice, the profiling steps run again and the parameters drift from the run that
+was never interrupted. ``engine.save_checkpoint`` calls ``save_state`` and
+``engine.load_checkpoint`` calls ``load_state`` (one hook each, in upstream's engine.py).
+
+Where it is stored: upstream's client state, i.e. the model-states file, under ``KEY``. That file
+is written by data-parallel rank 0 (every rank under ZeRO-3) and read by every rank, so what it
+holds must describe every rank. It does: the plan is the same everywhere, and a sampler's
+position is stored without the rank (epoch, the splits by round, the rounds handed out), from
+which each rank derives its own slices, also a rank of a resized group. ``save_state`` gathers
+every rank's positions and refuses a checkpoint where they differ (a loader fetched ahead on some
+rank) rather than write one that would resume wrongly. The only per-rank values, each rank's
+steps since the last rebalancing check, are gathered into the record by global rank.
+
+Everything is stored as plain values (dicts, lists, numbers), never a class of the fork, so a
+checkpoint of a heterogeneous run still unpickles in upstream DeepSpeed, which hands the record
+back as client state; with the fork off nothing is added and the checkpoint is upstream's.
+
+On load:
+
+- the same cluster (devices, emulation, strategy, data-parallel world size) and batch: the plan,
+  the runtime (profiling finished or not, its measurements, the rebalancer, the events) and the
+  samplers continue exactly where the saving run was;
+- another cluster: the checkpoint's plan is kept (compute_aware; with ``manual``/``uniform`` the
+  config's plan, so that changed ``micro_batch_sizes`` take effect), profiling runs again from it,
+  and the samplers continue at the saved position (re-split when the plan differs);
+- another world size or ``train_batch_size``: the start-up plan of this run, and the rest of the
+  epoch is split with it (``sampler.load_state_dict`` re-splits); ZeRO-1/2/3 optimizer states
+  do not follow a new world size (upstream refuses with its own error; a ZeRO-0 checkpoint loads).
+"""
+
+from deepspeed import comm as dist
+from deepspeed.utils import logger
+
+from .planner import Plan
+
+KEY = "deepspeed_hetero"
+"""The client-state key of the fork's record."""
+VERSION = 1
+
+
+def save_state(engine, client_state):
+    """``save_checkpoint``'s hook: ``client_state`` with the fork's record added under ``KEY``, or
+    ``client_state`` itself when the fork is off. Every rank calls it (one gather)."""
+    if engine.heterogeneous_plan is None:
+        return client_state
+    if KEY in client_state:
+        raise KeyError(f"client_state contains the key {KEY!r}, which deepspeed-hetero uses for its own state; "
+                       f"rename that entry")
+    runtime = engine._heterogeneous_runtime()
+    samplers = registered_samplers(runtime)
+    mine = {
+        "samplers": [sampler.state_dict() for sampler in samplers],
+        "mid_round": [index for index, sampler in enumerate(samplers) if sampler.mid_round],
+        "window": runtime.window_state(),
+    }
+    everyone = runtime.agreement.gather_from_every_rank(mine, "the samplers' positions to save a checkpoint")
+    check_positions_agree([entry["samplers"] for entry in everyone])
+    if any(entry["mid_round"] for entry in everyone) or not _at_step_boundary(engine, runtime):
+        if dist.get_rank() == 0:
+            logger.warning("deepspeed-hetero: save_checkpoint in the middle of an optimizer step; DeepSpeed does not "
+                           "save the gradients accumulated so far, and the resumed run starts a new step with the "
+                           "next micro-batch. Save after engine.step() at an accumulation boundary to resume exactly")
+    record = {
+        "version": VERSION,
+        "plan": engine.heterogeneous_plan.to_dict(),
+        "cluster": cluster_signature(engine._config.heterogeneous),
+        "runtime": runtime.state_dict(),
+        "windows": [entry["window"] for entry in everyone],
+        "samplers": mine["samplers"],
+    }
+    return {**client_state, KEY: record}
+
+
+def load_state(engine, client_state, load_module_only=False):
+    """``load_checkpoint``'s hook: restore the fork's record and return ``client_state`` without it
+    (what the user gets back stays their own). Every rank calls it; no collective."""
+    if not client_state or KEY not in client_state:
+        if client_state is not None and engine.heterogeneous_plan is not None and not load_module_only:
+            _log(engine, "the checkpoint holds no deepspeed-hetero state (written by upstream or with the fork "
+                 "off): the start-up plan stays, and samplers start at their epoch's beginning")
+        return client_state
+    client_state = dict(client_state)
+    record = client_state.pop(KEY)
+    if engine.heterogeneous_plan is None:
+        _log(engine, "the checkpoint was written with heterogeneous_config enabled; with it off here, its plan and "
+             "sampler positions are ignored")
+        return client_state
+    if load_module_only:
+        return client_state
+    restore(engine, record)
+    return client_state
+
+
+def restore(engine, record):
+    """Make ``engine`` continue from the fork's ``record`` (see the module docstring)."""
+    version = record.get("version") if isinstance(record, dict) else None
+    if version != VERSION:
+        raise ValueError(f"deepspeed-hetero checkpoint record: version {version!r} is not supported (this build "
+                         f"reads version {VERSION})")
+    state = engine._config.heterogeneous
+    runtime = engine._heterogeneous_runtime()
+    saved = Plan.from_dict(record["plan"])
+    current = state.plan
+    same_shape = (saved.world_size == current.world_size and saved.train_batch_size == current.train_batch_size
+                  and (runtime.per_rank_gas_allowed or not saved.per_rank_gas))
+    same_cluster = same_shape and record["cluster"] == cluster_signature(state)
+    if same_shape and (same_cluster or state.settings.config.load_balancing_strategy == "compute_aware"):
+        if (saved.micro_batch_sizes, saved.gradient_accumulation_steps) != (current.micro_batch_sizes,
+                                                                            current.gradient_accumulation_steps):
+            runtime.switch_to(saved, "plan restored from the checkpoint")
+        else:
+            state.plan = saved  # the same split; keep the saved predictions
+    elif saved.world_size != current.world_size or saved.train_batch_size != current.train_batch_size:
+        _log(engine, f"the checkpoint was written by {saved.world_size} data-parallel ranks with train_batch_size "
+             f"{saved.train_batch_size}; this run has {current.world_size} with {current.train_batch_size}: the "
+             f"start-up plan {list(current.micro_batch_sizes)} splits the rest of the epoch")
+    windows = record.get("windows") or []
+    window = windows[dist.get_rank()] if same_cluster and dist.get_rank() < len(windows) else None
+    runtime.load_state_dict(record["runtime"] if same_cluster else None, window)
+    if not same_cluster and runtime.profiling:
+        _log(engine, "the checkpoint was written on another cluster (devices, emulation or strategy differ): "
+             "profiling runs again from the plan in force")
+    _restore_samplers(registered_samplers(runtime), record["samplers"])
+
+
+def _restore_samplers(samplers, states):
+    if not states:
+        return
+    if len(samplers) != len(states):
+        raise ValueError(f"deepspeed-hetero: the checkpoint holds the positions of {len(states)} heterogeneous "
+                         f"sampler(s) (the engine's loader from deepspeed.initialize(training_data=...) and those of "
+                         f"engine.heterogeneous_sampler / register_heterogeneous_sampler, in that order), but "
+                         f"{len(samplers)} are registered now. Create the same samplers, in the same order, before "
+                         f"engine.load_checkpoint(), so that each resumes where it was")
+    for index, (sampler, saved) in enumerate(zip(samplers, states)):
+        try:
+            sampler.load_state_dict(saved)
+        except ValueError as exc:
+            raise ValueError(f"deepspeed-hetero: heterogeneous sampler {index} cannot resume from the checkpoint: "
+                             f"{exc}") from exc
+
+
+def registered_samplers(runtime):
+    """The batch samplers that follow the plan, in registration order."""
+    return list(runtime.samplers)
+
+
+def check_positions_agree(positions):
+    """Raise when the ranks' sampler positions differ: the record is one description for all ranks.
+
+    ``positions``: per global rank, the list of its samplers' ``state_dict()``."""
+    counts = {len(p) for p in positions}
+    if len(counts) > 1:
+        raise ValueError(f"deepspeed-hetero: save_checkpoint: the ranks registered different numbers of heterogeneous "
+                         f"samplers ({[len(p) for p in positions]} by global rank); every rank must create the same "
+                         f"ones")
+    for index in range(counts.pop() if counts else 0):
+        by_rank = [p[index] for p in positions]
+        if any(state != by_rank[0] for state in by_rank[1:]):
+            where = ", ".join(f"rank {rank}: epoch {s['epoch']} round {s['rounds_done']}"
+                              for rank, s in enumerate(by_rank))
+            raise ValueError(f"deepspeed-hetero: save_checkpoint: heterogeneous sampler {index} is at different "
+                             f"positions on the ranks ({where}); a checkpoint must be taken where every rank has drawn "
+                             f"the same rounds (after engine.step(), with loaders that do not fetch ahead of the step)")
+
+
+def cluster_signature(state):
+    """What the saved measurements are measurements of: the devices (by kind, not by host or score),
+    the emulation, the strategy. Equal signatures: the runtime's state carries over."""
+    devices = None
+    if state.devices:
+        devices = [[d.name, d.accelerator, d.memory_bytes] for d in state.devices]
+    settings = state.settings.config
+    emulation = settings.emulation
+    if emulation is not None:
+        emulation = {
+            "speeds": emulation.speeds,
+            "memory_gb": emulation.memory_gb,
+            "speed_schedule": [[change.step, change.speeds] for change in emulation.speed_schedule or []],
+        }
+    return {
+        "devices": devices,
+        "emulation": emulation,
+        "strategy": settings.load_balancing_strategy,
+        "micro_batch_sizes": settings.micro_batch_sizes,  # manual: the user's sizes win over the saved plan
+        "world_size": state.plan.world_size if state.plan is not None else None,
+    }
+
+
+def _at_step_boundary(engine, runtime):
+    gas = engine.gradient_accumulation_steps()
+    return (engine.micro_steps - runtime.gas_origin) % gas == 0
+
+
+def _log(engine, message):
+    if dist.get_rank() == 0:
+        print(f"[deepspeed-hetero] load_checkpoint: {message}", flush=True)

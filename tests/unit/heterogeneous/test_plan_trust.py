@@ -1,0 +1,367 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Plans a user can trust (issue 12): profiling keeps the start-up plan when the ranks' measured
+speeds differ only by noise and never takes an absurd split; a switch that made the step slower
+is reverted and not retried soon; reschedule_workload applies the threshold; a failure of rank
+0's decision reaches every rank at once."""
+
+import math
+import time
+
+import pytest
+import torch
+
+from deepspeed.runtime.heterogeneous.planner import TimeModel, plan_micro_batches
+from deepspeed.runtime.heterogeneous.profiling import (beyond_measured_ratio, plan_after_profiling_step,
+                                                       rank_errors, measured_time_models, reference_walls,
+                                                       significant_difference, trusted_plan)
+from deepspeed.runtime.heterogeneous.rebalance import (MIN_SLOWDOWN, PlanDecisionError, Rebalancer,
+                                                       RebalancePolicy, decision_failure, raise_decision_failure,
+                                                       slowdown_beyond_noise)
+from deepspeed.runtime.heterogeneous.time_model import relative_standard_error
+from harness import run_subcases
+
+BATCH = 32
+
+
+def _plan(sizes, batch=BATCH, strategy="manual"):
+    return plan_micro_batches([TimeModel(0.0, 1.0)] * len(sizes), train_batch_size=batch,
+                              gradient_accumulation_steps=1, strategy=strategy, manual=list(sizes))
+
+
+UNIFORM = _plan([16, 16])
+
+
+def _history(per_sample, sizes, noise, overheads=(0.0, 0.0), wall=None):
+    """Profiling steps of 2 ranks, gas 1: step k runs ``sizes[k]`` (per rank), rank r takes
+    ``per_sample[r] * mbs * (1 + noise[r][k])`` seconds; the first step is the warm-up."""
+    history = []
+    for k, step_sizes in enumerate(sizes):
+        step = []
+        for rank, size in enumerate(step_sizes):
+            seconds = per_sample[rank] * size * (1 + noise[rank][k])
+            step.append({"samples": [(size, seconds, None)], "step_overhead": overheads[rank], "state_bytes": 0,
+                         "wall": wall[k] if wall else None})
+        history.append(step)
+    return history
+
+
+# The sizes profiling runs: warm-up at the start-up plan, spread steps, the start-up plan again.
+SIZES = [(16, 16), (12, 20), (16, 16), (12, 20), (16, 16)]
+
+
+# -- the noise gate -------------------------------------------------------------------------------
+
+
+def test_relative_standard_error_is_unknown_without_a_degree_of_freedom():
+    model = TimeModel(0.0, 1.0)
+    assert relative_standard_error(model, [(4, 4.0)], 1) == math.inf
+    assert relative_standard_error(model, [(4, 4.0), (8, 8.0)], 2) == math.inf
+    assert relative_standard_error(model, [(4, 4.0), (8, 8.0)], 1) == 0.0
+    # +-10% around the model, 4 points, 1 parameter: rms 0.1 * sqrt(4/3), over sqrt(4).
+    error = relative_standard_error(model, [(4, 4.4), (4, 3.6), (8, 8.8), (8, 7.2)], 1)
+    assert error == pytest.approx(0.1 * math.sqrt(4 / 3) / 2)
+
+
+def test_equal_ranks_measured_apart_by_noise_keep_the_uniform_split():
+    """Issue 12: identical ranks whose noisy micro-steps (+-35%) make rank 1 look 30% slower. The
+    measured best plan moves work; the gate keeps [16, 16] and says why. Without the scatter the
+    same means are a real difference, and the plan follows them."""
+    noise = [[0.0, 0.35, -0.35, -0.35, 0.35], [0.0, -0.35, 0.35, 0.35, -0.35]]
+    noisy = _history([1.0, 1.3], SIZES, noise)
+    decision = trusted_plan(noisy, UNIFORM, 1, None, False)
+    assert decision.plan is UNIFORM and decision.models is None
+    assert list(decision.best.micro_batch_sizes) != [16, 16]  # what the fit alone would have done
+    assert "kept the start-up plan" in decision.note and "within the measured noise" in decision.note
+    steady = _history([1.0, 1.3], SIZES, [[0.0] * 5, [0.0] * 5])
+    decision = trusted_plan(steady, UNIFORM, 1, None, False)
+    assert list(decision.plan.micro_batch_sizes) == [18, 14], decision
+    assert "beyond the noise" in decision.note
+
+
+def test_a_real_difference_passes_the_gate_despite_noise():
+    """Rank 1 at 0.4 of rank 0's speed, with +-15% scatter: the difference is far beyond the noise."""
+    noise = [[0.0, 0.15, -0.15, -0.15, 0.15], [0.0, -0.15, 0.15, 0.15, -0.15]]
+    decision = trusted_plan(_history([1.0, 2.5], SIZES, noise), UNIFORM, 1, None, False)
+    assert decision.plan.micro_batch_sizes[0] >= 21, decision
+
+
+def test_the_gate_reads_the_start_up_plan_steps_where_a_new_size_paid_one_off_costs():
+    """Rank 1 takes 1.6x rank 0's time per sample. Rank 0's first step at 20 samples paid one-off
+    allocations (+60%), which makes its fit look nearly as slow as rank 1 (1.17x under the
+    start-up plan: within the noise) and its noise large; the step at the start-up plan, timed
+    after the warm-up, still shows the difference beyond that noise."""
+    noise = [[0.0, 0.6, 0.0], [0.0, 0.0, 0.0]]
+    sizes = [(16, 16), (20, 12), (16, 16)]
+    history = _history([1.0, 1.6], sizes, noise)
+    models, fits = measured_time_models(history, 1)
+    errors = rank_errors(history, models, fits)
+    assert significant_difference(models, errors, UNIFORM) is None
+    decision = trusted_plan(history, UNIFORM, 1, None, False)
+    assert decision.plan.micro_batch_sizes[0] > 16 and "rank 1 measured 1.60x rank 0's time" in decision.note
+
+
+def test_one_micro_step_per_rank_cannot_tell_the_ranks_apart():
+    history = _history([1.0, 3.0], SIZES[:2], [[0.0, 0.0], [0.0, 0.0]])
+    models, fits = measured_time_models(history, 1)
+    assert rank_errors(history, models, fits) == [math.inf, math.inf]
+    decision = trusted_plan(history, UNIFORM, 1, None, False)
+    assert decision.plan is UNIFORM and "too few micro-steps" in decision.note
+
+
+def test_a_datasheet_start_up_plan_is_the_reference_of_the_gate():
+    """Start-up plan [24, 8] from datasheet scores 3:1; the ranks measure 3:1 (+-noise): kept."""
+    startup = _plan([24, 8])
+    sizes = [(24, 8), (20, 12), (24, 8), (20, 12), (24, 8)]
+    noise = [[0.0, 0.05, -0.05, -0.05, 0.05], [0.0, -0.05, 0.05, 0.05, -0.05]]
+    history = _history([1.0, 3.0], sizes, noise)
+    models, fits = measured_time_models(history, 1)
+    assert significant_difference(models, rank_errors(history, models, fits), startup) is None
+    assert trusted_plan(history, startup, 1, None, False).plan is startup
+
+
+def test_an_absurd_split_never_comes_out_of_a_waiting_rank():
+    """Issue 12: with rank 1 throttled, rank 0's optimizer step measured the wait for rank 1 (time
+    that is not its compute): 5 ms of fixed cost against 1 ms of compute for 16 samples. The fitted
+    models then give rank 1, no faster per sample, 31 of 32 samples; the guard caps a rank at
+    1.5x what the measured per-sample speeds give it and falls back to that split."""
+    history = _history([1e-3 / 16, 1e-3 / 16], SIZES, [[0.0] * 5, [0.0] * 5], overheads=(5e-3, 0.5e-3))
+    models, _ = measured_time_models(history, 1)
+    fitted = plan_micro_batches(models, BATCH, 1, "compute_aware")
+    assert list(fitted.micro_batch_sizes) == [1, 31]
+    decision = trusted_plan(history, UNIFORM, 1, None, False)
+    assert list(decision.plan.micro_batch_sizes) == [16, 16], decision
+    assert "more than 1.5x the samples of the measured speed ratio" in decision.note
+    assert beyond_measured_ratio(fitted, UNIFORM) == [1]
+    assert beyond_measured_ratio(_plan([20, 12]), UNIFORM) == []
+
+
+def test_profiling_schedule_spreads_toward_the_best_and_ends_at_the_start_up_plan():
+    noise = [[0.0] * 5, [0.0] * 5]
+    history = _history([1.0, 2.5], SIZES, noise)
+    # After the warm-up alone (one micro-step per rank: noise unknown) the start-up plan is kept,
+    # spread so that the rank the measurements favour takes the samples.
+    first = plan_after_profiling_step(history[:1], UNIFORM, 1, None, False, steps_left=4)
+    assert list(first.plan.micro_batch_sizes) == [20, 12], first
+    # The step before the last runs the start-up plan: the reference the final switch is judged by.
+    reference = plan_after_profiling_step(history[:4], _plan([20, 12]), 1, None, False, steps_left=1,
+                                          startup_plan=UNIFORM)
+    assert reference.plan is UNIFORM
+    final = plan_after_profiling_step(history, UNIFORM, 1, None, False, steps_left=0)
+    assert final.plan.micro_batch_sizes[0] > 20 and final.models is not None
+
+
+def test_reference_walls_are_the_start_up_plan_steps_after_the_warm_up():
+    history = _history([1.0, 1.0], SIZES, [[0.0] * 5, [0.0] * 5], wall=[9.0, 2.0, 1.0, 2.0, 1.1])
+    assert reference_walls(history, UNIFORM) == [1.0, 1.1]
+    assert reference_walls(history, _plan([20, 12])) == []
+
+
+# -- reverting a switch that made the step slower --------------------------------------------------
+
+
+def test_slowdown_beyond_noise():
+    slowdown, bound = slowdown_beyond_noise([1.0, 1.0, 1.0], [1.3, 1.3, 1.3])
+    assert slowdown == pytest.approx(0.3) and bound == MIN_SLOWDOWN
+    # Scattered steps: a 10% slower median is within the noise.
+    slowdown, bound = slowdown_beyond_noise([1.0, 0.8, 1.2, 1.0], [1.1, 0.85, 1.35, 1.1])
+    assert slowdown == pytest.approx(0.1) and bound > slowdown
+    # A single reference step borrows the other group's spread instead of claiming no noise.
+    _, single = slowdown_beyond_noise([1.0], [1.1, 0.9, 1.2, 0.8])
+    _, many = slowdown_beyond_noise([1.0, 0.9, 1.1, 1.0], [1.1, 0.9, 1.2, 0.8])
+    assert single > many > MIN_SLOWDOWN
+    with pytest.raises(ValueError, match="at least one step"):
+        slowdown_beyond_noise([], [1.0])
+
+
+def _best_plan_for(models):
+    return plan_micro_batches(models, train_batch_size=BATCH, gradient_accumulation_steps=1, strategy="compute_aware")
+
+
+def test_a_switch_that_made_the_step_slower_is_reverted_and_not_retried_soon():
+    rebalancer = Rebalancer(RebalancePolicy(0.1), retry_after_checks=3)
+    old, new = UNIFORM, _plan([25, 7])
+    assert rebalancer.switched(old, new, [1.0, 1.02, 0.98], None, "switch after profiling") is None
+    assert rebalancer.judge_switch(new, [1.3, 1.31]) is None  # too few steps yet: they add up
+    decision = rebalancer.judge_switch(new, [1.29])
+    assert decision.rebalance and decision.revert and decision.plan is old
+    assert "slower beyond the noise, reverted" in decision.reason
+    assert rebalancer.pending is None and rebalancer.baseline is None
+    # Restored on observation: the old plan is the balanced reference, so steady drift moves nothing.
+    assert rebalancer.reference_models == [TimeModel(0.0, 1 / 16), TimeModel(0.0, 1 / 16)]
+    # The models still favour [25, 7]: on demand (threshold passed) it is refused while it is barred.
+    skewed = [TimeModel(0.0, 1.0), TimeModel(0.0, 3.5)]
+    for left in (2, 1, 0):
+        refused = rebalancer.check_on_demand(old, skewed, _best_plan_for, threshold=0.1)
+        assert not refused.rebalance and f"was reverted; not tried again for {left} more check(s)" in refused.reason
+    again = rebalancer.check_on_demand(old, skewed, _best_plan_for, threshold=0.1)
+    assert again.rebalance and list(again.plan.micro_batch_sizes) == [25, 7]
+
+
+def test_a_switch_within_the_noise_is_kept():
+    rebalancer = Rebalancer(None)
+    old, new = UNIFORM, _plan([18, 14])
+    rebalancer.switched(old, new, [1.0, 1.2, 0.8], None, "rebalance")
+    decision = rebalancer.judge_switch(new, [1.05, 1.25, 0.85, 1.05])
+    assert not decision.rebalance and decision.reason.endswith("kept")
+    assert rebalancer.judge_switch(new, [5.0] * 5) is None  # judged once
+    # A switch without a measured step before it is not checked, and says so.
+    assert "not checked" in rebalancer.switched(old, new, [], None, "reschedule")
+    assert rebalancer.judge_switch(new, [5.0] * 5) is None
+
+
+def test_a_rebalance_that_backfires_restores_the_models_of_the_old_plan():
+    rebalancer = Rebalancer(RebalancePolicy(0.1, cooldown_checks=0))
+    reference = [TimeModel(0.0, 0.01), TimeModel(0.0, 0.01)]
+    rebalancer.plan_chosen(reference)
+    plan = UNIFORM
+    rebalancer.check(plan, [[0.16] * 4, [0.16] * 4], _best_plan_for)  # baseline
+    slowed = [[0.16] * 4, [0.48] * 4]
+    rebalancer.check(plan, slowed, _best_plan_for)
+    decision = rebalancer.check(plan, slowed, _best_plan_for)
+    assert decision.rebalance
+    rebalancer.switched(plan, decision.plan, [0.5] * 4, rebalancer.previous_models, "rebalance")
+    reverted = rebalancer.judge_switch(decision.plan, [0.7] * 4)
+    assert reverted.revert and rebalancer.reference_models == reference and rebalancer.baseline is None
+
+
+# -- reschedule_workload applies the threshold ----------------------------------------------------
+
+
+def test_reschedule_on_demand_applies_the_threshold():
+    """A predicted gain of 5.9% (busy 1.0 vs 1.125 for equal shares) used to move work on demand."""
+    rebalancer = Rebalancer(None)
+    models = [TimeModel(0.0, 1.0 / 16), TimeModel(0.0, 1.125 / 16)]
+    small = rebalancer.check_on_demand(UNIFORM, models, _best_plan_for, threshold=0.1)
+    assert not small.rebalance and 0 < small.predicted_gain < 0.1 and "<= threshold 10%" in small.reason
+    large = rebalancer.check_on_demand(UNIFORM, [TimeModel(0.0, 1.0 / 16), TimeModel(0.0, 3.0 / 16)],
+                                       _best_plan_for, threshold=0.1)
+    assert large.rebalance and list(large.plan.micro_batch_sizes) == [24, 8]
+    assert Rebalancer(RebalancePolicy(0.5)).check_on_demand(UNIFORM, models, _best_plan_for).reason.endswith(
+        "<= threshold 50%")
+    with pytest.raises(ValueError, match="imbalance_threshold"):
+        Rebalancer(None).check_on_demand(UNIFORM, models, _best_plan_for)
+
+
+# -- a failed decision reaches every rank ---------------------------------------------------------
+
+
+def test_decision_failures_keep_their_type_and_message():
+    box = decision_failure(ZeroDivisionError("float division by zero"))
+    assert box == {"error": "float division by zero", "type": "ZeroDivisionError"}
+    with pytest.raises(PlanDecisionError, match="rank 0 raised ZeroDivisionError: float division by zero"):
+        raise_decision_failure(box, "rebalancing at step 7 failed")
+    with pytest.raises(ValueError, match="no plan fits after profiling step 2: too big"):
+        raise_decision_failure(decision_failure(ValueError("too big")), "no plan fits after profiling step 2")
+
+
+WIDTH = 32
+COLLECTIVE_TIMEOUT = 300
+
+
+def _failing_decision(rank, world_size, failure):
+    """Profiling, two steps, then reschedule_workload() on every rank while rank 0's decision fails:
+    - ``bypass``: rank 1 calls ``engine.module(...)`` directly in those steps (a real mistake: its
+      micro-steps are not timed), so rank 0 has no measurement of rank 1 to plan with;
+    - ``crash``: rank 0's planner raises an exception that is not a ValueError (as a bug would)."""
+    import deepspeed
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(WIDTH, 64), torch.nn.Tanh(), torch.nn.Linear(64, WIDTH))
+    config = {"train_batch_size": 16, "gradient_clipping": 0.0, "zero_optimization": {"stage": 0},
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+              "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "compute_aware",
+                                       "profile_steps": 3,
+                                       "scheduler": {"dynamic_rebalancing": True, "check_interval": 50}}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    runtime = engine._heterogeneous_runtime()
+    for step in range(5):
+        size = engine.heterogeneous_plan.micro_batch_sizes[rank]
+        inputs, targets = torch.randn(size, WIDTH), torch.randn(size, WIDTH)
+        forward = engine.module if failure == "bypass" and rank == 1 and step >= 3 else engine
+        engine.backward(torch.nn.functional.mse_loss(forward(inputs), targets))
+        engine.step()
+    if failure == "crash" and rank == 0:
+
+        def crash(*args, **kwargs):
+            return 1 / 0
+
+        runtime.rebalancer.check_on_demand = crash
+    started = time.perf_counter()
+    try:
+        engine.reschedule_workload()
+    except Exception as exc:  # noqa: BLE001 -- the test looks at what each rank raised
+        return {"type": type(exc).__name__, "message": str(exc), "seconds": time.perf_counter() - started}
+    return {"type": None, "seconds": time.perf_counter() - started}
+
+
+@pytest.mark.multiprocess
+def test_a_failure_of_rank_0s_decision_is_raised_on_every_rank_at_once():
+    """Issue 12: rank 0's decision failed on rank 0 alone (a ZeroDivisionError), and the other
+    ranks waited in the broadcast until the process group's time-out."""
+    cases = [dict(failure="bypass"), dict(failure="crash")]
+    bypass, crash = run_subcases(_failing_decision, cases, world_size=2, timeout=COLLECTIVE_TIMEOUT)
+    for result in bypass:
+        assert result["type"] == "ValueError", bypass
+        assert "data-parallel rank 1 recorded no micro-steps" in result["message"], result
+        assert "engine.module(inputs)" in result["message"]
+    for result in crash:
+        assert result["type"] == "PlanDecisionError", crash
+        assert "rank 0 raised ZeroDivisionError: division by zero" in result["message"], result
+    assert all(result["seconds"] < 30 for result in bypass + crash), (bypass, crash)
+
+
+# -- end to end: a switch after profiling that made the step slower is reverted --------------------
+
+BIG_WIDTH, HIDDEN = 512, 2048  # compute-dominated: emulated speeds decide the step time
+
+
+def _reverted_after_profiling(rank, world_size, steps):
+    """Rank 1 runs at a quarter of rank 0's speed during profiling, so the plan moves work to rank
+    0; from the first step after profiling rank 0 runs at 0.05 and rank 1 at full speed (a
+    neighbour's job moved), so the new plan is much slower than the start-up plan was. Without
+    dynamic rebalancing, one check CHECK_INTERVAL steps after profiling compares the two and
+    reverts."""
+    import deepspeed
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(BIG_WIDTH, HIDDEN), torch.nn.Tanh(),
+                                torch.nn.Linear(HIDDEN, BIG_WIDTH))
+    config = {"train_batch_size": 16, "gradient_clipping": 0.0, "zero_optimization": {"stage": 1},
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+              "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "compute_aware",
+                                       "profile_steps": 3, "scheduler": {"check_interval": CHECK_INTERVAL},
+                                       "emulation": {"speeds": [1.0, 0.25], "mode": "dilation",
+                                                     "speed_schedule": [{"step": 4, "speeds": [0.05, 1.0]}]}}}
+    generator = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(16 * steps, BIG_WIDTH, generator=generator),
+                                          torch.randn(16 * steps, BIG_WIDTH, generator=generator))
+    engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
+                                                training_data=data)
+    runtime = engine._heterogeneous_runtime()
+    plans = []
+    for inputs, targets in loader:
+        engine.backward(torch.nn.functional.mse_loss(engine(inputs), targets))
+        engine.step()
+        plans.append(list(engine.heterogeneous_plan.micro_batch_sizes))
+        if len(plans) == steps:
+            break
+    return {"plans": plans, "events": [(e.step, list(e.old_sizes), list(e.new_sizes), e.kind) for e in runtime.events],
+            "verifying": runtime._verifying, "pending": runtime.rebalancer.pending is not None}
+
+
+CHECK_INTERVAL = 4
+
+
+@pytest.mark.multiprocess
+def test_a_switch_after_profiling_that_made_the_step_slower_is_reverted():
+    steps = 3 + CHECK_INTERVAL + 3
+    fast, slow = run_subcases(_reverted_after_profiling, [dict(steps=steps)], world_size=2, timeout=600)[0]
+    assert fast["plans"] == slow["plans"] and fast["events"] == slow["events"]
+    plans = fast["plans"]  # plans[k]: the plan in force after step k + 1
+    profiled = plans[2]
+    assert profiled[0] > profiled[1], plans  # profiling moved work to rank 0, then fast
+    assert plans[2:2 + CHECK_INTERVAL] == [profiled] * CHECK_INTERVAL, plans
+    # The check at step 3 + CHECK_INTERVAL reverted to the start-up plan, and no check follows.
+    assert plans[2 + CHECK_INTERVAL:] == [[8, 8]] * (steps - 2 - CHECK_INTERVAL), plans
+    assert fast["events"] == [(3 + CHECK_INTERVAL, profiled, [8, 8], "revert")], fast["events"]
+    assert not fast["verifying"] and not fast["pending"]

@@ -1,0 +1,149 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Users' own loaders: the engine checks every batch fed against the plan, and a loader built on
+``engine.heterogeneous_sampler`` follows plan changes and trains exactly.
+
+Two ranks, compute_aware with rank 1 emulated at a quarter of the speed. Profiling may change the
+plan during its steps (or keep it, within the measured noise); a re-plan on demand from given
+busy times then changes it for certain ([8, 8] -> [12, 4]). A loader that does not follow the
+plan is caught at the first forward after a change, and one that follows it must see every
+change and train exactly.
+"""
+
+import pytest
+import torch
+
+from harness import run_subcases
+from references import adam_mse_reference
+
+WIDTH = 32
+DATASET = 96
+BATCH = 16
+LR = 1e-3
+
+
+def make_model():
+    torch.manual_seed(11)
+    return torch.nn.Sequential(torch.nn.Linear(WIDTH, 128), torch.nn.Tanh(), torch.nn.Linear(128, WIDTH))
+
+
+def dataset():
+    generator = torch.Generator().manual_seed(4)
+    inputs = torch.randn(DATASET, WIDTH, generator=generator)
+    targets = torch.randn(DATASET, WIDTH, generator=generator)
+    return torch.utils.data.TensorDataset(torch.arange(DATASET), inputs, targets)
+
+
+def config(stage=1, profile_steps=3):
+    return {"train_batch_size": BATCH, "gradient_clipping": 0.0, "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "Adam", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}},
+            "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "compute_aware",
+                                     "profile_steps": profile_steps,
+                                     "emulation": {"speeds": [1.0, 0.25], "mode": "dilation"}}}
+
+
+def _engine(profile_steps=3):
+    import deepspeed
+    model = make_model()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=config(profile_steps=profile_steps))
+    return engine
+
+
+RESCHEDULE_AT = 4  # after profiling: every rank re-plans on demand from these busy times
+BUSY = [1.0, 3.0]  # rank 1 three times as slow per sample: [8, 8] -> [12, 4]
+
+
+def int32_indices(items):
+    """A user's collate_fn (in worker processes it must be picklable): the indices as int32, which
+    the default collate never produces, so the test sees which one built the batch."""
+    index, inputs, targets = torch.utils.data.default_collate(items)
+    return index.to(torch.int32), inputs, targets
+
+
+def _train(engine, loader, steps, index_dtype=torch.int64):
+    seen, sizes = [], []
+    batches = iter(loader)
+    for step in range(steps):
+        if step == RESCHEDULE_AT:
+            engine.reschedule_workload(BUSY)
+        index, inputs, targets = next(batches)
+        assert index.dtype == index_dtype, index.dtype
+        engine.backward(torch.nn.functional.mse_loss(engine(inputs), targets))
+        engine.step()
+        seen.append(index.tolist())
+        sizes.append(len(index))
+    return seen, sizes
+
+
+def distributed_sampler_loader(rank, world_size):
+    """The usual DeepSpeed recipe (equal batches from a DistributedSampler): refused at the first
+    forward after the plan changed, on every rank, with a message that says how to fix it."""
+    from deepspeed.runtime.heterogeneous.fed_batch import FedBatchMismatchError
+    engine = _engine(profile_steps=0)  # the plan changes only on demand, at step RESCHEDULE_AT
+    data = dataset()
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=world_size, rank=rank, seed=0)
+    loader = torch.utils.data.DataLoader(data, batch_size=BATCH // world_size, sampler=sampler)
+    try:
+        _train(engine, loader, RESCHEDULE_AT + 2)
+    except FedBatchMismatchError as exc:
+        return {"error": str(exc), "steps": engine.global_steps, "plan": list(engine.heterogeneous_plan.micro_batch_sizes)}
+    return {"error": None, "steps": engine.global_steps}
+
+
+def own_loader(rank, world_size, workers):
+    """A user-built DataLoader on engine.heterogeneous_sampler (workers=None), or the engine's own
+    loader through deepspeed_io with worker processes and a collate_fn of the user's."""
+    from deepspeed.runtime.heterogeneous.sampler import HeterogeneousDistributedSampler
+    engine = _engine()
+    data = dataset()
+    if workers is None:
+        loader = torch.utils.data.DataLoader(data, batch_sampler=engine.heterogeneous_sampler(data, seed=0))
+    else:
+        loader = engine.deepspeed_io(data, collate_fn=int32_indices, num_local_io_workers=workers)
+        assert loader.num_workers == workers
+    seen, sizes = _train(engine, loader, DATASET // BATCH, torch.int64 if workers is None else torch.int32)
+    errors = []
+    # Evaluation forwards (no autograd) are not training micro-steps: any size goes.
+    with torch.no_grad():
+        engine(data.tensors[1][:3])
+    # Only a batch sampler of this rank can follow the plan.
+    for bad in (HeterogeneousDistributedSampler(data, [8, 8], rank=rank),
+                engine.heterogeneous_sampler(data).__class__(data, [8, 8], rank=1 - rank)):
+        try:
+            engine.register_heterogeneous_sampler(bad)
+        except (TypeError, ValueError) as exc:
+            errors.append(str(exc))
+    with torch.no_grad():
+        params = [p.detach().clone() for p in engine.module.parameters()]
+    return {"seen": seen, "sizes": sizes, "params": params, "errors": errors,
+            "plan": list(engine.heterogeneous_plan.micro_batch_sizes)}
+
+
+@pytest.mark.multiprocess
+def test_equal_batches_from_a_distributed_sampler_are_refused_once_the_plan_changes():
+    results = run_subcases(distributed_sampler_loader, [{}], world_size=2, timeout=300)[0]
+    for rank, result in enumerate(results):
+        error = result["error"]
+        assert error is not None, f"rank {rank} trained {result['steps']} steps on equal batches without an error"
+        assert result["steps"] == RESCHEDULE_AT, "the plan change must be caught at the next forward"
+        assert result["plan"] == [12, 4], result["plan"]
+        planned = result["plan"][rank]
+        assert f"data-parallel rank {rank} was fed a micro-batch of {BATCH // 2} samples" in error, error
+        assert f"gives it {planned}" in error and "engine.heterogeneous_sampler(dataset)" in error, error
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("workers", [None, 2], ids=["user-dataloader", "engine-loader-with-workers"])
+def test_own_loader_follows_plan_changes_and_stays_exact(workers):
+    fast, slow = run_subcases(own_loader, [dict(workers=workers)], world_size=2, timeout=300)[0]
+    assert fast["sizes"][0] == slow["sizes"][0] == BATCH // 2, "start-up plan is even (no datasheet score for CPUs)"
+    assert fast["plan"] == [12, 4], fast["plan"]
+    assert fast["sizes"][RESCHEDULE_AT:] == [12, 12] and slow["sizes"][RESCHEDULE_AT:] == [4, 4]
+    step_indices = [a + b for a, b in zip(fast["seen"], slow["seen"])]
+    assert sorted(i for step in step_indices for i in step) == list(range(DATASET))
+    _, inputs, targets = dataset().tensors
+    for got, want in zip(fast["params"], adam_mse_reference(make_model(), inputs, targets, step_indices, LR)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert len(fast["errors"]) == 2, fast["errors"]
+    assert "takes a HeterogeneousBatchSampler" in fast["errors"][0]
+    assert "the sampler is for rank 1 of 2 data-parallel ranks, this engine is rank 0" in fast["errors"][1]
