@@ -279,3 +279,36 @@ def settings_mismatch(summaries):
     if not differences:
         return None
     return "deepspeed-hetero: the ranks run different heterogeneous settings: " + "; ".join(differences) + f"; {_FIX}"
+
+
+def decision_failure(exc):
+    """Rank 0's failed decision as the box every rank receives: the exception's type and message."""
+    return {"error": str(exc), "type": type(exc).__name__}
+
+
+class PlanDecisionError(RuntimeError):
+    """Rank 0 failed while deciding a plan; raised on every rank, with rank 0's exception."""
+
+
+def raise_decision_failure(box, what):
+    """On every rank: raise rank 0's failure from ``decision_failure``. A ValueError (the planner's
+    and the measurements' errors say what to change) stays a ValueError; anything else is a
+    PlanDecisionError naming its type."""
+    kind = box.get("type", "ValueError")
+    if kind == "ValueError":
+        raise ValueError(f"deepspeed-hetero: {what}: {box['error']}")
+    raise PlanDecisionError(f"deepspeed-hetero: {what}: rank 0 raised {kind}: {box['error']}")
+
+
+def slowest_micro_step(steps, rank):
+    """One micro-step of a replica: its members ran the same size; it took the slowest one's time."""
+    sizes = {size for size, _, _ in steps}
+    if len(sizes) != 1:
+        raise PlanAgreementError(f"deepspeed-hetero: the model-parallel members of data-parallel rank {rank} "
+                                 f"ran different micro-batch sizes {sorted(sizes)}")
+    activations = [b for _, _, b in steps if b is not None]
+    return sizes.pop(), max(t for _, t, _ in steps), max(activations) if activations else None
+
+
+def slowest(values, rank):
+    return max(values)

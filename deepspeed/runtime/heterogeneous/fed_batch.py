@@ -55,3 +55,21 @@ def check_fed_batch(fed, planned, dp_rank, plan_sizes):
         f"Trainer: use deepspeed.runtime.heterogeneous.hf_trainer.HeterogeneousTrainer); drop a short "
         f"last batch (drop_last=True). The size is read from dim 0 of the first tensor passed to forward; "
         f"for inputs that are not batch-first set heterogeneous_config.check_fed_batch to false.")
+
+
+def fed_size(plan, dp_rank, inputs, kwargs, engine_loader, check=True):
+    """The size of the micro-batch a training forward was given, checked against ``plan`` (None
+    when it cannot be read or ``check`` is off). Also refuses a plan with per-rank gas unless the
+    engine's own loader feeds the ranks (``engine_loader``)."""
+    if plan.per_rank_gas and not engine_loader:
+        raise FedBatchMismatchError(
+            f"deepspeed-hetero: the plan in force gives the ranks different gradient_accumulation_steps "
+            f"{list(plan.gradient_accumulation_steps)}, which only the engine's own loader "
+            f"(deepspeed.initialize(training_data=...)) feeds correctly: a loop that counts micro-steps itself "
+            f"would pair the ranks' gradient reductions wrongly. Use the engine's loader, or give the ranks "
+            f"equal gas (a manual plan without per-rank gas, or more memory)")
+    if not check:
+        return None
+    fed = leading_batch_size(inputs, kwargs or {})
+    check_fed_batch(fed, plan.micro_batch_sizes[dp_rank], dp_rank, plan.micro_batch_sizes)
+    return fed

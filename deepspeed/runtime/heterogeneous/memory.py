@@ -20,7 +20,6 @@ Pure logic apart from ``ActivationMeter``, which counts tensors on this process 
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 

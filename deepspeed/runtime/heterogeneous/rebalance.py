@@ -28,14 +28,17 @@ step slower beyond the noise is reverted, and the plan it brought is not adopted
 trust that a plan never stays worse than the one it replaced.
 """
 
-import math
 from dataclasses import dataclass, field
 from typing import List, Optional
 
 from .planner import Plan, TimeModel, fit_time_model
+from .step_statistics import MIN_STEPS_TO_JUDGE, interval_noise, interval_statistics, median, slowdown_beyond_noise
 
 CONSECUTIVE = 2
 """Checks in a row whose predicted gain must exceed the threshold."""
+
+RETRY_AFTER_CHECKS = 10
+"""Checks during which a reverted plan is not adopted again."""
 
 
 @dataclass(frozen=True)
@@ -117,81 +120,6 @@ class RebalanceEvent:
         if self.step_time_after is None or self.step_time_before <= 0:
             return None
         return 1.0 - self.step_time_after / self.step_time_before
-
-
-NOISE_STANDARD_ERRORS = 2.0
-"""How many standard errors of the measured times a predicted gain must exceed (about 95%)."""
-
-
-def interval_statistics(step_times):
-    """(centre, relative standard error of the centre) of one rank's per-step times per micro-step.
-
-    Robust: the median, and the spread from the median absolute deviation (scaled by 1.4826 to a
-    normal distribution's standard deviation). A check interval holds a handful of steps, and on a
-    shared machine one of them is often an outlier (a scheduler hiccup, a collection): with the
-    mean and the sample deviation that one step decided both the drift and the noise bound, and a
-    noisy baseline interval then hid a real slowdown for the whole life of the plan."""
-    count = len(step_times)
-    if count == 0:
-        raise ValueError("a rebalancing check needs at least one measured step per rank")
-    centre = _median(step_times)
-    if count < 2 or centre <= 0:
-        return centre, 0.0
-    spread = 1.4826 * _median([abs(t - centre) for t in step_times])
-    return centre, spread / math.sqrt(count) / centre
-
-
-def _median(values):
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-
-
-def interval_noise(measured, baseline):
-    """Relative error of a drift-scaled prediction: each rank's time is a ratio of two noisy means
-    (this interval over the baseline interval), so their relative errors add in quadrature; the
-    largest rank's, times ``NOISE_STANDARD_ERRORS``, bounds the error of a predicted gain."""
-    return NOISE_STANDARD_ERRORS * max(
-        (math.hypot(error, base_error) for (_, error), (_, base_error) in zip(measured, baseline)), default=0.0)
-
-
-REVERT_STANDARD_ERRORS = 3.0
-"""How many standard errors an observed slowdown must exceed before a switch is reverted: more
-than a move needs, since the reference may be a single profiling step and a wrong revert costs
-the whole gain of a good plan."""
-
-MIN_SLOWDOWN = 0.02
-"""A slowdown below this is never reverted, however small the noise: 1-2% is within what a
-machine's load moves between two intervals."""
-
-MIN_STEPS_TO_JUDGE = 3
-"""Steps at the new plan needed before a switch is judged (a median of fewer is one step)."""
-
-RETRY_AFTER_CHECKS = 10
-"""Checks during which a reverted plan is not adopted again."""
-
-
-def slowdown_beyond_noise(before, after, standard_errors=REVERT_STANDARD_ERRORS, minimum=MIN_SLOWDOWN):
-    """``(slowdown, bound)``: the observed relative slowdown ``median(after) / median(before) - 1``
-    and the bound it must exceed to count (``slowdown > bound``).
-
-    The noise is a pooled two-sample estimate: each group's relative deviations from its own
-    median (1.4826 * their median absolute value, the standard deviation of a normal
-    distribution), from the groups of two steps or more; its standard error for the two medians
-    is ``sigma * sqrt(1/n_before + 1/n_after)``. A group of one step (the profiling reference may
-    be a single step) thus borrows the other's spread rather than claiming none.
-
-    Args:
-        before, after: per-step wall seconds (the slowest rank's) at the old and the new plan.
-    """
-    if not before or not after:
-        raise ValueError("slowdown_beyond_noise: needs at least one step before and one after the switch")
-    centres = [_median(group) for group in (before, after)]
-    deviations = [abs(t / centre - 1.0) for group, centre in zip((before, after), centres) if len(group) >= 2
-                  for t in group]
-    sigma = 1.4826 * _median(deviations) if deviations else 0.0
-    bound = max(minimum, standard_errors * sigma * math.sqrt(1.0 / len(before) + 1.0 / len(after)))
-    return centres[1] / centres[0] - 1.0, bound
 
 
 def balanced_models(plan):
@@ -280,7 +208,7 @@ class Rebalancer:
             return None
         self.pending = None
         slowdown, bound = slowdown_beyond_noise(pending.before, after)
-        before, now = _median(pending.before), _median(after)
+        before, now = median(pending.before), median(after)
         observed = (f"{pending.label}: observed step time {before:.4g} s over {len(pending.before)} step(s) at "
                     f"{list(pending.old_plan.micro_batch_sizes)} -> {now:.4g} s over {len(after)} step(s) at "
                     f"{list(plan.micro_batch_sizes)} ({slowdown:+.1%}, noise bound {bound:.1%})")
@@ -389,25 +317,6 @@ class Rebalancer:
                     setattr(self.policy, key, value)
 
 
-def decision_failure(exc):
-    """Rank 0's failed decision as the box every rank receives: the exception's type and message."""
-    return {"error": str(exc), "type": type(exc).__name__}
-
-
-class PlanDecisionError(RuntimeError):
-    """Rank 0 failed while deciding a plan; raised on every rank, with rank 0's exception."""
-
-
-def raise_decision_failure(box, what):
-    """On every rank: raise rank 0's failure from ``decision_failure``. A ValueError (the planner's
-    and the measurements' errors say what to change) stays a ValueError; anything else is a
-    PlanDecisionError naming its type."""
-    kind = box.get("type", "ValueError")
-    if kind == "ValueError":
-        raise ValueError(f"deepspeed-hetero: {what}: {box['error']}")
-    raise PlanDecisionError(f"deepspeed-hetero: {what}: rank 0 raised {kind}: {box['error']}")
-
-
 def window_models(step_samples, fits, step_overheads, gradient_accumulation_steps):
     """Per-rank models for an on-demand re-plan from the steps since the last check: the profiled
     fits (or a fit of the window's samples without profiling) scaled by measured / predicted time
@@ -430,3 +339,18 @@ def window_models(step_samples, fits, step_overheads, gradient_accumulation_step
         models.append(TimeModel(drift * base.a + step_overheads[rank] / gradient_accumulation_steps,
                                 drift * base.b))
     return models
+
+
+def models_from_utilization(utilization_metrics, plan):
+    """Per-rank time models ``0 + b_i * mbs`` from busy seconds per step under ``plan``, for an
+    on-demand re-plan: a list in data-parallel rank order, ``{"busy_seconds": [...]}``, or the
+    heterogeneous profiler's ``get_metrics()``."""
+    busy = utilization_metrics
+    if isinstance(busy, dict):
+        busy = busy["busy_seconds"] if "busy_seconds" in busy else [rank["busy_s_per_step"]
+                                                                    for rank in busy.get("ranks", ())]
+    busy = [float(b) for b in busy]
+    if len(busy) != plan.world_size or not all(b > 0 for b in busy):
+        raise ValueError(f"reschedule_workload: utilization_metrics needs one positive busy time per "
+                         f"data-parallel rank ({plan.world_size}), got {busy}")
+    return [TimeModel(0.0, b / n) for b, n in zip(busy, plan.samples_per_rank)]

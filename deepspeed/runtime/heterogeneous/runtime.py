@@ -18,24 +18,23 @@ sampler follows). Any allocation gives the exact global-batch gradient (loss wei
 profiling trains for real.
 """
 
-import copy
 import statistics
 import time
-from dataclasses import asdict
 
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
-from .agreement import Agreement, PlanAgreementError, merge_replicas
+from .agreement import Agreement, PlanAgreementError, decision_failure, merge_replicas, raise_decision_failure, \
+    slowest, slowest_micro_step
 from .batch import apply_plan, memory_capacities
-from .fed_batch import FedBatchMismatchError, check_fed_batch, leading_batch_size
+from .fed_batch import fed_size
 from .emulated_limits import EmulatedLimits, EmulatedOutOfMemoryError
 from .memory import ActivationMeter, engine_model_state_bytes
-from .planner import Plan, TimeModel, plan_micro_batches
+from .planner import Plan, plan_micro_batches
 from .profiling import measured_time_models, memory_limits, plan_after_profiling_step, reference_walls
-from .rebalance import RebalanceEvent, RebalancePolicy, Rebalancer, balanced_models, decision_failure, \
-    raise_decision_failure, window_models
-from .timing import StepTimer, StepTiming
+from .rebalance import RebalanceEvent, RebalancePolicy, Rebalancer, balanced_models, models_from_utilization, \
+    window_models
+from .timing import StepTimer
 
 __all__ = ["HeterogeneousRuntime", "PlanAgreementError", "EmulatedOutOfMemoryError"]
 
@@ -132,7 +131,8 @@ class HeterogeneousRuntime:
                 or self.recording)
 
     def micro_step_begin(self, inputs=(), kwargs=None):
-        self._fed = self._check_fed_batch(inputs, kwargs)
+        self._fed = fed_size(self.plan, self.rank, inputs, kwargs, engine_loader=self.engine_loader,
+                             check=self.check_fed_batch)
         if self.measuring_memory:
             self.meter.start()
         if self.times_each_micro_step or self.dynamic:
@@ -143,22 +143,6 @@ class HeterogeneousRuntime:
         a torch-style loss.backward() leaves forward and backward as one span)."""
         if self.recording:
             self.timer.end_forward()
-
-    def _check_fed_batch(self, inputs, kwargs):
-        """The size fed (checked against the plan), or None when it cannot be read or is not checked."""
-        plan = self.plan
-        if plan.per_rank_gas and not self.engine_loader:
-            raise FedBatchMismatchError(
-                f"deepspeed-hetero: the plan in force gives the ranks different gradient_accumulation_steps "
-                f"{list(plan.gradient_accumulation_steps)}, which only the engine's own loader "
-                f"(deepspeed.initialize(training_data=...)) feeds correctly: a loop that counts micro-steps itself "
-                f"would pair the ranks' gradient reductions wrongly. Use the engine's loader, or give the ranks "
-                f"equal gas (a manual plan without per-rank gas, or more memory)")
-        if not self.check_fed_batch:
-            return None
-        fed = leading_batch_size(inputs, kwargs or {})
-        check_fed_batch(fed, plan.micro_batch_sizes[self.rank], self.rank, plan.micro_batch_sizes)
-        return fed
 
     def micro_step_end(self):
         activations = self.meter.stop() if self.meter.active else None
@@ -221,7 +205,7 @@ class HeterogeneousRuntime:
 
     def _pooled(self, entry, what):
         gathered = self.agreement.gather_from_every_rank(entry, what)
-        sequences = {"samples": _slowest_micro_step, "step_times": _slowest, "walls": _slowest}
+        sequences = {"samples": slowest_micro_step, "step_times": slowest, "walls": slowest}
         return merge_replicas(gathered, self.plan.world_size, sequences, error=PlanAgreementError)
 
     def _profiling_step(self, timing):
@@ -392,16 +376,7 @@ class HeterogeneousRuntime:
         profiler's ``get_metrics()``) or, without them, from the steps since the last check."""
         forced = None
         if utilization_metrics is not None:
-            busy = utilization_metrics
-            if isinstance(busy, dict):  # {"busy_seconds": [...]} or HeterogeneousProfiler.get_metrics()
-                busy = busy["busy_seconds"] if "busy_seconds" in busy else [
-                    rank["busy_s_per_step"] for rank in busy.get("ranks", ())]
-            busy = [float(b) for b in busy]
-            plan = self.plan
-            if len(busy) != plan.world_size or not all(b > 0 for b in busy):
-                raise ValueError(f"reschedule_workload: utilization_metrics needs one positive busy time per "
-                                 f"data-parallel rank ({plan.world_size}), got {busy}")
-            forced = [TimeModel(0.0, b / n) for b, n in zip(busy, plan.samples_per_rank)]
+            forced = models_from_utilization(utilization_metrics, self.plan)
         elif not self._window:
             raise ValueError("reschedule_workload: no step was measured since the last check; pass "
                              "utilization_metrics (per-rank busy seconds) or train some steps first")
@@ -425,58 +400,3 @@ class HeterogeneousRuntime:
     def close(self):
         self.meter.stop()
         self.limits.close()
-
-    # -- checkpoints (checkpoint.py) ----------------------------------------------------------
-
-    def state_dict(self):
-        """The runtime's progress as plain values (no class of the fork is pickled): whether
-        profiling finished and what it measured so far, the rebalancer's state, the plan changes.
-        The same on every rank except the rebalancer, which only rank 0's decides with."""
-        return {
-            "profiling": self.profiling,
-            "history": copy.deepcopy(self.history),
-            "base_models": None if self.base_models is None else [[m.a, m.b] for m in self.base_models],
-            "rebalancer": self.rebalancer.state_dict(),
-            "events": [asdict(event) for event in self.events],
-        }
-
-    def window_state(self):
-        """This rank's steps since the last rebalancing check (its own measurements: per rank)."""
-        return [asdict(timing) for timing in self._window]
-
-    def load_state_dict(self, state, window=None):
-        """Continue from a checkpoint, between steps (engine.load_checkpoint restored the step count).
-
-        ``state``: ``state_dict()`` of the saving run on the same cluster; None to start over on
-        this one (another cluster: profiling runs again from the plan in force, the measurements
-        and rebalancing history of the old cluster no longer apply). ``window``: this rank's
-        ``window_state()``, so that the rebalancing checks keep their cadence.
-        """
-        if state is not None:
-            self.profiling = bool(state["profiling"]) and self.profiling
-            self.history = copy.deepcopy(state["history"])
-            models = state["base_models"]
-            self.base_models = None if models is None else [TimeModel(a, b) for a, b in models]
-            self.rebalancer.load_state_dict(state["rebalancer"])
-            self.events = [RebalanceEvent(**{**event, "old_sizes": tuple(event["old_sizes"]),
-                                             "new_sizes": tuple(event["new_sizes"])}) for event in state["events"]]
-            self._window = [StepTiming(**timing) for timing in window or []]
-        # DeepSpeed does not save the engine's micro-step count: accumulation boundaries are
-        # counted from here (a checkpoint is taken at an optimizer step's end).
-        self.gas_origin = self.engine.micro_steps
-        self.timer.restart()
-        self.limits.apply_speed_schedule(self.steps + 1)
-
-
-def _slowest_micro_step(steps, rank):
-    """One micro-step of a replica: its members ran the same size; it took the slowest one's time."""
-    sizes = {size for size, _, _ in steps}
-    if len(sizes) != 1:
-        raise PlanAgreementError(f"deepspeed-hetero: the model-parallel members of data-parallel rank {rank} "
-                                 f"ran different micro-batch sizes {sorted(sizes)}")
-    activations = [b for _, _, b in steps if b is not None]
-    return sizes.pop(), max(t for _, t, _ in steps), max(activations) if activations else None
-
-
-def _slowest(values, rank):
-    return max(values)

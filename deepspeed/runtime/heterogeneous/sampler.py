@@ -29,90 +29,10 @@ pass starts at the first round not handed out before (``checkpoint.py`` saves an
 with the engine's checkpoints).
 """
 
-from dataclasses import dataclass
-from typing import Tuple
-
 import torch
 from torch.utils.data import Sampler
 
-
-@dataclass(frozen=True)
-class _Split:
-    micro_batch_sizes: Tuple[int, ...]
-    accumulation_steps: Tuple[int, ...]
-
-    @property
-    def round_size(self):
-        return sum(m * g for m, g in zip(self.micro_batch_sizes, self.accumulation_steps))
-
-    def share(self, rank):
-        """(offset, length) of ``rank``'s slice within a round."""
-        shares = [m * g for m, g in zip(self.micro_batch_sizes, self.accumulation_steps)]
-        return sum(shares[:rank]), shares[rank]
-
-
-@dataclass(frozen=True)
-class _Segment:
-    """From round ``first_round`` of the epoch on, ``split`` applies; that round starts at
-    ``first_position`` of the epoch's permutation."""
-
-    first_round: int
-    first_position: int
-    split: _Split
-
-
-def _positive_ints(values, what):
-    for index, value in enumerate(values):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{what}[{index}] = {value!r} must be a positive integer")
-    return tuple(values)
-
-
-def _make_split(micro_batch_sizes, gradient_accumulation_steps, num_replicas):
-    sizes = list(micro_batch_sizes)
-    if not sizes:
-        raise ValueError("micro_batch_sizes is empty; give one size per data-parallel rank")
-    if num_replicas is not None and len(sizes) != num_replicas:
-        raise ValueError(f"micro_batch_sizes has {len(sizes)} entries but there are {num_replicas} data-parallel "
-                         f"ranks (num_replicas); give one size per rank")
-    steps = gradient_accumulation_steps
-    if steps is None:
-        steps = [1] * len(sizes)
-    elif isinstance(steps, int):
-        steps = [steps] * len(sizes)
-    steps = list(steps)
-    if len(steps) != len(sizes):
-        raise ValueError(f"gradient_accumulation_steps has {len(steps)} entries for {len(sizes)} ranks")
-    return _Split(_positive_ints(sizes, "micro_batch_sizes"), _positive_ints(steps, "gradient_accumulation_steps"))
-
-
-def _segments_from_state(state):
-    try:
-        segments = [
-            _Segment(int(entry["first_round"]), int(entry["first_position"]),
-                     _make_split(entry["micro_batch_sizes"], entry["gradient_accumulation_steps"], None))
-            for entry in state["segments"]
-        ]
-    except (KeyError, TypeError) as exc:
-        raise ValueError(f"sampler state: malformed 'segments' ({exc!r}); expected a list of "
-                         f"{{first_round, first_position, micro_batch_sizes, gradient_accumulation_steps}}") from exc
-    if not segments or segments[0].first_round != 0:
-        raise ValueError("sampler state: 'segments' must start at round 0")
-    return segments
-
-
-def _resolve_rank(rank, num_replicas):
-    if rank is None:
-        if num_replicas == 1:
-            return 0
-        from deepspeed import comm as dist  # only for this default: the layout itself is pure
-        if not dist.is_initialized():
-            raise ValueError("rank is required when deepspeed.comm is not initialized (pass the data-parallel rank)")
-        rank = dist.get_rank()
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_replicas:
-        raise ValueError(f"rank {rank!r} is out of range for {num_replicas} data-parallel ranks (one "
-                         f"micro-batch size per rank)")
-    return rank
+from .epoch_split import Segment, make_split, resolve_rank, segments_from_state
 
 
 class _RoundLayout(Sampler):
@@ -123,14 +43,14 @@ class _RoundLayout(Sampler):
         self.dataset_size = len(dataset)
         if self.dataset_size < 1:
             raise ValueError("the dataset is empty")
-        split = _make_split(micro_batch_sizes, gradient_accumulation_steps, num_replicas)
+        split = make_split(micro_batch_sizes, gradient_accumulation_steps, num_replicas)
         self.num_replicas = len(split.micro_batch_sizes)
-        self.rank = _resolve_rank(rank, self.num_replicas)
+        self.rank = resolve_rank(rank, self.num_replicas)
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
         self.drop_last = bool(drop_last)
         self.epoch = 0
-        self._segments = [_Segment(0, 0, split)]
+        self._segments = [Segment(0, 0, split)]
         self._rounds_drawn = 0  # rounds of this pass started (handed out, at least in part)
         self._round_left = 0  # items of the last started round not handed out yet
         self._resume_round = None  # the next pass starts here (a checkpoint's position), once
@@ -163,7 +83,7 @@ class _RoundLayout(Sampler):
         self._restart()
 
     def _restart(self):
-        self._segments = [_Segment(0, 0, self._segments[-1].split)]
+        self._segments = [Segment(0, 0, self._segments[-1].split)]
         self._rounds_drawn = self._round_left = self._pass_first_round = 0
         self._resume_round = None
 
@@ -179,7 +99,7 @@ class _RoundLayout(Sampler):
         return next(segment for segment in reversed(self._segments) if segment.first_round <= round_index)
 
     def _change(self, micro_batch_sizes, at_step, gradient_accumulation_steps, earliest):
-        split = _make_split(micro_batch_sizes, gradient_accumulation_steps, self.num_replicas)
+        split = make_split(micro_batch_sizes, gradient_accumulation_steps, self.num_replicas)
         if isinstance(at_step, bool) or not isinstance(at_step, int):
             raise ValueError(f"at_step = {at_step!r} must be an integer round of the current epoch")
         if not earliest <= at_step <= self.steps_per_epoch:
@@ -189,7 +109,7 @@ class _RoundLayout(Sampler):
         position = last.first_position + (at_step - last.first_round) * last.split.round_size
         if at_step == last.first_round:
             self._segments.pop()  # the replaced split never served a round
-        self._segments.append(_Segment(at_step, position, split))
+        self._segments.append(Segment(at_step, position, split))
         return at_step
 
     def _permutation(self):
@@ -284,7 +204,7 @@ class _RoundLayout(Sampler):
                 raise ValueError(f"sampler state: {key} is {state[key]!r} in the checkpoint but {current!r} here; the "
                                  f"resumed epoch would not be the saved one's permutation. Build the sampler with "
                                  f"{key}={state[key]!r} (over the same dataset)")
-        segments = _segments_from_state(state)
+        segments = segments_from_state(state)
         rounds = state["rounds_done"]
         end = segments[-1].first_round + self._rounds_from(segments[-1].first_position, segments[-1].split)
         if isinstance(rounds, bool) or not isinstance(rounds, int) or not 0 <= rounds <= end:
@@ -296,7 +216,7 @@ class _RoundLayout(Sampler):
             self._segments = segments
         else:  # re-split the rest of the epoch
             position = at.first_position + (rounds - at.first_round) * at.split.round_size
-            self._segments = [_Segment(rounds, position, current)]
+            self._segments = [Segment(rounds, position, current)]
         self._rounds_drawn, self._round_left = rounds, 0
         self._resume_round = self._pass_first_round = rounds
 

@@ -22,7 +22,7 @@ step (``StepTiming.time_per_micro_step``), so drift measured in either way is co
 
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List
 
 from deepspeed.accelerator import get_accelerator
 

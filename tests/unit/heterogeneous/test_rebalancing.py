@@ -9,8 +9,8 @@ import torch
 
 from deepspeed.runtime.heterogeneous.planner import TimeModel, plan_micro_batches
 from deepspeed.runtime.heterogeneous.profiling import measured_time_models, spread_profiling_sizes, wanted_spread
-from deepspeed.runtime.heterogeneous.rebalance import (Rebalancer, RebalancePolicy, interval_noise,
-                                                       interval_statistics)
+from deepspeed.runtime.heterogeneous.rebalance import Rebalancer, RebalancePolicy
+from deepspeed.runtime.heterogeneous.step_statistics import interval_noise, interval_statistics
 from harness import run_ranks, run_subcases
 from references import adam_mse_reference
 

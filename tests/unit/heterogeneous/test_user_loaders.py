@@ -38,6 +38,8 @@ def config(stage=1, profile_steps=3):
             "optimizer": {"type": "Adam", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}},
             "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "compute_aware",
                                      "profile_steps": profile_steps,
+                                     # the on-demand re-plan below must switch whatever profiling chose
+                                     "scheduler": {"imbalance_threshold": 0.01},
                                      "emulation": {"speeds": [1.0, 0.25], "mode": "dilation"}}}
 
 
@@ -49,8 +51,8 @@ def _engine(profile_steps=3):
     return engine
 
 
-RESCHEDULE_AT = 4  # after profiling: every rank re-plans on demand from these busy times
-BUSY = [1.0, 3.0]  # rank 1 three times as slow per sample: [8, 8] -> [12, 4]
+RESCHEDULE_AT = 4  # after profiling: every rank re-plans on demand from busy times in which
+PER_SAMPLE = [1.0, 3.0]  # rank 1 is three times as slow per sample, whatever the plan: [12, 4]
 
 
 def int32_indices(items):
@@ -65,7 +67,8 @@ def _train(engine, loader, steps, index_dtype=torch.int64):
     batches = iter(loader)
     for step in range(steps):
         if step == RESCHEDULE_AT:
-            engine.reschedule_workload(BUSY)
+            sizes_now = engine.heterogeneous_plan.micro_batch_sizes
+            engine.reschedule_workload([n * t for n, t in zip(sizes_now, PER_SAMPLE)])
         index, inputs, targets = next(batches)
         assert index.dtype == index_dtype, index.dtype
         engine.backward(torch.nn.functional.mse_loss(engine(inputs), targets))
