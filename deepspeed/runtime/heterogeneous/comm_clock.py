@@ -9,6 +9,11 @@ deepspeed.comm collective reports here (comm.timed_op) once the fork is on in th
 (``enable()``, called when a heterogeneous config is built); an asynchronous one is timed when its
 handle is waited on. Nested calls count once. With the fork off, timed_op pays one branch on a
 module attribute: no timing and no wrapper around async handles.
+
+The same call site serves ``collective_log``: a listener set with ``set_listener`` sees every
+collective (the undecorated function and its arguments) before it runs, so that tests can compare
+the ranks' sequences without a second hook in deepspeed.comm. A listener alone does not start
+the timing.
 """
 
 import threading
@@ -28,12 +33,24 @@ class _Clock(threading.local):
 _clock = _Clock()
 
 enabled = False
-"""Read by deepspeed.comm.timed_op on every collective; True once a heterogeneous config was built."""
+"""Read by deepspeed.comm.timed_op on every collective: True once a heterogeneous config was built
+(the clock runs) or while a listener is set."""
+
+_timing = False  # the clock runs: a heterogeneous config was built in this process
+listener = None  # called as listener(func, args, kwargs) before each collective; None: none
 
 
 def enable():
-    global enabled
+    global _timing, enabled
+    _timing = True
     enabled = True
+
+
+def set_listener(callback):
+    """Have ``callback(func, args, kwargs)`` see every deepspeed.comm collective; None removes it."""
+    global listener, enabled
+    listener = callback
+    enabled = _timing or callback is not None
 
 
 def enter():
@@ -73,6 +90,10 @@ class TimedWork:
 def timed_call(func, *args, **kwargs):
     """Run a collective inside the clock; a returned work handle (async_op=True) is wrapped so that
     its ``wait()`` counts too. Tensors and None pass through."""
+    if listener is not None:
+        listener(func, args, kwargs)
+        if not _timing:
+            return func(*args, **kwargs)
     enter()
     try:
         result = func(*args, **kwargs)

@@ -9,7 +9,8 @@ real model replaces both later (docs/architecture.md §4.1).
 The runtime (``batch.gather_devices``) and ``ds_report --heterogeneous`` both describe a rank's
 device with ``describe_local_device`` at ``local_device_index`` / ``local_device_count``, with
 ``emulated_memory_bytes`` in place of the capacity; ``rank_memory_capacity`` is what one rank may
-use of it.
+use of it. On the CPU accelerator a memory cgroup limit below the host's RAM is the capacity
+(``cpu_memory_capacity``).
 """
 
 import contextlib
@@ -254,6 +255,29 @@ def _host_memory_bytes():
         return None
 
 
+def cpu_memory_capacity(reported_bytes, shared, cgroup_limit):
+    """On the CPU accelerator, ``(bytes, shared)``: what a rank may plan for and whether the other
+    ranks of its host share it.
+
+    The accelerator reports the host's RAM (shared). A memory cgroup limit below it
+    (``cgroups.memory_limit``: a job scheduler's per-task limit, a container's, one set by hand)
+    is this process's own limit, and plans must fit it: it replaces the RAM and is not shared.
+    Ranks that share one limited cgroup each plan for the whole of it; give each its own, or set
+    ``emulation.memory_gb``.
+    """
+    if cgroup_limit is not None and cgroup_limit < reported_bytes:
+        return int(cgroup_limit), False
+    return int(reported_bytes), shared
+
+
+def _cgroup_memory_limit():
+    from .cgroups import memory_limit
+    try:
+        return memory_limit()
+    except (OSError, ValueError):
+        return None  # not Linux, or an unreadable cgroup file: no limit known
+
+
 def describe_local_device(local_rank=0, memory_bytes=None, rank=None, measure=True):
     """Describe this process's device, with a prior speed score.
 
@@ -285,6 +309,9 @@ def describe_local_device(local_rank=0, memory_bytes=None, rank=None, measure=Tr
         score, source = 0.0, "unknown"
     else:
         score, source = measure_device_score(accelerator.device_name(local_rank)), "measured"
+    shared = accelerator.device_name() == "cpu" and real_memory == _host_memory_bytes()
+    if accelerator.device_name() == "cpu":
+        real_memory, shared = cpu_memory_capacity(real_memory, shared, _cgroup_memory_limit())
     return DeviceDescription(rank=int(os.environ.get("RANK", local_rank)) if rank is None else rank,
                              local_rank=local_rank,
                              host=socket.gethostname(),
@@ -295,8 +322,7 @@ def describe_local_device(local_rank=0, memory_bytes=None, rank=None, measure=Tr
                              accelerator=accelerator.device_name(),
                              spec_score=float(score),
                              score_source=source,
-                             shared_host_memory=bool(accelerator.device_name() == "cpu"
-                                                     and real_memory == _host_memory_bytes()))
+                             shared_host_memory=bool(shared))
 
 
 def local_device_count():

@@ -4,12 +4,15 @@
 
 A real device slows itself and raises its own out-of-memory error; an emulated one needs the
 runtime to drive ``emulation.Emulator`` and to compare the predicted bytes with the emulated
-capacity. Nothing here runs when ``heterogeneous_config.emulation`` is not set.
+capacity. Where cgroups are allowed the memory is also a physical limit: the rank joins a memory
+cgroup as the engine starts (``emulation.start_memory_limit``, before the engine allocates its
+optimizer state) and the kernel kills it beyond the limit. Nothing here runs when
+``heterogeneous_config.emulation`` is not set.
 """
 
 from deepspeed.utils import logger
 
-from .emulation import scheduled_speed, start_emulation
+from .emulation import scheduled_speed, start_emulation, start_memory_limit
 
 
 class EmulatedOutOfMemoryError(RuntimeError):
@@ -30,10 +33,19 @@ class EmulatedLimits:
         self.rank = rank
         self.capacity_bytes = capacity_bytes if emulation is not None and emulation.memory_gb else None
         self.emulator = start_emulation(emulation, rank)
+        # Joined as the engine started; joined here when the engine's start hook did not run.
+        self.memory_cgroup = start_memory_limit(emulation, rank) if self.capacity_bytes else None
 
     @property
     def mode(self):
         return self.emulator.mode if self.emulator is not None else "none"
+
+    @property
+    def memory_mode(self):
+        """'cgroup' (a physical limit and the accounting check), 'accounting' or 'none'."""
+        if self.memory_cgroup is not None:
+            return "cgroup"
+        return "accounting" if self.capacity_bytes is not None else "none"
 
     @property
     def dilates_time(self):
@@ -70,3 +82,6 @@ class EmulatedLimits:
     def close(self):
         if self.emulator is not None:
             self.emulator.close()
+        if self.memory_cgroup is not None:
+            self.memory_cgroup.close()
+            self.memory_cgroup = None

@@ -13,88 +13,178 @@ device's speed, by one of two means:
 
 ``auto`` picks cgroup where the machine allows it, else dilation. The balancing code never reads
 these settings: it sees only the (slowed) times it measures.
+
+``emulation.memory_gb[r]`` is always enforced by accounting (``emulated_limits.py``: predicted
+model state + measured activations against the capacity). Where ``mode`` lets the emulation use
+cgroups ('auto' where the machine allows it, 'cgroup' always), the rank also joins a memory cgroup
+at the engine's start (``start_memory_limit``): beyond ``memory_gb`` GiB plus a fixed allowance for
+the host process, counted from that moment, the kernel kills it as a device would fail to
+allocate, and the launcher reports which rank died and why (``cgroups.oom_kill_report``).
+The cgroup mechanics (placement, removal, stale cgroups of killed runs) are in ``cgroups.py``.
 """
 
-import atexit
-import os
 import time
-from pathlib import Path
 
 from deepspeed.utils import logger
 
-CGROUP_PREFIX = "deepspeed-hetero-"
+from .cgroups import ProcessCgroup, find_hierarchy
+
 # A short period keeps the throttling smooth at the scale of one micro-step (tens of ms): with the
 # default 100 ms a rank would run at full speed for its quota, then stall for the rest.
 CFS_PERIOD_US = 10_000
+# What the host process itself allocates after joining its memory cgroup and a device would not
+# hold: Python objects, gloo's buffers, allocator slack (measured: 10-70 MiB for a small model).
+HOST_ALLOWANCE_BYTES = 256 * 2**20
+GIB = 2.0**30
 
 
-def _cgroup_v2_root():
-    for root in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified")):
-        controllers = root / "cgroup.controllers"
-        if controllers.is_file() and "cpu" in controllers.read_text().split():
-            return root
-    return None
-
-
-def _cgroup_v1_root():
-    root = Path("/sys/fs/cgroup/cpu")
-    return root if (root / "cpu.cfs_quota_us").is_file() else None
-
-
-def _remove_stale_cgroups(root):
-    """Cgroups of runs that were killed (SIGKILL skips atexit): empty and their pid is gone."""
-    for path in root.glob(CGROUP_PREFIX + "*"):
-        pid = path.name[len(CGROUP_PREFIX):].split("-")[0]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            try:
-                path.rmdir()
-            except OSError:
-                pass
+def _controller(controller, needed):
+    hierarchy = find_hierarchy(controller)
+    if hierarchy is None:
+        raise OSError(f"no cgroup {controller} controller is mounted (cgroup v2 or v1 /sys/fs/cgroup/{controller}); "
+                      f"needed: {needed}")
+    return hierarchy
 
 
 class CpuQuotaCgroup:
     """This process in a cgroup limited to ``cpu_share`` CPUs; ``close()`` undoes it."""
 
-    def __init__(self, cpu_share):
-        self.root = _cgroup_v2_root() or _cgroup_v1_root()
-        if self.root is None:
-            raise OSError("no writable cgroup cpu controller (cgroup v2 cpu.max or v1 cpu.cfs_quota_us)")
-        _remove_stale_cgroups(self.root)
-        self.path = self.root / f"{CGROUP_PREFIX}{os.getpid()}"
-        self.path.mkdir(exist_ok=True)
+    def __init__(self, cpu_share, label=""):
+        hierarchy = _controller("cpu", "v2 cpu.max or v1 cpu.cfs_quota_us")
+        self.cgroup = ProcessCgroup.acquire(hierarchy, label)
         try:
             self.set_share(cpu_share)
-            (self.path / "cgroup.procs").write_text(str(os.getpid()))
+            self.cgroup.enter()
         except OSError:
-            self.path.rmdir()
+            self.close()
             raise
-        atexit.register(self.close)
+
+    @property
+    def path(self):
+        return self.cgroup.path if self.cgroup is not None else None
 
     def set_share(self, cpu_share):
         """Grant ``cpu_share`` CPUs from now on."""
         quota = max(1000, int(cpu_share * CFS_PERIOD_US))
-        if (self.path / "cpu.max").exists():
-            (self.path / "cpu.max").write_text(f"{quota} {CFS_PERIOD_US}")
+        if self.cgroup.has("cpu.max"):
+            self.cgroup.write("cpu.max", f"{quota} {CFS_PERIOD_US}")
         else:
-            (self.path / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
-            (self.path / "cpu.cfs_quota_us").write_text(str(quota))
+            self.cgroup.write("cpu.cfs_period_us", CFS_PERIOD_US)
+            self.cgroup.write("cpu.cfs_quota_us", quota)
 
     def close(self):
-        if self.path is None:
-            return
+        if self.cgroup is not None:
+            self.cgroup.release()
+            self.cgroup = None
+
+
+class MemoryLimitCgroup:
+    """This process in a cgroup that lets it charge ``limit_bytes`` from the moment it joins;
+    beyond that the kernel kills it (SIGKILL), as a device raises out-of-memory. ``close()`` undoes it.
+
+    Charges stay where they were made: what the process held before joining (the interpreter,
+    torch, a model built before ``deepspeed.initialize``) is charged to its former cgroup and does
+    not count. Swap is closed (v2 ``memory.swap.max`` 0; v1 ``memory.memsw.limit_in_bytes`` equal to
+    the limit where swap accounting is on, and ``memory.swappiness`` 0), so that a rank over its
+    limit dies instead of swapping.
+    """
+
+    def __init__(self, limit_bytes, label=""):
+        hierarchy = _controller("memory", "v2 memory.max or v1 memory.limit_in_bytes")
+        self.cgroup = ProcessCgroup.acquire(hierarchy, label)
         try:
-            (self.root / "cgroup.procs").write_text(str(os.getpid()))
-            self.path.rmdir()
+            self.set_limit(limit_bytes)
+            self.cgroup.enter()
         except OSError:
-            pass  # already gone, or another thread still inside: the next run removes it
-        self.path = None
+            self.close()
+            raise
+
+    def set_limit(self, limit_bytes):
+        """Allow ``limit_bytes`` from now on (an OSError when the process already holds more)."""
+        self.limit_bytes = int(limit_bytes)
+        if self.cgroup.has("memory.max"):
+            self.cgroup.write("memory.max", self.limit_bytes)
+            if self.cgroup.has("memory.swap.max"):
+                self.cgroup.write("memory.swap.max", 0)
+            return
+        # v1: memsw (memory + swap) may not be below the memory limit, so it follows it.
+        if self.cgroup.has("memory.memsw.limit_in_bytes"):
+            old = int((self.cgroup.path / "memory.limit_in_bytes").read_text())
+            order = ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes")
+            for name in (order if self.limit_bytes <= old else order[::-1]):
+                self.cgroup.write(name, self.limit_bytes)
+        else:
+            self.cgroup.write("memory.limit_in_bytes", self.limit_bytes)
+        if self.cgroup.has("memory.swappiness"):
+            self.cgroup.write("memory.swappiness", 0)
+
+    @property
+    def path(self):
+        return self.cgroup.path if self.cgroup is not None else None
+
+    def close(self):
+        if self.cgroup is not None:
+            self.cgroup.release()
+            self.cgroup = None
+
+
+def memory_limit_bytes(memory_gb):
+    """The cgroup limit that emulates ``memory_gb`` GiB of device memory (see HOST_ALLOWANCE_BYTES)."""
+    return int(memory_gb * GIB) + HOST_ALLOWANCE_BYTES
+
+
+def describe_memory_limit(limit_bytes):
+    """A cgroup limit in the user's terms: the emulated capacity plus the host allowance."""
+    if limit_bytes is None:
+        return "no limit"
+    # The kernel rounds a limit down to whole pages: three digits say what the user wrote.
+    return (f"a cgroup limit of {limit_bytes / GIB:.3g} GiB = heterogeneous_config.emulation.memory_gb "
+            f"{(limit_bytes - HOST_ALLOWANCE_BYTES) / GIB:.3g} + {HOST_ALLOWANCE_BYTES / GIB:.3g} GiB for the host "
+            "process, counted from the engine's start")
+
+
+_memory_cgroup = None  # this process's MemoryLimitCgroup (a process is one rank)
+
+
+def start_memory_limit(emulation, rank):
+    """Put this process under rank ``rank``'s emulated memory (``emulation.memory_gb``) by a memory
+    cgroup; returns it, or None where memory is emulated by accounting alone.
+
+    ``mode`` decides whether the emulation may use cgroups at all: 'dilation' never does (speed by
+    sleeping, memory by the accounting check); 'auto' uses a memory cgroup where the machine
+    allows it; 'cgroup' requires one. Process-wide: a later engine's limit replaces an earlier one's.
+    """
+    sizes = emulation.memory_gb if emulation is not None else None
+    if not sizes or rank >= len(sizes) or emulation.mode == "dilation":
+        return None
+    global _memory_cgroup
+    limit = memory_limit_bytes(sizes[rank])
+    current = _memory_cgroup if _memory_cgroup is not None and _memory_cgroup.cgroup is not None else None
+    if current is not None and current.limit_bytes == limit:
+        return current  # the engine's start joined it; the runtime asks again at its first hook
+    try:
+        if current is not None:
+            current.set_limit(limit)  # a later engine of this process, with its own config
+        else:
+            _memory_cgroup = MemoryLimitCgroup(limit, label=f"rank{rank}")
+    except OSError as exc:
+        if emulation.mode == "cgroup":
+            raise RuntimeError(f"heterogeneous_config.emulation.mode 'cgroup' cannot limit rank {rank}'s memory here "
+                               f"({exc}; a memory cgroup needs root or a delegated cgroup); use 'dilation' or "
+                               "'auto', which enforce memory_gb by accounting alone") from exc
+        logger.info(f"deepspeed-hetero emulation: rank {rank}'s memory_gb is enforced by accounting only ({exc})")
+        return None
+    shown = describe_memory_limit(_memory_cgroup.limit_bytes)
+    logger.info(f"deepspeed-hetero emulation: rank {rank} runs under {shown}")
+    return _memory_cgroup
 
 
 class Emulator:
     """Slows this rank to ``speed``; ``mode`` is the means in force ('cgroup', 'dilation' or 'none')."""
 
-    def __init__(self, speed, mode="auto", threads=None):
+    def __init__(self, speed, mode="auto", threads=None, label=""):
         import torch
+        self._label = label
         self.speed = 1.0
         self.mode = "none"
         self._requested = mode
@@ -112,7 +202,7 @@ class Emulator:
             return
         if self._requested in ("auto", "cgroup"):
             try:
-                self._cgroup = CpuQuotaCgroup(self.speed * self._threads)
+                self._cgroup = CpuQuotaCgroup(self.speed * self._threads, self._label)
                 self.mode = "cgroup"
                 return
             except OSError as exc:
@@ -136,7 +226,7 @@ def start_emulation(emulation, rank):
     """The Emulator of data-parallel ``rank`` for an EmulationConfig (None: no emulation)."""
     if emulation is None or not (emulation.speeds or emulation.speed_schedule):
         return None
-    emulator = Emulator(emulation.speeds[rank] if emulation.speeds else 1.0, emulation.mode)
+    emulator = Emulator(emulation.speeds[rank] if emulation.speeds else 1.0, emulation.mode, label=f"rank{rank}")
     logger.info(f"deepspeed-hetero emulation: rank {rank} runs at speed {emulator.speed} by {emulator.mode}")
     return emulator
 

@@ -46,6 +46,8 @@ class HeterogeneousState:
     """The plan in force (per-rank micro-batches and gas); None when the fork is off."""
     runtime: Optional[object] = field(default=None, repr=False)
     """The engine's ``HeterogeneousRuntime``, created at its first hook."""
+    chunk_sizes: Optional[dict] = None
+    """The ZeRO bucket and prefetch sizes adaptive chunking wrote into the config (elements)."""
 
     @property
     def enabled(self):
@@ -86,15 +88,22 @@ class HeterogeneousState:
         state.devices = gather_local_devices(settings, state.dp_rank, int(world_size))
         state.precision = choose_precision_for_config(settings.config.mixed_precision_support, state.devices,
                                                       param_dict)
+        if settings.memory.enabled and settings.memory.adaptive_chunking:
+            from .batch import memory_capacities
+            from .chunking import apply_adaptive_chunking
+            state.chunk_sizes = apply_adaptive_chunking(param_dict, memory_capacities(state))
         return state
 
     def engine_starting(self, ds_config, engine_class, model=None, optimizer=None):
         """The engine is about to be built from ``ds_config`` (``HeterogeneousEngineMixin.__init__``):
-        refuse engines the fork does not drive, and keep the start-up plan within memory now that
-        the model is known (``batch.cap_startup_plan``). Nothing when the fork is off."""
+        refuse engines the fork does not drive, put an emulated rank under its memory cgroup, and
+        keep the start-up plan within memory now that the model is known (``batch.cap_startup_plan``).
+        Nothing when the fork is off."""
         if not self.enabled:
             return
         refuse_unsupported_engine(engine_class)
+        from .emulation import start_memory_limit
+        start_memory_limit(self.settings.config.emulation, self.dp_rank)  # before the engine allocates
         if model is not None:
             from .batch import cap_startup_plan
             cap_startup_plan(ds_config, model, optimizer)
