@@ -131,7 +131,8 @@ def rank_environment(rank, world_size, port, env=None):
 
 
 @contextlib.contextmanager
-def _patched_environ(variables):
+def patched_environ(variables):
+    """Set ``variables`` (None: unset) in os.environ for the block; restore them after."""
     # A spawned child unpickles its target, importing the target's module, before any code of
     # ours runs there; the variables must therefore be in the environment it inherits at start.
     saved = {name: os.environ.get(name) for name in variables}
@@ -276,7 +277,7 @@ def _run_group(fn, args, world_size, timeout, env):
         for rank in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_rank_entry, args=(writer, fn, args, timeout), name=f"rank{rank}")
-            with _patched_environ(rank_environment(rank, world_size, port, env)):
+            with patched_environ(rank_environment(rank, world_size, port, env)):
                 proc.start()
             # Only the child may hold the write end: its exit must show up as EOF here.
             writer.close()

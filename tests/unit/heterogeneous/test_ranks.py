@@ -21,7 +21,7 @@ process-wide state behind (a device mesh in ``groups``) run last.
 import pytest
 import torch
 
-from harness import run_subcases
+from harness import patched_environ, run_subcases
 
 WIDTH = 8
 H100, V100 = "NVIDIA H100 80GB HBM3", "Tesla V100-SXM2-16GB"
@@ -95,28 +95,20 @@ def _own_device(rank, memory_gib, heterogeneous, train_batch_size=18):
 
 def _settings(rank, env, heterogeneous, config_block=True):
     """Parse a config with this rank's own environment (``env[rank]``); the error, if any."""
-    import os
     from deepspeed.runtime import config as ds_config
     from deepspeed.runtime.heterogeneous import agreement
 
     agreement.SETTINGS_TIMEOUT_S = 4  # a rank without the fork never reports; do not wait for long
-    saved = {name: os.environ.get(name) for name in ("DS_HETEROGENEOUS_ENV", "DS_ADAPTIVE_SCHEDULING")}
-    os.environ.update(env[rank])
     config = {"train_batch_size": 8}
     if config_block:
         config["heterogeneous_config"] = {"enabled": True, "load_balancing_strategy": "compute_aware",
                                           "mixed_precision_support": "config", **heterogeneous[rank]}
     try:
-        state = ds_config.DeepSpeedConfig(config).heterogeneous
+        with patched_environ(env[rank]):
+            state = ds_config.DeepSpeedConfig(config).heterogeneous
         return {"enabled": state.enabled, "error": None}
     except ValueError as exc:
         return {"enabled": None, "error": str(exc)}
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _pipeline(rank):
