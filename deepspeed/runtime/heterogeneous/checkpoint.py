@@ -56,7 +56,7 @@ def save_state(engine, client_state):
         raise KeyError(f"client_state contains the key {KEY!r}, which deepspeed-hetero uses for its own state; "
                        f"rename that entry")
     runtime = engine._heterogeneous_runtime()
-    samplers = registered_samplers(runtime)
+    samplers = runtime.samplers  # the plan-following batch samplers, in registration order
     mine = {
         "samplers": [sampler.state_dict() for sampler in samplers],
         "mid_round": [index for index, sampler in enumerate(samplers) if sampler.mid_round],
@@ -129,7 +129,7 @@ def restore(engine, record):
     if not same_cluster and runtime.profiling:
         _log(engine, "the checkpoint was written on another cluster (devices, emulation or strategy differ): "
              "profiling runs again from the plan in force")
-    _restore_samplers(registered_samplers(runtime), record["samplers"])
+    _restore_samplers(runtime.samplers, record["samplers"])
 
 
 def _restore_samplers(samplers, states):
@@ -147,11 +147,6 @@ def _restore_samplers(samplers, states):
         except ValueError as exc:
             raise ValueError(f"deepspeed-hetero: heterogeneous sampler {index} cannot resume from the checkpoint: "
                              f"{exc}") from exc
-
-
-def registered_samplers(runtime):
-    """The batch samplers that follow the plan, in registration order."""
-    return list(runtime.samplers)
 
 
 def check_positions_agree(positions):

@@ -37,7 +37,6 @@ class HeterogeneousDataLoader:
             self._loader = DataLoader(dataset, batch_sampler=self._window, collate_fn=collate_fn,
                                       num_workers=self.num_workers, pin_memory=pin_memory, persistent_workers=True)
         self._iterator = None
-        self._step_iterator = None
 
     def __iter__(self):
         self._iterator = iter(self._loader) if self.num_workers == 0 else self._start_pass()
