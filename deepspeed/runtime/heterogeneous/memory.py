@@ -50,7 +50,8 @@ def model_state_bytes(num_parameters,
                       param_bytes=4,
                       optimizer_bytes=_DEFAULT_STATE_BYTES,
                       master_bytes=0,
-                      optimizer_offloaded=False):
+                      optimizer_offloaded=False,
+                      share=None):
     """Model-state bytes one rank holds under ZeRO ``zero_stage`` (0-3).
 
     Args:
@@ -59,14 +60,16 @@ def model_state_bytes(num_parameters,
         optimizer_bytes: optimizer state bytes per parameter (Adam: 8).
         master_bytes: fp32 master copy per parameter under fp16/bf16 (4), else 0.
         optimizer_offloaded: optimizer states and master weights live on the host.
+        share: this rank's share of the ZeRO-1/2 partitioned state (``partitions.py``); None: 1/N.
     """
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage {zero_stage!r} must be 0, 1, 2 or 3")
     world = max(1, int(data_parallel_size))
+    part = 1.0 / world if share is None or zero_stage not in (1, 2) else float(share)
     params = num_parameters * param_bytes / (world if zero_stage >= 3 else 1)
-    grads = num_parameters * param_bytes / (world if zero_stage >= 2 else 1)
-    optimizer = 0 if optimizer_offloaded else num_parameters * (optimizer_bytes + master_bytes) / (
-        world if zero_stage >= 1 else 1)
+    grads = num_parameters * param_bytes * (part if zero_stage >= 2 else 1)
+    optimizer = 0 if optimizer_offloaded else num_parameters * (optimizer_bytes + master_bytes) * (
+        part if zero_stage >= 1 else 1)
     return int(math.ceil(params + grads + optimizer))
 
 
@@ -102,13 +105,14 @@ def config_model_state_bytes(ds_config, model, optimizer=None):
     half = ds_config.float16_config.enabled or ds_config.bfloat16_config.enabled
     inputs = _model_state_inputs(model.parameters(), half, optimizer, offloaded)
     return model_state_bytes(zero_stage=int(ds_config.zero_optimization_stage or 0),
-                             data_parallel_size=int(ds_config.world_size), **inputs)
+                             data_parallel_size=int(ds_config.world_size),
+                             share=ds_config.heterogeneous.partition_share, **inputs)
 
 
 def engine_model_state_bytes(engine, data_parallel_size):
     """This rank's predicted model-state bytes (its ZeRO shard) for ``engine``."""
     return model_state_bytes(zero_stage=int(engine.zero_optimization_stage()), data_parallel_size=data_parallel_size,
-                             **engine_model_state_inputs(engine))
+                             share=engine._config.heterogeneous.partition_share, **engine_model_state_inputs(engine))
 
 
 @dataclass(frozen=True)

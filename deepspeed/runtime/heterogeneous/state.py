@@ -26,6 +26,7 @@ from .config import HeterogeneousSettings, load_heterogeneous_settings, settings
 from .devices import DeviceDescription
 from .planner import Plan
 from .precision import PrecisionChoice
+from .topology import Topology
 
 
 @dataclass
@@ -48,6 +49,11 @@ class HeterogeneousState:
     """The engine's ``HeterogeneousRuntime``, created at its first hook."""
     chunk_sizes: Optional[dict] = None
     """The ZeRO bucket and prefetch sizes adaptive chunking wrote into the config (elements)."""
+    topology: Optional[Topology] = None
+    """Which data-parallel ranks share a host and the measured links between host leaders
+    (``topology.discover_topology``, at config time); None when the fork is off."""
+    partition_shares: Optional[tuple] = None
+    """Each data-parallel rank's share of the ZeRO-1/2 partitioned state (None: equal slices)."""
 
     @property
     def enabled(self):
@@ -62,6 +68,11 @@ class HeterogeneousState:
         return 1.0 if self.plan is None else self.plan.loss_weights[self.dp_rank]
 
     @property
+    def partition_share(self):
+        """This rank's share of the ZeRO-1/2 partitioned state; None: upstream's 1/N."""
+        return None if self.partition_shares is None else self.partition_shares[self.dp_rank]
+
+    @property
     def device_names(self):
         return [d.name for d in self.devices] if self.devices else None
 
@@ -74,6 +85,7 @@ class HeterogeneousState:
         from .agreement import check_settings_agree
         from .batch import data_parallel_rank, gather_local_devices
         from .precision import choose_precision_for_config
+        from .topology import discover_topology
 
         settings = load_heterogeneous_settings(param_dict, world_size=world_size)
         for note in settings.notes:
@@ -86,6 +98,7 @@ class HeterogeneousState:
         check_settings_agree(settings_summary(settings))
         state.dp_rank = data_parallel_rank(mpu, mesh_device, world_size, param_dict.get("sequence_parallel_size"))
         state.devices = gather_local_devices(settings, state.dp_rank, int(world_size))
+        state.topology = discover_topology(state.dp_rank, int(world_size))
         state.precision = choose_precision_for_config(settings.config.mixed_precision_support, state.devices,
                                                       param_dict)
         if settings.memory.enabled and settings.memory.adaptive_chunking:
@@ -106,6 +119,12 @@ class HeterogeneousState:
         start_memory_limit(self.settings.config.emulation, self.dp_rank)  # before the engine allocates
         if model is not None:
             from .batch import cap_startup_plan
+            from .partitions import decide_partition_shares, describe_shares
+            self.partition_shares = decide_partition_shares(self, ds_config, model, optimizer)
+            if self.partition_shares is not None and self.dp_rank == 0:
+                logger.warning(f"deepspeed-hetero: ZeRO-{ds_config.zero_optimization_stage} optimizer-state shares "
+                               f"per data-parallel rank {describe_shares(self.partition_shares)} "
+                               "(heterogeneous_memory.zero_partitions)")
             cap_startup_plan(ds_config, model, optimizer)
 
     def configure(self, ds_config):

@@ -7,9 +7,9 @@ the op, the group, every tensor's shape and dtype, the reduce op and root, async
 an uneven manual plan in ZeRO 0-3 with accumulation and clipping; compute_aware with profiling
 re-plans and an on-demand re-plan (the fork's own gathers and broadcasts); fp16 with the adaptive
 loss scaler and an overflow on one rank only; per-rank accumulation that memory limits force in
-ZeRO-1; upstream alone (fork off), recorded through the listener only. A last case makes one
-rank issue an extra collective, so the comparison is seen to fail. All cases share one 2-rank
-group (about 15 s).
+ZeRO-1; uneven ZeRO-1/2 partitions (0.7, 0.3); upstream alone (fork off), recorded through the
+listener only. A last case makes one rank issue an extra collective, so the comparison is seen to
+fail. All cases share one 2-rank group (about 20 s on an idle machine).
 """
 
 import pytest
@@ -100,7 +100,7 @@ def dataset():
 
 
 def _manual(rank, entries, stage, gas=2, sizes=(5, 3), steps=3, fp16=False, overflow_at=None,
-            extra_collective_at=None):
+            extra_collective_at=None, shares=None):
     """An uneven manual plan fed by hand (each rank its slice of the global micro-batch);
     ``extra_collective_at``: after that step rank 1 issues a collective rank 0 does not."""
     import deepspeed
@@ -110,6 +110,8 @@ def _manual(rank, entries, stage, gas=2, sizes=(5, 3), steps=3, fp16=False, over
               "zero_optimization": {"stage": stage}, "optimizer": ADAM,
               "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "manual",
                                        "micro_batch_sizes": list(sizes)}}
+    if shares:
+        config["heterogeneous_memory"] = {"zero_partitions": list(shares)}
     if fp16:
         from deepspeed.accelerator import get_accelerator
         accelerator = get_accelerator()
@@ -135,6 +137,8 @@ def _manual(rank, entries, stage, gas=2, sizes=(5, 3), steps=3, fp16=False, over
             extra_index = len(entries)
             dist.all_reduce(torch.ones(3), group=lonely)  # a collective rank 0 does not issue
     info = {"extra_index": extra_index}
+    if shares:
+        info["partition"] = [int(g.numel()) for g in engine.optimizer.single_partition_of_fp32_groups]
     if fp16:
         scaler = getattr(engine.optimizer, "adaptive_scaler", None) or engine.optimizer.loss_scaler
         info["scaler"] = type(scaler).__name__
@@ -236,6 +240,8 @@ CASES = {
     **{f"fp16 adaptive scaler zero{stage}, overflow on rank 1": dict(kind="manual", stage=stage, gas=1, steps=4,
                                                                      fp16=True, overflow_at=2) for stage in (0, 2, 3)},
     "per-rank gas zero1 (emulated memory)": dict(kind="per_rank_gas", stage=1),
+    **{f"uneven ZeRO partitions [0.7, 0.3] zero{stage}": dict(kind="manual", stage=stage, shares=(0.7, 0.3))
+       for stage in (1, 2)},
     "negative: rank 1 issues an extra all_reduce": dict(kind="manual", stage=0, steps=2, extra_collective_at=0),
 }
 
@@ -275,6 +281,10 @@ def test_every_rank_issues_the_same_collectives(recorded, name):
         assert first["info"]["scaler"] == "AdaptiveLossScaler", first["info"]
         # rank 1's overflow skipped the step on both ranks (the first steps may overflow too)
         assert first["info"]["skipped"] == second["info"]["skipped"] >= 1, (first["info"], second["info"])
+    if case.get("shares"):
+        # The slices really differ (and the parameters' all-gather runs as per-owner broadcasts).
+        assert first["info"]["partition"][0] > 2 * second["info"]["partition"][0], (first["info"], second["info"])
+        assert "broadcast" in ops, ops
     if case["kind"] == "per_rank_gas":
         gas = first["info"]["plan"]["gradient_accumulation_steps"]
         assert len(set(gas)) > 1, f"memory caps did not provoke per-rank gas: {first['info']['plan']}"

@@ -1,0 +1,176 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Memory-proportional ZeRO-1/2 partitions (``heterogeneous_memory.zero_partitions``).
+
+Pure: the layout's invariants (aligned boundaries, tail padding in the last slice, no empty slice,
+a slice inside one parameter) and the share decision (speed, memory caps). Processes: ZeRO-1/2
+training with uneven shares equals the single-process reference of test_exactness, each rank's
+optimizer state is its share, and a checkpoint loads back onto its own layout but not another.
+"""
+
+import pytest
+import torch
+
+from deepspeed.runtime.heterogeneous.partitions import (PartitionLayoutError, ZeroPartitionLayout, check_shares,
+                                                        check_checkpoint_layout, choose_partition_shares, even_bounds,
+                                                        layout_digest, partition_bounds, zero_partition_layout)
+
+
+def _check_invariants(bounds, total, payload, alignment):
+    assert bounds[0][0] == 0
+    assert sum(n for _, n in bounds) == total
+    for (start, numel), (next_start, _) in zip(bounds, bounds[1:]):
+        assert start + numel == next_start
+    for start, numel in bounds:
+        assert start % alignment == 0 and numel % alignment == 0 and numel >= alignment
+    # Only the last slice holds padding: every earlier one ends inside the parameters.
+    last_start = bounds[-1][0]
+    assert last_start < payload
+
+
+@pytest.mark.parametrize("shares", [(0.7, 0.3), (0.3, 0.7), (0.9, 0.1), (0.5, 0.3, 0.15, 0.05), (0.25, ) * 4])
+@pytest.mark.parametrize("payload", [1072, 4099, 1_000_003])
+def test_bounds_are_aligned_contiguous_and_keep_padding_at_the_tail(shares, payload):
+    alignment, world = 2, len(shares)
+    total = -(-payload // (alignment * world)) * alignment * world
+    bounds = partition_bounds(total, payload, shares, alignment)
+    _check_invariants(bounds, total, payload, alignment)
+    for share, (_, numel) in zip(shares[:-1], bounds[:-1]):
+        assert abs(numel - share * payload) <= alignment  # the share, to one alignment unit
+
+
+def test_even_shares_leave_upstreams_equal_slices_in_place():
+    assert zero_partition_layout((0.25, ) * 4, 2, 4) is None  # the optimizer then runs upstream's code
+    assert even_bounds(1200, 4) == ((0, 300), (300, 300), (600, 300), (900, 300))
+
+
+def test_a_tiny_share_still_gets_an_aligned_slice_and_a_slice_can_sit_inside_one_parameter():
+    bounds = partition_bounds(1000, 999, (0.998, 0.001, 0.001), 4)
+    _check_invariants(bounds, 1000, 999, 4)
+    assert [n for _, n in bounds][1] == 4
+    # One parameter of 1000 elements: rank 1's slice lies wholly inside it.
+    layout = ZeroPartitionLayout((0.4, 0.2, 0.4), 2)
+    start, numel = layout.add_group(1002, 1000)[1]
+    assert 0 < start and start + numel < 1000
+
+
+def test_small_groups_keep_equal_slices():
+    layout = ZeroPartitionLayout((0.9, 0.1), 2)
+    assert layout.add_group(16, 12) == even_bounds(16, 2)
+
+
+def test_shares_follow_speed_then_memory_caps():
+    assert choose_partition_shares([1.0, 1.0]) == (0.5, 0.5)
+    assert choose_partition_shares([3.0, 1.0]) == (0.75, 0.25)
+    # Rank 1 can hold only 20% of the state: the rest goes to rank 0, whatever the speeds say.
+    assert choose_partition_shares([1.0, 1.0], rooms=[10e9, 2e9], state_bytes=10e9) == (0.8, 0.2)
+    # Three ranks, one capped: the others share the rest by speed.
+    shares = choose_partition_shares([1.0, 1.0, 2.0], rooms=[None, 1e9, None], state_bytes=10e9)
+    assert shares[1] == pytest.approx(0.1) and shares[2] == pytest.approx(2 * shares[0], abs=1e-6)
+    # Nothing fits: shares follow the rooms (the memory check then names the rank).
+    assert choose_partition_shares([1.0, 1.0], rooms=[3e9, 1e9], state_bytes=10e9) == (0.75, 0.25)
+    # No share below the floor.
+    assert min(choose_partition_shares([1000.0, 1.0])) >= 0.01
+
+
+def test_bad_shares_and_unsupported_combinations_are_refused_by_name():
+    with pytest.raises(PartitionLayoutError, match="3 shares .* 2 ranks"):
+        check_shares([0.5, 0.3, 0.2], 2)
+    with pytest.raises(PartitionLayoutError, match="sums to 0.9"):
+        check_shares([0.5, 0.4], 2)
+    with pytest.raises(PartitionLayoutError, match="offload_optimizer"):
+        zero_partition_layout((0.7, 0.3), 2, 2, cpu_offload=True)
+    with pytest.raises(PartitionLayoutError, match="MoE"):
+        zero_partition_layout((0.7, 0.3), 2, 2, has_moe_layers=True)
+    assert zero_partition_layout((0.5, 0.5), 2, 2) is None and zero_partition_layout(None, 2, 2) is None
+
+
+def test_a_checkpoint_of_another_layout_is_refused():
+    layout = ZeroPartitionLayout((0.7, 0.3), 2)
+    layout.add_group(1072, 1072)
+    saved = {ZeroPartitionLayout.CHECKPOINT_KEY: layout.checkpoint_value()}
+    check_checkpoint_layout(saved, layout, [1072], 2)  # same layout: fine
+    check_checkpoint_layout({}, None, [1072], 2)  # upstream's on both sides: fine
+    with pytest.raises(PartitionLayoutError, match=r"saved with partition shares \[0.700, 0.300\].*\[0.500, 0.500\]"):
+        check_checkpoint_layout(saved, None, [1072], 2)
+    with pytest.raises(PartitionLayoutError, match="universal"):
+        check_checkpoint_layout({}, layout, [1072], 2)
+    assert layout_digest(layout.groups) != layout_digest([even_bounds(1072, 2)])
+
+
+def _train_with_shares(rank, world_size, stage, gas, sizes, clipping, shares, zero=None, bf16=False):
+    """test_exactness's training with ``zero_partitions: shares``; returns the parameters and this
+    rank's optimizer-state partition (numel of each fp32 group)."""
+    import deepspeed
+    from test_exactness import BF16_LR, ds_config, global_batches, make_model
+
+    model = make_model()
+    config = ds_config(stage, gas, sizes, clipping)
+    config["heterogeneous_memory"] = {"zero_partitions": shares}
+    config["zero_optimization"].update(zero or {})
+    if bf16:
+        config.update(bf16={"enabled": True}, optimizer={"type": "SGD", "params": {"lr": BF16_LR}},
+                      zero_allow_untested_optimizer=True)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    offset, per_micro = sum(sizes[:rank]), sum(sizes)
+    for inputs, targets in global_batches(config["train_batch_size"]):
+        for micro in range(gas):
+            start = micro * per_micro + offset
+            chunk = slice(start, start + sizes[rank])
+            x = inputs[chunk].to(torch.bfloat16) if bf16 else inputs[chunk]
+            engine.backward(torch.nn.functional.mse_loss(engine(x).float(), targets[chunk]))
+            engine.step()
+    partition = [int(g.numel()) for g in engine.optimizer.single_partition_of_fp32_groups]
+    return [p.detach().float().clone() for p in engine.module.parameters()], partition
+
+
+def _expect_shares(case, per_rank):
+    """Each rank's fp32 partition is its share of the model's 1072 parameters (to alignment)."""
+    total = sum(partition[0] for _, partition in per_rank)
+    for share, (_, partition) in zip(case["shares"], per_rank):
+        assert abs(partition[0] - share * 1072) <= 2, (case, [p for _, p in per_rank])
+    assert total >= 1072
+
+
+SHARE_CASES = [
+    dict(stage=1, gas=1, sizes=[5, 3], clipping=0.0, shares=[0.7, 0.3]),
+    dict(stage=1, gas=2, sizes=[7, 1], clipping=0.05, shares=[0.3, 0.7]),
+    dict(stage=2, gas=1, sizes=[5, 3], clipping=0.05, shares=[0.9, 0.1]),
+    dict(stage=2, gas=2, sizes=[5, 3], clipping=0.0, shares=[0.7, 0.3],
+         zero={"overlap_comm": True, "contiguous_gradients": False}),
+    dict(stage=2, gas=1, sizes=[7, 1], clipping=1.0, shares=[0.3, 0.7],
+         zero={"use_multi_rank_bucket_allreduce": False, "reduce_bucket_size": 200}),
+    dict(stage=1, gas=1, sizes=[5, 3], clipping=0.0, shares=[0.9, 0.1],
+         zero={"contiguous_gradients": True, "overlap_comm": True, "use_multi_rank_bucket_allreduce": False}),
+]
+
+
+@pytest.mark.multiprocess
+def test_uneven_shares_train_exactly_and_each_rank_holds_its_share():
+    from harness import run_subcases
+    from test_exactness import reference_parameters
+
+    results = run_subcases(_train_with_shares, SHARE_CASES, world_size=2, timeout=600)
+    for case, per_rank in zip(SHARE_CASES, results):
+        _expect_shares(case, per_rank)
+        expected = reference_parameters(sum(case["sizes"]) * case["gas"], case["clipping"])
+        for params, _ in per_rank:
+            for got, want in zip(params, expected):
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=lambda m: f"{case}: {m}")
+
+
+@pytest.mark.multiprocess
+def test_bf16_uneven_shares_track_the_reference():
+    """As test_exactness's bf16 test (SGD, 2.5e-3): ZeRO-1 with bf16 would run upstream's
+    BF16_Optimizer, which keeps equal slices; with uneven shares the ZeRO optimizer runs it."""
+    from harness import run_subcases
+    from test_exactness import BF16_LR, sgd_reference
+
+    cases = [dict(stage=1, gas=1, sizes=[5, 3], clipping=0.0, shares=[0.7, 0.3], bf16=True),
+             dict(stage=2, gas=1, sizes=[7, 1], clipping=0.0, shares=[0.3, 0.7], bf16=True)]
+    results = run_subcases(_train_with_shares, cases, world_size=2, timeout=600)
+    for case, per_rank in zip(cases, results):
+        _expect_shares(case, per_rank)
+        expected = sgd_reference(sum(case["sizes"]), BF16_LR)
+        for params, _ in per_rank:
+            for got, want in zip(params, expected):
+                torch.testing.assert_close(got, want, rtol=0, atol=2.5e-3, msg=lambda m: f"{case}: {m}")
