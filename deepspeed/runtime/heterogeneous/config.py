@@ -19,8 +19,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Annotated, Dict, List, Literal, Optional, Union
 
-from pydantic import (AfterValidator, Field, PositiveFloat, PositiveInt, ValidationError, field_validator,
-                      model_validator)
+from pydantic import (AfterValidator, BeforeValidator, Field, PositiveFloat, PositiveInt, ValidationError,
+                      field_validator, model_validator)
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 
@@ -32,9 +32,13 @@ LR_SCHEDULER = "scheduler"
 
 ENV_ENABLE = "DS_HETEROGENEOUS_ENV"
 ENV_ADAPTIVE_SCHEDULING = "DS_ADAPTIVE_SCHEDULING"
-ENV_SWITCHES = (ENV_ENABLE, ENV_ADAPTIVE_SCHEDULING)
-"""Every environment variable ``load_heterogeneous_settings`` reads: each rank reads its own, so
-they must be set alike on every node (``agreement.check_settings_agree``)."""
+ENV_HOSTS = "DS_HETEROGENEOUS_HOSTS"
+"""Emulation and tests: the host of each data-parallel rank ("0,0,1,1"), read by
+``hierarchical.engine_hosts`` when the fork discovered no topology."""
+ENV_SWITCHES = (ENV_ENABLE, ENV_ADAPTIVE_SCHEDULING, ENV_HOSTS)
+"""Every environment variable that shapes the fork's settings: each rank reads its own, so they
+must be set alike on every node (``agreement.check_settings_agree``); a rank with other hosts
+would create other process groups than its peers and hang them."""
 
 STRATEGIES = ("uniform", "compute_aware", "manual")
 Strategy = Literal["uniform", "compute_aware", "manual"]
@@ -100,6 +104,53 @@ class EmulationConfig(DeepSpeedConfigModel):
         return self
 
 
+def _auto_or_bool(value):
+    # A plain bool field would take pydantic's lax spellings ("yes", 1, "on") and an unknown word
+    # would come back as two union errors; one message that names the three values is clearer.
+    if value is True or value is False or value == "auto":
+        return value
+    raise ValueError(f"{value!r} is not allowed; use true, false or \"auto\"")
+
+
+def _compression_dtype(value):
+    if value is False or value is None or value in ("bf16", "fp16"):
+        return value or False
+    raise ValueError(f"{value!r} is not allowed; use false, \"bf16\" or \"fp16\"")
+
+
+AutoOrBool = Annotated[Union[Literal["auto"], bool], BeforeValidator(_auto_or_bool)]
+"""true / false / "auto" (on when the fork is enabled and the ranks span more than one host)."""
+
+
+class CommunicationConfig(DeepSpeedConfigModel):
+    """``heterogeneous_config.communication``: how gradients travel on a cluster of several hosts.
+
+    The exact parts are on by default (``auto``) wherever they can matter: the fork is enabled and
+    the data-parallel ranks span more than one host (``topology``); a user turns them off with
+    ``false``. Compression is not exact, hence opt-in."""
+
+    hierarchical_reduction: AutoOrBool = "auto"
+    """ZeRO-0/1/2 gradient all-reduce in three steps: inside each host, shards between hosts,
+    inside each host again (``hierarchical.py``). Equal to the flat all-reduce up to summation
+    order. ``true`` where it cannot apply (data-parallel group smaller than the world) is an error."""
+    compress_inter_host: Union[Literal["bf16", "fp16"], bool] = False
+    """Send the inter-host step of the hierarchical reduction in bf16 or fp16 (in-host steps stay in
+    the gradient's dtype). Not exact: the sum between hosts is rounded to 8 (bf16) or 11 (fp16)
+    mantissa bits. Needs hierarchical_reduction in force."""
+
+    @field_validator("compress_inter_host", mode="before")
+    @classmethod
+    def _known_compression(cls, value):
+        return _compression_dtype(value)
+
+    @model_validator(mode="after")
+    def _compression_needs_hierarchy(self):
+        if self.compress_inter_host and self.hierarchical_reduction is False:
+            raise ValueError(f"compress_inter_host '{self.compress_inter_host}' compresses the inter-host step of "
+                             "the hierarchical reduction, which hierarchical_reduction false turns off: drop one")
+        return self
+
+
 class HeterogeneousConfig(DeepSpeedConfigModel):
     """``heterogeneous_config``: per-device work allocation. Off by default (upstream behaviour)."""
 
@@ -117,6 +168,8 @@ class HeterogeneousConfig(DeepSpeedConfigModel):
     check_fed_batch: bool = True
     """Stop when a rank is fed a micro-batch whose size (dim 0 of the first tensor passed to forward)
     is not its planned one; turn off only for inputs that are not batch-first."""
+    communication: CommunicationConfig = Field(default_factory=CommunicationConfig)
+    """How gradients travel between hosts (hierarchical reduction, inter-host compression)."""
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -166,6 +219,17 @@ class HeterogeneousMemoryConfig(DeepSpeedConfigModel):
     """Fraction of each device's memory the planner may fill."""
     cpu_memory_limit: Optional[Union[int, str]] = None
     """Hard limit of pinned host buffers, e.g. '64GB'; None: no limit."""
+    zero_partitions: Union[Literal["auto", "even"], List[PositiveFloat]] = "auto"
+    """ZeRO-1/2 optimizer-state shares: "auto" (from each rank's memory and speed when ``enabled``),
+    "even" (upstream's 1/N), or one share per data-parallel rank summing to 1."""
+
+    @field_validator("zero_partitions")
+    @classmethod
+    def _shares_sum_to_one(cls, value):
+        if isinstance(value, list) and abs(sum(value) - 1.0) > 1e-6:
+            raise ValueError(f"{value} sums to {sum(value):.6g}; give one share per data-parallel rank, "
+                             "summing to 1, or \"auto\" / \"even\"")
+        return value
 
     @field_validator("cpu_memory_limit")
     @classmethod

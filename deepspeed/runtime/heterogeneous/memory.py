@@ -58,7 +58,8 @@ def model_state_bytes(num_parameters,
         num_parameters: trainable parameters of the whole model.
         param_bytes: bytes per parameter (and gradient) in the training dtype.
         optimizer_bytes: optimizer state bytes per parameter (Adam: 8).
-        master_bytes: fp32 master copy per parameter under fp16/bf16 (4), else 0.
+        master_bytes: fp32 master copy per parameter under fp16/bf16 (4), else 0 (ZeRO 1-3 count 4
+            whatever it says: they always update an fp32 copy of their partition).
         optimizer_offloaded: optimizer states and master weights live on the host.
         share: this rank's share of the ZeRO-1/2 partitioned state (``partitions.py``); None: 1/N.
     """
@@ -66,6 +67,8 @@ def model_state_bytes(num_parameters,
         raise ValueError(f"zero_stage {zero_stage!r} must be 0, 1, 2 or 3")
     world = max(1, int(data_parallel_size))
     part = 1.0 / world if share is None or zero_stage not in (1, 2) else float(share)
+    # ZeRO 1-3 keep their own fp32 copy of the partition they update, in fp32 training too.
+    master_bytes = max(master_bytes, 4) if zero_stage >= 1 else master_bytes
     params = num_parameters * param_bytes / (world if zero_stage >= 3 else 1)
     grads = num_parameters * param_bytes * (part if zero_stage >= 2 else 1)
     optimizer = 0 if optimizer_offloaded else num_parameters * (optimizer_bytes + master_bytes) * (

@@ -319,7 +319,7 @@ def decide_partition_shares(state, ds_config, model, optimizer=None):
     if not state.settings.memory.enabled or not state.devices:
         return None
     from .batch import memory_capacities
-    from .memory import _model_state_inputs
+    from .memory import _model_state_inputs, model_state_bytes
     known = [d.spec_score for d in state.devices]
     speeds = known if all(s > 0 for s in known) else [1.0] * world
     capacities = memory_capacities(state)
@@ -331,10 +331,9 @@ def decide_partition_shares(state, ds_config, model, optimizer=None):
                                      optimizer if optimizer is not None else "unknown",
                                      offload is not None and str(getattr(offload.device, "value", offload.device))
                                      in ("cpu", "nvme"))
-        n = inputs["num_parameters"]
-        grads = n * inputs["param_bytes"]
-        state_bytes = n * (inputs["optimizer_bytes"] + inputs["master_bytes"]) + (grads if stage == 2 else 0)
-        held_whole = n * inputs["param_bytes"] + (grads if stage == 1 else 0)
+        # What a rank holds whatever its share (share 0), and what all shares together hold.
+        held_whole = model_state_bytes(zero_stage=stage, data_parallel_size=world, share=0.0, **inputs)
+        state_bytes = model_state_bytes(zero_stage=stage, data_parallel_size=world, share=1.0, **inputs) - held_whole
         utilization = state.settings.memory.hbm_utilization_threshold
         rooms = [None if c is None else c * utilization - held_whole for c in capacities]
     shares = choose_partition_shares(speeds, rooms, state_bytes)

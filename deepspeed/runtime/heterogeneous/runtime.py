@@ -35,6 +35,7 @@ from .profiling import measured_time_models, memory_limits, plan_after_profiling
 from .rebalance import RebalanceEvent, RebalancePolicy, Rebalancer, balanced_models, models_from_utilization, \
     window_models
 from .timing import StepTimer
+from .topology import topology_note
 
 __all__ = ["HeterogeneousRuntime", "PlanAgreementError", "EmulatedOutOfMemoryError"]
 
@@ -81,7 +82,8 @@ class HeterogeneousRuntime:
         self._verifying = False
         self._agreement_s = 0.0
         self.limits.apply_speed_schedule(1)
-        self.log_plan("plan at start-up", self.plan)
+        # On more than one host, the hosts and their measured links go under the title.
+        self.log_plan("plan at start-up", self.plan, topology_note(self.state.topology))
 
     @property
     def plan(self):

@@ -58,7 +58,8 @@ def test_design_example_parses():
 
 @pytest.mark.parametrize("config, expected", [
     ({"heterogeneous_config": {"enabled": True, "profile_step": 3}},
-     "heterogeneous_config.profile_step: unknown key 'profile_step'; allowed keys: check_fed_batch, emulation, enabled"),
+     "heterogeneous_config.profile_step: unknown key 'profile_step'; allowed keys: check_fed_batch, communication, "
+     "emulation, enabled"),
     ({"heterogeneous_config": {"scheduler": {"interval": 5}}},
      "heterogeneous_config.scheduler.interval: unknown key 'interval'; allowed keys: check_interval"),
     ({"heterogeneous_config": {"emulation": {"speed": [1]}}},

@@ -15,10 +15,18 @@ from references import adam_mse_reference
 # -- the pure model -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("stage, expected", [(0, 1000 * (4 + 4 + 8)), (1, 1000 * (4 + 4) + 1000 * 8 / 4),
-                                             (2, 1000 * 4 + 1000 * (4 + 8) / 4), (3, 1000 * (4 + 4 + 8) / 4)])
+# ZeRO 1-3 update an fp32 copy of their partition even in fp32 training: 4 more bytes per parameter.
+@pytest.mark.parametrize("stage, expected", [(0, 1000 * (4 + 4 + 8)), (1, 1000 * (4 + 4) + 1000 * (8 + 4) / 4),
+                                             (2, 1000 * 4 + 1000 * (4 + 8 + 4) / 4), (3, 1000 * (4 + 4 + 8 + 4) / 4)])
 def test_model_state_follows_zero_sharding(stage, expected):
     assert model_state_bytes(1000, stage, 4, param_bytes=4, optimizer_bytes=8) == expected
+
+
+def test_a_rank_share_replaces_one_nth_in_zero_1_and_2_only():
+    full = dict(param_bytes=4, optimizer_bytes=8)
+    assert model_state_bytes(1000, 2, 4, share=0.1, **full) == 1000 * 4 + 1000 * (4 + 8 + 4) * 0.1
+    assert model_state_bytes(1000, 1, 4, share=0.7, **full) == 1000 * (4 + 4) + 1000 * (8 + 4) * 0.7
+    assert model_state_bytes(1000, 3, 4, share=0.7, **full) == model_state_bytes(1000, 3, 4, **full)
 
 
 def test_model_state_with_mixed_precision_and_offload():
@@ -226,7 +234,8 @@ def test_engine_model_state_bytes_is_the_one_count_of_an_engine():
     optimizer = torch.optim.Adam(module.parameters())
     engine = SimpleNamespace(module=module, fp16_enabled=lambda: False, bfloat16_enabled=lambda: True,
                              basic_optimizer=None, optimizer=optimizer, zero_use_cpu_optimizer=lambda: False,
-                             zero_optimization_stage=lambda: 2)
+                             zero_optimization_stage=lambda: 2,
+                             _config=SimpleNamespace(heterogeneous=SimpleNamespace(partition_share=None)))
     inputs = engine_model_state_inputs(engine)
     assert inputs == {"num_parameters": 100, "param_bytes": 2, "optimizer_bytes": 8, "master_bytes": 4,
                       "optimizer_offloaded": False}

@@ -174,3 +174,116 @@ def test_bf16_uneven_shares_track_the_reference():
         for params, _ in per_rank:
             for got, want in zip(params, expected):
                 torch.testing.assert_close(got, want, rtol=0, atol=2.5e-3, msg=lambda m: f"{case}: {m}")
+
+
+# -- checkpoints of an uneven layout ---------------------------------------------------------------
+
+SAVE_AT = 3
+
+
+def _checkpoint_run(rank, world_size, shares, folder, save=False, load=None, universal=False):
+    """ZeRO-2, [5, 3], Adam: steps 1..STEPS, saving after step SAVE_AT (``save``) or starting from
+    the checkpoint (``load``: its tag); ``universal``: load its universal form."""
+    import deepspeed
+    from test_exactness import STEPS, ds_config, global_batches, make_model
+
+    sizes = [5, 3]
+    model = make_model()
+    config = ds_config(2, 1, sizes, 0.0)
+    config["heterogeneous_memory"] = {"zero_partitions": shares}
+    if universal:
+        config["checkpoint"] = {"load_universal": True}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    first = 0
+    if load is not None:
+        try:
+            engine.load_checkpoint(folder, tag=f"{load}_universal" if universal else load)
+        except Exception as error:  # the parent checks the message
+            return {"error": f"{type(error).__name__}: {error}"}
+        first = SAVE_AT
+    offset = sum(sizes[:rank])
+    for step, (inputs, targets) in enumerate(global_batches(sum(sizes), STEPS)):
+        if step < first:
+            continue
+        chunk = slice(offset, offset + sizes[rank])
+        engine.backward(torch.nn.functional.mse_loss(engine(inputs[chunk]), targets[chunk]))
+        engine.step()
+        if save and step + 1 == SAVE_AT:
+            engine.save_checkpoint(folder, tag="saved")
+    from deepspeed.utils import safe_get_full_fp32_param
+    return {"params": [p.detach().clone() for p in engine.module.parameters()],
+            "full_fp32": [safe_get_full_fp32_param(p).clone() for p in engine.module.parameters()]}
+
+
+def _reference_after(steps):
+    from test_exactness import LR, global_batches, make_model
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    for inputs, targets in global_batches(8)[:steps]:
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(inputs), targets).backward()
+        optimizer.step()
+    return [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.multiprocess
+def test_uneven_checkpoints_resume_exactly_and_a_mismatched_layout_is_refused(tmp_path):
+    """Saved with shares (0.7, 0.3): resumed with the same shares = the uninterrupted run; a
+    per-rank load with even or reversed shares is refused by name; the universal checkpoint
+    re-partitions onto the even and the reversed layout and resumes exactly."""
+    from harness import run_subcases
+    from test_exactness import reference_parameters
+
+    import subprocess
+    import sys
+
+    folder = str(tmp_path)
+    cases = [dict(shares=[0.7, 0.3], folder=folder, save=True),
+             dict(shares=[0.7, 0.3], folder=folder, load="saved"),
+             dict(shares="even", folder=folder, load="saved"),
+             dict(shares=[0.3, 0.7], folder=folder, load="saved")]
+    results = run_subcases(_checkpoint_run, cases, world_size=2, timeout=600)
+    # The checkpoint holds no client universal_checkpoint_info (a Megatron-style client's): inject it.
+    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", f"{folder}/saved",
+                    "--output_folder", f"{folder}/saved_universal", "--num_extract_workers", "1",
+                    "--num_merge_workers", "1", "--inject_missing_state"], check=True, capture_output=True, cwd=folder)
+    universal = [dict(shares="even", folder=folder, load="saved", universal=True),
+                 dict(shares=[0.3, 0.7], folder=folder, load="saved", universal=True)]
+    cases += universal
+    results += run_subcases(_checkpoint_run, universal, world_size=2, timeout=600)
+    uninterrupted = results[0][0]["params"]
+    for got, want in zip(uninterrupted, reference_parameters(8, 0.0)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    for rank_result in results[0]:  # each rank's fp32 master copy of every parameter, gathered
+        for got, want in zip(rank_result["full_fp32"], uninterrupted):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # zero_to_fp32 merges the uneven slices of the checkpoint into the full state of step SAVE_AT.
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    merged = get_fp32_state_dict_from_zero_checkpoint(folder, tag="saved")
+    for got, want in zip(merged.values(), _reference_after(SAVE_AT)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    for index in (1, 4, 5):
+        for rank_result in results[index]:
+            assert "params" in rank_result, (cases[index], rank_result)
+            for got, want in zip(rank_result["params"], uninterrupted):
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=lambda m: f"{cases[index]}: {m}")
+    for index in (2, 3):
+        for rank_result in results[index]:
+            assert "saved with partition shares [0.700, 0.300]" in rank_result.get("error", ""), rank_result
+
+
+@pytest.mark.multiprocess
+def test_four_ranks_with_shares_half_to_a_twentieth_train_exactly():
+    from harness import run_subcases
+    from test_exactness import reference_parameters
+
+    shares = [0.5, 0.3, 0.15, 0.05]
+    cases = [dict(stage=1, gas=2, sizes=[4, 2, 1, 1], clipping=0.0, shares=shares),
+             dict(stage=2, gas=1, sizes=[3, 3, 1, 1], clipping=0.05, shares=shares)]
+    results = run_subcases(_train_with_shares, cases, world_size=4, timeout=600)
+    for case, per_rank in zip(cases, results):
+        _expect_shares(case, per_rank)
+        expected = reference_parameters(sum(case["sizes"]) * case["gas"], case["clipping"])
+        for params, _ in per_rank:
+            for got, want in zip(params, expected):
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=lambda m: f"{case}: {m}")
