@@ -23,10 +23,11 @@ PATCHSET    := $(PYTHON) scripts/patchset.py
 # ninja (a dependency installed into the venv) must be on PATH for JIT op builds.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: help venv tree install export check dist test test-all demo perf clean
+.PHONY: help venv tree install export check dist test test-all demo multihost-demo perf clean
 
 help:
 	@echo "make demo     set up, assemble, install and run the heterogeneous-training demo"
+	@echo "make multihost-demo  the same on two emulated hosts (root: network namespaces, tc)"
 	@echo "make test     set up, assemble, install and run the test suite"
 	@echo "make tree     fetch the pinned upstream sdist and apply patches/series in place"
 	@echo "make export   regenerate patches/*.patch from edited upstream files"
@@ -84,6 +85,11 @@ test: install $(VENV)/.test-extras
 
 demo: install
 	$(PY) examples/heterogeneous_demo.py
+
+multihost-demo: install
+	@# Needs root, ip and tc: two emulated hosts (network namespaces, a 200 Mbit/s link), 2 ranks each.
+	$(PY) scripts/emulated_cluster.py --ranks 2,2 --rate-mbit 200 -- examples/snippets/train.py \
+		--deepspeed_config examples/configs/multihost.json --steps 8
 
 perf: install
 	@# Benchmarks print ratios measured side by side and write JSON to tests/perf/results/.

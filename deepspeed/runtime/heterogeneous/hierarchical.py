@@ -290,6 +290,8 @@ def attach(engine):
     if dist.get_rank() == 0:
         layout = reducer.layout
         scheme = "sharded" if layout.even else "through host leaders"
-        logger.info(f"hierarchical gradient reduction over {layout.num_hosts} hosts {list(layout.host_members)} "
-                    f"({scheme}{', inter-host step in ' + compress if compress else ''})")
+        # Printed like the plan (runtime.log_plan): a default run shows WARNING and above only.
+        print(f"[deepspeed-hetero] hierarchical gradient reduction over {layout.num_hosts} hosts "
+              f"{[list(m) for m in layout.host_members]} ({scheme}"
+              f"{', inter-host step in ' + compress if compress else ''})", flush=True)
     return reducer
