@@ -137,6 +137,11 @@ class CommunicationConfig(DeepSpeedConfigModel):
     """Send the inter-host step of the hierarchical reduction in bf16 or fp16 (in-host steps stay in
     the gradient's dtype). Not exact: the sum between hosts is rounded to 8 (bf16) or 11 (fp16)
     mantissa bits. Needs hierarchical_reduction in force."""
+    link_aware_buckets: AutoOrBool = "auto"
+    """ZeRO's gradient bucket size from the slowest measured inter-host link (``link_buckets.py``)
+    instead of upstream's one default for every link; the same size on every rank, and a size the
+    config sets itself is kept. ``auto``: on when the fork is enabled and the ranks span more than
+    one host."""
 
     @field_validator("compress_inter_host", mode="before")
     @classmethod
@@ -404,6 +409,14 @@ def load_heterogeneous_settings(param_dict, world_size=None, environ=None):
 
     if world_size is not None and config.enabled:
         _check_per_rank_lists(config, int(world_size))
+    if isinstance(memory.zero_partitions, list):
+        if not config.enabled:
+            notes.append(f"{HETEROGENEOUS_MEMORY}.zero_partitions ignored: uneven ZeRO partitions need "
+                         f"{HETEROGENEOUS_CONFIG}.enabled")
+        elif world_size is not None and len(memory.zero_partitions) != int(world_size):
+            raise ValueError(f"invalid DeepSpeed config: {HETEROGENEOUS_MEMORY}.zero_partitions has "
+                             f"{len(memory.zero_partitions)} shares {memory.zero_partitions} but there are "
+                             f"{int(world_size)} data-parallel ranks; give one share per rank, or \"auto\" / \"even\"")
     return HeterogeneousSettings(config=config, memory=memory, offload=offload, notes=notes)
 
 

@@ -287,3 +287,18 @@ def test_four_ranks_with_shares_half_to_a_twentieth_train_exactly():
         for params, _ in per_rank:
             for got, want in zip(params, expected):
                 torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=lambda m: f"{case}: {m}")
+
+
+def test_the_config_checks_shares_early_and_says_when_they_are_ignored():
+    from deepspeed.runtime.heterogeneous.config import load_heterogeneous_settings
+    base = {"train_batch_size": 8, "heterogeneous_config": {"enabled": True}}
+    with pytest.raises(ValueError, match=r"zero_partitions: \[0.7, 0.2\] sums to 0.9"):
+        load_heterogeneous_settings({**base, "heterogeneous_memory": {"zero_partitions": [0.7, 0.2]}}, world_size=2)
+    with pytest.raises(ValueError, match="has 3 shares .* 2 data-parallel ranks"):
+        load_heterogeneous_settings({**base, "heterogeneous_memory": {"zero_partitions": [0.5, 0.3, 0.2]}},
+                                    world_size=2)
+    with pytest.raises(ValueError, match="zero_partitions"):
+        load_heterogeneous_settings({**base, "heterogeneous_memory": {"zero_partitions": "uneven"}}, world_size=2)
+    off = load_heterogeneous_settings({"train_batch_size": 8, "heterogeneous_memory": {"zero_partitions": [0.7, 0.3]}},
+                                      world_size=2)
+    assert any("zero_partitions ignored" in note for note in off.notes), off.notes
