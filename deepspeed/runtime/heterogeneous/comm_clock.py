@@ -14,6 +14,14 @@ The same call site serves ``collective_log``: a listener set with ``set_listener
 collective (the undecorated function and its arguments) before it runs, so that tests can compare
 the ranks' sequences without a second hook in deepspeed.comm. A listener alone does not start
 the timing.
+
+Asynchronous devices (CUDA and NCCL) return from a collective once it is enqueued: host time
+stamps around it then see neither the compute still running before it nor the wait for a slower
+peer, which lands in whatever synchronises next, the rank's "compute". While the runtime times
+each micro-step (profiling and recording steps, time dilation), ``synchronize_collectives(True)``
+makes every collective synchronise the device before it starts (the compute before it is done and
+counted as compute) and after it ends (its wait and transfer counted here). Synchronous devices
+(the CPU accelerator, gloo) need nothing and get nothing; other steps are not synchronised.
 """
 
 import threading
@@ -38,6 +46,21 @@ enabled = False
 
 _timing = False  # the clock runs: a heterogeneous config was built in this process
 listener = None  # called as listener(func, args, kwargs) before each collective; None: none
+_synchronize = None  # the device's synchronize() while collectives are timed on an async device
+
+
+def synchronize_collectives(on, accelerator=None):
+    """Synchronise the device around every collective (``on``) or not; only where the accelerator
+    is asynchronous (``is_synchronized_device()`` False). Returns whether it now does."""
+    global _synchronize
+    if on:
+        if accelerator is None:
+            from deepspeed.accelerator import get_accelerator
+            accelerator = get_accelerator()
+        _synchronize = None if accelerator.is_synchronized_device() else accelerator.synchronize
+    else:
+        _synchronize = None
+    return _synchronize is not None
 
 
 def enable():
@@ -79,7 +102,10 @@ class TimedWork:
     def wait(self, *args, **kwargs):
         enter()
         try:
-            return self._work.wait(*args, **kwargs)
+            result = self._work.wait(*args, **kwargs)
+            if _synchronize is not None and _clock.depth == 1:
+                _synchronize()  # the transfer itself, not only its enqueueing
+            return result
         finally:
             leave()
 
@@ -94,9 +120,14 @@ def timed_call(func, *args, **kwargs):
         listener(func, args, kwargs)
         if not _timing:
             return func(*args, **kwargs)
+    sync = _synchronize if _clock.depth == 0 else None
+    if sync is not None:
+        sync()  # the compute queued before the collective is the rank's own, not collective time
     enter()
     try:
         result = func(*args, **kwargs)
+        if sync is not None and (result is None or isinstance(result, torch.Tensor) or not hasattr(result, "wait")):
+            sync()  # a blocking collective is done when the device says so
     finally:
         leave()
     if result is None or isinstance(result, torch.Tensor) or not hasattr(result, "wait"):

@@ -29,6 +29,7 @@ from .agreement import Agreement, PlanAgreementError, decision_failure, merge_re
 from .batch import apply_plan, memory_capacities
 from .fed_batch import fed_size
 from .emulated_limits import EmulatedLimits, EmulatedOutOfMemoryError
+from . import comm_clock
 from .memory import ActivationMeter, engine_model_state_bytes
 from .planner import Plan, plan_micro_batches
 from .profiling import measured_time_models, memory_limits, plan_after_profiling_step, reference_walls
@@ -139,6 +140,9 @@ class HeterogeneousRuntime:
             self.meter.start()
         if self.times_each_micro_step or self.dynamic:
             self.timer.begin_micro_step(per_micro_step=self.times_each_micro_step)
+        # On an asynchronous device, collectives are timed to completion while micro-steps are
+        # timed; nothing on the CPU accelerator (comm_clock.synchronize_collectives).
+        comm_clock.synchronize_collectives(self.times_each_micro_step)
 
     def backward_begin(self):
         """engine.backward() starts: the forward part of the micro-step ends here (recorded only;
@@ -402,3 +406,4 @@ class HeterogeneousRuntime:
     def close(self):
         self.meter.stop()
         self.limits.close()
+        comm_clock.synchronize_collectives(False)

@@ -39,3 +39,48 @@ def test_clock_is_inert_with_the_fork_off_and_counts_with_it_on():
         assert result["off"] == (False, False, 0.0)  # no wrapper, no time counted
         enabled, wrapped, seconds = result["on"]
         assert enabled and wrapped and seconds > 0.0
+
+
+class _Device:
+    """An accelerator's two answers the clock asks for: whether it runs behind the host, and a
+    synchronize() whose calls are recorded with what the clock had counted at that moment."""
+
+    def __init__(self, synchronized):
+        self.synchronized, self.calls = synchronized, []
+
+    def is_synchronized_device(self):
+        return self.synchronized
+
+    def synchronize(self):
+        from deepspeed.runtime.heterogeneous import comm_clock
+        self.calls.append(comm_clock._clock.depth)
+
+
+def test_an_asynchronous_device_is_synchronised_around_collectives_only_while_micro_steps_are_timed():
+    from deepspeed.runtime.heterogeneous import comm_clock
+
+    class Handle:
+        def wait(self):
+            return None
+
+    device = _Device(synchronized=False)
+    try:
+        assert comm_clock.synchronize_collectives(True, device)
+        comm_clock.timed_call(lambda: None)  # blocking: before (outside the clock) and after (inside)
+        assert device.calls == [0, 1]
+        handle = comm_clock.timed_call(lambda: Handle())  # async: before issuing, then at wait()
+        assert device.calls == [0, 1, 0]
+        handle.wait()
+        assert device.calls == [0, 1, 0, 1]
+        comm_clock.timed_call(lambda: comm_clock.timed_call(lambda: None))  # nested: counted once
+        assert device.calls == [0, 1, 0, 1, 0, 1]
+        assert not comm_clock.synchronize_collectives(False, device)
+        comm_clock.timed_call(lambda: None)
+        assert len(device.calls) == 6  # steps that are not timed per micro-step pay nothing
+        # The CPU accelerator (synchronous) is never synchronised.
+        cpu = _Device(synchronized=True)
+        assert not comm_clock.synchronize_collectives(True, cpu)
+        comm_clock.timed_call(lambda: None)
+        assert cpu.calls == []
+    finally:
+        comm_clock.synchronize_collectives(False)
