@@ -105,7 +105,7 @@ def _ratio(numerator, denominator):
     return numerator / denominator if denominator > 0 else 0.0
 
 
-def compute_metrics(ranks, capacities=None, plan=None, device_names=None, events=()):
+def compute_metrics(ranks, capacities=None, plan=None, device_names=None, events=(), topology=None):
     """The profile's metrics (a JSON-ready dict) from per-rank records (see the module docstring).
 
     Args:
@@ -115,6 +115,8 @@ def compute_metrics(ranks, capacities=None, plan=None, device_names=None, events
         plan: the plan in force as ``Plan.to_dict()``, or None.
         device_names: per-rank device names, or None.
         events: rebalance events as dicts (``step``, ``old_sizes``, ``new_sizes``, ...).
+        topology: the hosts and measured inter-host bandwidths (``Topology.to_dict()`` plus its
+            one-line ``describe``), or None on one host.
     """
     if not ranks:
         raise ValueError("HeterogeneousProfiler: no ranks to compute metrics for")
@@ -196,4 +198,5 @@ def compute_metrics(ranks, capacities=None, plan=None, device_names=None, events
         "ranks": rank_metrics,
         "plan": plan,
         "rebalance_events": [dict(event) for event in events],
+        "topology": topology,
     }

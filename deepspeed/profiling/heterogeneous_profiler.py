@@ -55,6 +55,13 @@ def _find_engine(model):
     return engines[0]
 
 
+def _topology_dict(topology):
+    """The hosts and measured links for the metrics (None on one host or without a topology)."""
+    if topology is None or topology.num_hosts == 1:
+        return None
+    return {**topology.to_dict(), "describe": topology.describe()}
+
+
 def _event_dict(event):
     return {"step": event.step, "old_sizes": list(event.old_sizes), "new_sizes": list(event.new_sizes),
             "predicted_gain": event.predicted_gain, "step_time_before": event.step_time_before,
@@ -117,6 +124,7 @@ class HeterogeneousProfiler:
             "plan": runtime.plan.to_dict(),
             "device_names": self.engine.heterogeneous_state.device_names,
             "events": gathered[0]["events"],
+            "topology": _topology_dict(self.engine.heterogeneous_state.topology),
         }
         self._metrics = None
 

@@ -68,6 +68,8 @@ def format_metrics(metrics):
                                               for name, value, target, key in targets])]
     lines.append(f"  (communication: transfer {_percent(metrics['transfer_share'])}, waiting for slower ranks "
                  f"{_percent(metrics['waiting_share'])})")
+    if metrics.get("topology"):
+        lines.append(f"topology: {metrics['topology']['describe']}")
     if metrics.get("plan") is not None:
         from deepspeed.runtime.heterogeneous.planner import Plan
         names = [r["device"] for r in metrics["ranks"]]

@@ -276,8 +276,9 @@ def test_cost_model_predicts_the_slowest_rank_and_memory_per_stage():
     prediction = profile.predict(1, 2, (12, 4))
     assert prediction.step_seconds == pytest.approx(2 * max(0.01 + 0.012, 0.01 + 0.010))
     assert prediction.throughput == pytest.approx(32 / prediction.step_seconds)
-    # Stage 0: params + grads 8 B and Adam 8 B per parameter; stage 3 shards all three over 2 ranks.
-    assert profile.state_bytes(0) == 16_000_000 and profile.state_bytes(3) == 8_000_000
+    # Stage 0: params + grads 8 B and Adam 8 B per parameter; stage 3 shards all three, and the fp32
+    # copy of its partition that ZeRO 1-3 update (4 B), over 2 ranks.
+    assert profile.state_bytes(0) == 16_000_000 and profile.state_bytes(3) == 10_000_000
     assert prediction.memory_bytes[0] == pytest.approx(profile.state_bytes(1) + 1e6 + 12e6)
     # The compute-aware split puts more on the faster rank; memory caps it.
     assert profile.balanced_sizes(1, 1, 16) == (12, 4)  # 22 ms vs 20 ms; (11, 5) would be 21 vs 22.5

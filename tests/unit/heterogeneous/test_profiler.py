@@ -111,14 +111,18 @@ def test_metrics_survive_a_json_round_trip(tmp_path):
             "strategy": "compute_aware", "predicted_rank_times": [0.5, 0.5], "notes": []}
     event = {"step": 2, "old_sizes": [8, 8], "new_sizes": [10, 6], "predicted_gain": 0.2, "step_time_before": 1.0,
              "step_time_after": None, "observed_gain": None}
+    topology = {"hosts": [0, 1], "leader_bandwidths": [None, 2.4e7], "source": "CROSS_RANK",
+                "describe": "2 hosts (ranks 0 | 1), inter-host 192 Mbit/s measured"}
     metrics = compute_metrics(two_ranks(), capacities=[2000, None], plan=plan, device_names=["big", "small"],
-                              events=[event])
+                              events=[event], topology=topology)
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(metrics))
     loaded = load_metrics(path)
     assert loaded == metrics
     text = format_metrics(loaded)
     assert "plan in force" in text and "big" in text and "step 2: micro-batches [8, 8] -> [10, 6]" in text
+    assert "topology: 2 hosts (ranks 0 | 1), inter-host 192 Mbit/s measured" in text
+    assert "topology" not in format_metrics(compute_metrics(two_ranks()))  # one host: no line
 
 
 def test_timeline_png(tmp_path):
