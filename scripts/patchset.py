@@ -20,12 +20,12 @@ of one copy into the other so they never drift.
 
 import argparse
 import hashlib
+import importlib.util
 import io
 import json
 import os
 import re
 import shutil
-import stat
 import subprocess
 import sys
 import tarfile
@@ -57,6 +57,23 @@ MAX_MEDIAN_CHANGED_LINES = 20
 
 class PatchSetError(Exception):
     """A failure the user can act on; printed as one line, exit status 2."""
+
+
+def comm_patch_module():
+    """scripts/comm_patch.py (patches/heterogeneous_comm_optimization.patch), loaded from beside
+    this file: the tests load this module by its path, without scripts/ on sys.path."""
+    spec = importlib.util.spec_from_file_location("deepspeed_hetero_comm_patch", Path(__file__).with_name(
+        "comm_patch.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def this_module():
+    """This module's names as they are now, for comm_patch.py (loaded by path, this module may not
+    be in sys.modules)."""
+    import types
+    return types.SimpleNamespace(**globals())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -681,8 +698,9 @@ def cmd_dist(args):
     (out / archive_name).write_bytes(archive)
     patch_name, patch = combined_patch(pin, pristine, tree)
     (out / patch_name).write_text(patch)
-    print(f"patchset: wrote dist/{archive_name} ({len(archive) // 1024} KiB) and dist/{patch_name} "
-          f"({len(patch.splitlines())} lines)")
+    comm_path, comm_lines = comm_patch_module().write(this_module(), pin, pristine)
+    print(f"patchset: wrote dist/{archive_name} ({len(archive) // 1024} KiB), dist/{patch_name} "
+          f"({len(patch.splitlines())} lines) and patches/{comm_path.name} ({comm_lines} lines)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -725,7 +743,7 @@ def check_series_folder():
         if not (PATCH_DIR / name).is_file():
             problems.append(f"patches/series lists {name}, which does not exist")
     for path in sorted(PATCH_DIR.glob("*.patch")) if PATCH_DIR.is_dir() else []:
-        if path.name not in seen:
+        if path.name not in seen and not comm_patch_module().is_generated(path):  # an output of make dist
             problems.append(f"patches/{path.name} is not listed in patches/series")
     for name in names:
         path = PATCH_DIR / name
@@ -831,13 +849,15 @@ def cmd_check(_args):
                 problems += diff_trees(tree, apply_to_pristine(pristine, patch), "combined patch")
                 archive_name, archive = source_archive(pin, dereference(tree))
                 problems += diff_trees(dereference(tree), read_archive(archive), "source archive")
+                problems += comm_patch_module().problems(this_module(), pin, pristine)
     if problems:
         for problem in problems:
             print(f"check: FAIL {problem}", file=sys.stderr)
         raise PatchSetError(f"{len(problems)} problem(s) found")
     _, sizes, median = check_patch_sizes(list(metas))
     print(f"check: OK ({len(metas)} patches apply to pristine {pin['name']} {pin['version']}, tree matches the "
-          f"series, exports are canonical, the combined patch and the source archive reproduce the tree; changed "
+          f"series, exports are canonical, the combined patch, the source archive and the communication patch "
+          f"reproduce their trees; changed "
           f"lines per patch: median {median:g}, largest {max(sizes.values(), default=0)})")
 
 

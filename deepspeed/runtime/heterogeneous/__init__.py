@@ -8,6 +8,7 @@ from .config import (HeterogeneousConfig, HeterogeneousMemoryConfig, Heterogeneo
                      HeterogeneousSettings, load_heterogeneous_settings)
 from .devices import (ACCELERATOR_SPECS, AcceleratorSpec, DeviceDescription, describe_local_device, find_spec,
                       measure_device_score, normalize_scores, spec_score)
+from .memory_pool import HeterogeneousMemoryPool, MemoryPlacementError, ModelStateSpec
 
 __all__ = [
     "ACCELERATOR_SPECS",
@@ -19,6 +20,9 @@ __all__ = [
     "normalize_scores",
     "spec_score",
     "HeterogeneousConfig",
+    "HeterogeneousMemoryPool",
+    "MemoryPlacementError",
+    "ModelStateSpec",
     "HeterogeneousMemoryConfig",
     "HeterogeneousOffloadConfig",
     "HeterogeneousSettings",

@@ -27,6 +27,10 @@ MIN_ELEMENTS = 1 << 20
 """No budget below a million elements: smaller buckets cost more in per-collective latency than
 they save in memory."""
 
+SIZE_ALIGNMENT = 1024
+"""Every size is a multiple of this: ZeRO-1/2 refuse an ``allgather_bucket_size`` that is not a
+multiple of their collective alignment (2 elements), and a round size costs nothing."""
+
 
 def adaptive_chunk_sizes(capacities, zero_config):
     """The sizes adaptive chunking sets: {key: elements} for every key of ``CHUNK_BUDGETS`` that
@@ -43,7 +47,8 @@ def adaptive_chunk_sizes(capacities, zero_config):
     for key, (alias, fraction, default) in CHUNK_BUDGETS.items():
         if key in zero_config or (alias is not None and alias in zero_config):
             continue
-        sizes[key] = int(min(default, max(MIN_ELEMENTS, smallest * fraction // ELEMENT_BYTES)))
+        size = int(min(default, max(MIN_ELEMENTS, smallest * fraction // ELEMENT_BYTES)))
+        sizes[key] = size if size == default else size - size % SIZE_ALIGNMENT
     return sizes
 
 

@@ -32,10 +32,9 @@ LR_SCHEDULER = "scheduler"
 
 ENV_ENABLE = "DS_HETEROGENEOUS_ENV"
 ENV_ADAPTIVE_SCHEDULING = "DS_ADAPTIVE_SCHEDULING"
-ENV_HOSTS = "DS_HETEROGENEOUS_HOSTS"
 """Emulation and tests: the host of each data-parallel rank ("0,0,1,1"), read by
 ``hierarchical.engine_hosts`` when the fork discovered no topology."""
-ENV_SWITCHES = (ENV_ENABLE, ENV_ADAPTIVE_SCHEDULING, ENV_HOSTS)
+ENV_SWITCHES = (ENV_ENABLE, ENV_ADAPTIVE_SCHEDULING)
 """Every environment variable that shapes the fork's settings: each rank reads its own, so they
 must be set alike on every node (``agreement.check_settings_agree``); a rank with other hosts
 would create other process groups than its peers and hang them."""

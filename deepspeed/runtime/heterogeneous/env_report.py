@@ -8,6 +8,8 @@ env_report section), exactly as::
     Mixed GPU Support: <distinct device names> | none (CPU accelerator: <model>; ...)
     Load Balancing Strategy: Compute-Aware|Uniform|Manual
     Communication Optimization: Active|Inactive
+
+and, when the fork is enabled, ``Communication: <part>; <part>; ...`` after the last one.
 """
 
 import argparse
@@ -19,9 +21,11 @@ import deepspeed
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.precision_config import get_bfloat16_config, get_float16_config
 
+from .communication import communication_status
 from .config import load_heterogeneous_settings
 from .device_benchmark import measured_score
 from .devices import BYTES_PER_GB, describe_local_device, emulated_memory_bytes, local_device_count
+from .memory_pool import config_placement_lines, parse_parameter_count
 from .native import native_op_status
 from .precision import choose_precision_for_config
 
@@ -34,14 +38,13 @@ except ImportError:
 STRATEGY_LABELS = {"uniform": "Uniform", "compute_aware": "Compute-Aware", "manual": "Manual"}
 
 
-def communication_optimization_active(settings):
-    """Whether heterogeneity-aware communication is in force under `settings`.
-
-    False for every config until the communication work lands (docs/architecture.md §4.6, shipped
-    as ``patches/heterogeneous_comm_optimization.patch``): its link profiling, bucket-size choice
-    and hierarchical reduction are what this line reports.
-    """
-    return False
+def communication_optimization_active(settings, topology=None):
+    """Whether heterogeneity-aware communication (``heterogeneous_config.communication``: the
+    hierarchical reduction, link-aware buckets, inter-host compression) is in force under
+    `settings` on `topology`. Every part needs ranks on more than one host, which a report from a
+    config on one host does not have (topology None): False there, and the line after it says what
+    ``auto`` would switch on (``communication.communication_status``)."""
+    return communication_status(settings, topology)[0]
 
 
 def read_config_file(path):
@@ -158,7 +161,7 @@ def _precision_line(settings, param_dict, devices):
     return f"{choice.dtype} ({choice.reason})", choice.overridden
 
 
-def heterogeneous_report(config_path=None, file=None):
+def heterogeneous_report(config_path=None, file=None, model_parameters=None):
     """Print the heterogeneous environment report.
 
     Args:
@@ -166,6 +169,8 @@ def heterogeneous_report(config_path=None, file=None):
             None: the environment decides (DS_HETEROGENEOUS_ENV=1 enables the compute_aware
             defaults; otherwise disabled).
         file: where to print. Default None: sys.stdout at call time.
+        model_parameters: with a config, the model's parameter count: the report then shows the
+            memory placement the config would get (``memory_pool.config_placement_lines``).
 
     Raises ValueError, before printing anything, when the config or the environment is invalid.
     """
@@ -192,6 +197,8 @@ def heterogeneous_report(config_path=None, file=None):
     emit(f"Mixed GPU Support: {_mixed_gpu_support(rows)}")
     emit(f"Load Balancing Strategy: {STRATEGY_LABELS[strategy]}")
     emit(f"Communication Optimization: {'Active' if communication_optimization_active(settings) else 'Inactive'}")
+    if settings.enabled:
+        emit(f"Communication: {'; '.join(communication_status(settings, None, param_dict)[1])}")
     if config_path is not None:
         emit(f"Training Precision: {precision[0]}")
         if precision[1]:
@@ -204,6 +211,10 @@ def heterogeneous_report(config_path=None, file=None):
             emit("Options selected by the config:")
         for key, value in options:
             emit(f"  {key}: {value}")
+        if model_parameters is not None or settings.memory.enabled:
+            emit()
+            for line in config_placement_lines(param_dict, settings, rows, model_parameters):
+                emit(line)
     for note in settings.notes:
         emit(f"note: {note}")
 
@@ -212,9 +223,12 @@ def main(argv=None):
     """Command line entry point; returns 0, or 2 with a one-line error on stderr for a bad config."""
     parser = argparse.ArgumentParser(description="Report this host's devices for heterogeneous training.")
     parser.add_argument("--config", metavar="PATH", help="ds_config whose heterogeneous blocks to apply")
+    parser.add_argument("--model-parameters", metavar="N", help="with --config: the model's parameter count "
+                        "(125000000, 1.3e9, 350M, 7B) to show the memory placement the config would get")
     args = parser.parse_args(argv)
     try:
-        heterogeneous_report(args.config)
+        count = None if args.model_parameters is None else parse_parameter_count(args.model_parameters)
+        heterogeneous_report(args.config, model_parameters=count)
     except ValueError as exc:
         message = " ".join(str(exc).split())
         print(f"{parser.prog}: error: {message}", file=sys.stderr)

@@ -29,7 +29,6 @@ Upstream reaches this module through ``all_reduce(tensor, group)``, called inste
 call, after one branch on an empty dict.
 """
 
-import os
 from dataclasses import dataclass
 from typing import Tuple
 
@@ -38,7 +37,6 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
-from .config import ENV_HOSTS  # the same on every rank: the ranks' agreed settings include it
 
 COMPRESSION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -113,19 +111,6 @@ def shard_size(numel, parts):
     """Elements per shard when ``numel`` elements are split into ``parts`` equal shards; the last
     shard is padded with zeros up to ``parts * shard_size(numel, parts)``."""
     return -(-numel // parts)
-
-
-def parse_hosts(raw, world_size):
-    """``DS_HETEROGENEOUS_HOSTS`` ("0,0,1,1") as a tuple, one entry per data-parallel rank."""
-    try:
-        hosts = tuple(int(part) for part in raw.split(","))
-    except ValueError:
-        raise ValueError(f"environment variable {ENV_HOSTS}={raw!r}: write the host index of each data-parallel "
-                         f"rank, comma-separated, e.g. 0,0,1,1") from None
-    if len(hosts) != world_size or min(hosts) < 0:
-        raise ValueError(f"environment variable {ENV_HOSTS}={raw!r} names {len(hosts)} hosts but the data-parallel "
-                         f"world has {world_size} ranks; give one non-negative host index per rank")
-    return hosts
 
 
 def reduction_decision(setting, enabled, hosts, zero_stage, dp_is_world):
@@ -250,13 +235,10 @@ def reducer_for(group):
 
 
 def engine_hosts(state, world_size):
-    """The host of each data-parallel rank: the fork's discovered topology, else ``ENV_HOSTS``,
-    else None (one host)."""
+    """The host of each data-parallel rank from the fork's discovered topology (``topology.py``:
+    the launcher's node rank, which an emulation sets per host), else None (one host)."""
     topology = getattr(state, "topology", None)
-    if topology is not None:
-        return tuple(topology.hosts)
-    raw = os.environ.get(ENV_HOSTS)
-    return parse_hosts(raw, world_size) if raw else None
+    return None if topology is None else tuple(topology.hosts)
 
 
 def attach(engine):

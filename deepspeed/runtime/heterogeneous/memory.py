@@ -20,6 +20,7 @@ Pure logic apart from ``ActivationMeter``, which counts tensors on this process 
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -63,17 +64,32 @@ def model_state_bytes(num_parameters,
         optimizer_offloaded: optimizer states and master weights live on the host.
         share: this rank's share of the ZeRO-1/2 partitioned state (``partitions.py``); None: 1/N.
     """
+    parts = model_state_parts(num_parameters, zero_stage, data_parallel_size, param_bytes, optimizer_bytes,
+                              master_bytes, share)
+    return int(math.ceil(parts.parameters + parts.gradients + (0 if optimizer_offloaded else parts.optimizer)))
+
+
+class ModelStateParts(NamedTuple):
+    """One rank's model state by kind (bytes, unrounded); ``optimizer`` counts the fp32 master copy."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+
+
+def model_state_parts(num_parameters, zero_stage, data_parallel_size, param_bytes=4,
+                      optimizer_bytes=_DEFAULT_STATE_BYTES, master_bytes=0, share=None):
+    """``model_state_bytes`` by kind, wherever each kind lives (the memory pool places them)."""
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage {zero_stage!r} must be 0, 1, 2 or 3")
     world = max(1, int(data_parallel_size))
     part = 1.0 / world if share is None or zero_stage not in (1, 2) else float(share)
     # ZeRO 1-3 keep their own fp32 copy of the partition they update, in fp32 training too.
     master_bytes = max(master_bytes, 4) if zero_stage >= 1 else master_bytes
-    params = num_parameters * param_bytes / (world if zero_stage >= 3 else 1)
-    grads = num_parameters * param_bytes * (part if zero_stage >= 2 else 1)
-    optimizer = 0 if optimizer_offloaded else num_parameters * (optimizer_bytes + master_bytes) * (
-        part if zero_stage >= 1 else 1)
-    return int(math.ceil(params + grads + optimizer))
+    return ModelStateParts(parameters=num_parameters * param_bytes / (world if zero_stage >= 3 else 1),
+                           gradients=num_parameters * param_bytes * (part if zero_stage >= 2 else 1),
+                           optimizer=num_parameters * (optimizer_bytes + master_bytes) *
+                           (part if zero_stage >= 1 else 1))
 
 
 def _model_state_inputs(parameters, half, optimizer, optimizer_offloaded):

@@ -9,6 +9,8 @@ memory decides what fits. Here rank r owns a share ``f_r`` instead. Two decision
   rank at once after the gradient reduction, so a rank's step time is its share over its speed:
   shares proportional to speed equalise it) and its memory (a share may not exceed what the rank's
   room holds; the excess goes to ranks with room, in proportion to their speed).
+  ``HeterogeneousMemoryPool.place`` (``memory_pool.py``) calls it for an engine, together with
+  the offload decision for ranks whose share still does not fit.
 - ``partition_bounds``: where each rank's slice of one flat group starts and how long it is. Every
   boundary sits on a multiple of the alignment upstream keeps for its collectives, every slice is
   non-empty, and the padding upstream adds at the end of the flat group falls into the last slice.
@@ -302,39 +304,3 @@ def gather_uneven_partitions(groups_flat, partitioned_param_groups, dp_process_g
         for owner, part in enumerate(parts):
             dist.broadcast(part, dist.get_global_rank(group, owner), group=group)
     return True
-
-
-def decide_partition_shares(state, ds_config, model, optimizer=None):
-    """The shares ``heterogeneous_memory.zero_partitions`` asks for, for this engine (None: upstream's
-    equal slices). Runs as the engine starts, on every rank from facts every rank has alike (the
-    config, the gathered devices, the model), so every rank reaches the same tuple; the ZeRO
-    optimizer still compares the resulting layout's digest before using it."""
-    setting = state.settings.memory.zero_partitions
-    stage = int(ds_config.zero_optimization_stage or 0)
-    world = int(ds_config.world_size)
-    if setting == "even" or stage not in (1, 2) or world < 2:
-        return None
-    if setting != "auto":
-        return check_shares(setting, world)
-    if not state.settings.memory.enabled or not state.devices:
-        return None
-    from .batch import memory_capacities
-    from .memory import _model_state_inputs, model_state_bytes
-    known = [d.spec_score for d in state.devices]
-    speeds = known if all(s > 0 for s in known) else [1.0] * world
-    capacities = memory_capacities(state)
-    rooms = state_bytes = None
-    if capacities is not None:
-        offload = ds_config.zero_config.offload_optimizer
-        half = ds_config.float16_config.enabled or ds_config.bfloat16_config.enabled
-        inputs = _model_state_inputs(model.parameters(), half,
-                                     optimizer if optimizer is not None else "unknown",
-                                     offload is not None and str(getattr(offload.device, "value", offload.device))
-                                     in ("cpu", "nvme"))
-        # What a rank holds whatever its share (share 0), and what all shares together hold.
-        held_whole = model_state_bytes(zero_stage=stage, data_parallel_size=world, share=0.0, **inputs)
-        state_bytes = model_state_bytes(zero_stage=stage, data_parallel_size=world, share=1.0, **inputs) - held_whole
-        utilization = state.settings.memory.hbm_utilization_threshold
-        rooms = [None if c is None else c * utilization - held_whole for c in capacities]
-    shares = choose_partition_shares(speeds, rooms, state_bytes)
-    return None if is_even(shares) else shares

@@ -54,6 +54,12 @@ class HeterogeneousState:
     (``topology.discover_topology``, at config time); None when the fork is off."""
     partition_shares: Optional[tuple] = None
     """Each data-parallel rank's share of the ZeRO-1/2 partitioned state (None: equal slices)."""
+    memory_pool: Optional[object] = field(default=None, repr=False)
+    """The ``HeterogeneousMemoryPool`` that placed this engine's state (``memory_pool.placement``;
+    None unless heterogeneous_memory.enabled); the profiler and reports read it."""
+    link_bucket_sizes: Optional[dict] = None
+    """The ZeRO bucket sizes the slowest inter-host link chose (``link_buckets.py``; already the
+    smaller of it and adaptive chunking's), in elements; None when the rule did not apply."""
 
     @property
     def enabled(self):
@@ -101,10 +107,13 @@ class HeterogeneousState:
         state.topology = discover_topology(state.dp_rank, int(world_size))
         state.precision = choose_precision_for_config(settings.config.mixed_precision_support, state.devices,
                                                       param_dict)
+        from .link_buckets import configure_link_buckets, keys_set_by_user
+        user_zero = keys_set_by_user(param_dict)  # before the fork writes sizes into the zero block
         if settings.memory.enabled and settings.memory.adaptive_chunking:
             from .batch import memory_capacities
             from .chunking import apply_adaptive_chunking
             state.chunk_sizes = apply_adaptive_chunking(param_dict, memory_capacities(state))
+        state.link_bucket_sizes = configure_link_buckets(state, param_dict, user_zero)
         return state
 
     def engine_starting(self, ds_config, engine_class, model=None, optimizer=None):
@@ -119,8 +128,9 @@ class HeterogeneousState:
         start_memory_limit(self.settings.config.emulation, self.dp_rank)  # before the engine allocates
         if model is not None:
             from .batch import cap_startup_plan
-            from .partitions import decide_partition_shares, describe_shares
-            self.partition_shares = decide_partition_shares(self, ds_config, model, optimizer)
+            from .memory_pool import place_engine_state
+            from .partitions import describe_shares
+            self.memory_pool, self.partition_shares = place_engine_state(self, ds_config, model, optimizer)
             if self.partition_shares is not None and self.dp_rank == 0:
                 logger.warning(f"deepspeed-hetero: ZeRO-{ds_config.zero_optimization_stage} optimizer-state shares "
                                f"per data-parallel rank {describe_shares(self.partition_shares)} "

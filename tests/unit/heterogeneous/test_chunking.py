@@ -13,11 +13,19 @@ from deepspeed.runtime.heterogeneous.chunking import MIN_ELEMENTS, adaptive_chun
 GIB = 1 << 30
 
 
+def aligned(elements):
+    return int(elements) - int(elements) % 1024
+
+
 def test_sizes_follow_the_smallest_capacity_and_stay_under_upstreams_defaults():
     sizes = adaptive_chunk_sizes([16 * GIB, 8 * GIB], {})
-    assert sizes == {"reduce_bucket_size": int(8 * GIB * 0.02 // 4), "allgather_bucket_size": int(8 * GIB * 0.02 // 4),
-                     "stage3_prefetch_bucket_size": int(8 * GIB * 0.01 // 4),
-                     "stage3_max_live_parameters": int(8 * GIB * 0.05 // 4)}
+    assert sizes == {"reduce_bucket_size": aligned(8 * GIB * 0.02 // 4),
+                     "allgather_bucket_size": aligned(8 * GIB * 0.02 // 4),
+                     "stage3_prefetch_bucket_size": aligned(8 * GIB * 0.01 // 4),
+                     "stage3_max_live_parameters": aligned(8 * GIB * 0.05 // 4)}
+    # 2% of 1 GiB is 5,368,709 elements, which ZeRO-1/2 refuse as an allgather_bucket_size (not a
+    # multiple of their alignment): every size is a multiple of 1024.
+    assert all(size % 1024 == 0 for size in adaptive_chunk_sizes([GIB], {}).values())
     # An 80 GB device would get more than upstream gives: upstream's default is the ceiling.
     big = adaptive_chunk_sizes([640 * GIB, 640 * GIB], {})
     assert big["reduce_bucket_size"] == 500_000_000 and big["stage3_max_live_parameters"] == 1_000_000_000
@@ -27,7 +35,7 @@ def test_sizes_follow_the_smallest_capacity_and_stay_under_upstreams_defaults():
 def test_a_size_the_config_sets_is_kept_and_unknown_capacities_change_nothing():
     sizes = adaptive_chunk_sizes([8 * GIB, None], {"reduce_bucket_size": 123, "prefetch_bucket_size": 7})
     assert "reduce_bucket_size" not in sizes and "stage3_prefetch_bucket_size" not in sizes
-    assert sizes["allgather_bucket_size"] == int(8 * GIB * 0.02 // 4)
+    assert sizes["allgather_bucket_size"] == aligned(8 * GIB * 0.02 // 4)
     assert adaptive_chunk_sizes([None, None], {}) == {} and adaptive_chunk_sizes(None, {}) == {}
     user = {"zero_optimization": {"stage": 2}}
     param_dict = dict(user)

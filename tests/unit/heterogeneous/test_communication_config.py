@@ -22,11 +22,17 @@ def test_defaults_are_auto_and_uncompressed():
     communication = load_heterogeneous_settings({}, environ={}).config.communication
     assert communication.hierarchical_reduction == "auto"
     assert communication.compress_inter_host is False
+    assert communication.link_aware_buckets == "auto"
 
 
 @pytest.mark.parametrize("value", ["auto", True, False])
 def test_hierarchical_reduction_takes_auto_true_false(value):
     assert parse({"hierarchical_reduction": value}).hierarchical_reduction == value
+
+
+@pytest.mark.parametrize("value", ["auto", True, False])
+def test_link_aware_buckets_takes_auto_true_false(value):
+    assert parse({"link_aware_buckets": value}).link_aware_buckets == value
 
 
 @pytest.mark.parametrize("value", [False, None, "bf16", "fp16"])
@@ -45,7 +51,9 @@ def test_compression_takes_false_bf16_fp16(value):
      "heterogeneous_config.communication.compress_inter_host: True is not allowed; use false, \"bf16\" or \"fp16\""),
     ({"hierarchical": True},
      "heterogeneous_config.communication.hierarchical: unknown key 'hierarchical'; allowed keys: compress_inter_host, "
-     "hierarchical_reduction"),
+     "hierarchical_reduction, link_aware_buckets"),
+    ({"link_aware_buckets": "on"},
+     "heterogeneous_config.communication.link_aware_buckets: 'on' is not allowed; use true, false or \"auto\""),
     ({"hierarchical_reduction": False, "compress_inter_host": "bf16"},
      "heterogeneous_config.communication: compress_inter_host 'bf16' compresses the inter-host step of the "
      "hierarchical reduction, which hierarchical_reduction false turns off"),
@@ -68,3 +76,4 @@ def test_ranks_must_agree_on_it():
     flat = settings_summary(load_heterogeneous_settings(config, environ={}), environ={})["settings"]
     assert flat["heterogeneous_config.communication.hierarchical_reduction"] is False
     assert flat["heterogeneous_config.communication.compress_inter_host"] is False
+    assert flat["heterogeneous_config.communication.link_aware_buckets"] == "auto"

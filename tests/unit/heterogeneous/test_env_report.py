@@ -184,9 +184,13 @@ def test_precision_line_is_the_runtime_choice(tmp_path, config, expected):
     assert lines[start:start + len(expected)] == expected
 
 
-def test_communication_optimization_is_inactive_for_now():
+def test_communication_optimization_needs_ranks_on_several_hosts():
+    """From a config alone (one host here) it is Inactive; on two hosts it is Active (the parts are
+    tested in test_communication_status.py)."""
+    from deepspeed.runtime.heterogeneous.topology import Topology
     settings = env_report.load_heterogeneous_settings({"heterogeneous_config": {"enabled": True}})
     assert communication_optimization_active(settings) is False
+    assert communication_optimization_active(settings, Topology((0, 0, 1, 1), (None, 2.5e7))) is True
 
 
 def test_main_succeeds_on_a_good_config(tmp_path, capsys):

@@ -5,7 +5,8 @@ Two ranks, ZeRO-2, Adam, a parameter-heavy MLP (50M parameters, 200 MB in fp32: 
 optimizer state and gradient partitions 800 MB over the two ranks). Rank 1 runs under a memory
 cgroup of 0.43 GiB + the 256 MiB host allowance (``emulation.memory_gb``), counted from the
 engine's start. Measured on this machine (2 cores, cgroup v1), rank 1's peak is ~950 MiB with
-upstream's even slices and ~570 MiB with a share of 0.165, so the limit (696 MiB) sits between.
+upstream's even slices and ~570 MiB with a share of 0.165 (the fork chooses 0.094 here), so the
+limit (696 MiB) sits between.
 
 - Upstream (the fork off, the rank put under the same limit by the test): the kernel kills rank 1.
 - The fork with ``heterogeneous_memory.enabled`` (``zero_partitions: "auto"``): rank 1's share

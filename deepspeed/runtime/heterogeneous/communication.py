@@ -1,0 +1,92 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What of ``heterogeneous_config.communication`` is in force, in words: the env report's
+``Communication Optimization`` line and the one after it. Pure: no processes.
+
+The feature has three parts, decided where they act: the hierarchical reduction
+(``hierarchical.reduction_decision``, when the engine is built), link-aware buckets
+(``link_buckets.link_buckets_decision``, at config time) and the inter-host compression, which
+rides on the hierarchical reduction. All of them need the ranks to span more than one host, which
+only a running job knows (``topology.discover_topology``). A report made from a config alone, on
+one host, therefore says what ``auto`` (or ``true``) would switch on across hosts, and calls the
+feature Active only for a topology of several hosts where a part is in force.
+"""
+
+from .hierarchical import reduction_decision
+from .link_buckets import describe_link_buckets, link_bucket_sizes, link_buckets_decision
+
+ACROSS_HOSTS = "on when the data-parallel ranks span more than one host"
+
+
+def _zero_stage(param_dict):
+    zero = (param_dict or {}).get("zero_optimization")
+    return int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
+
+
+def communication_status(settings, topology=None, param_dict=None, link_sizes=None):
+    """(active, parts): whether any part is in force and one phrase per part.
+
+    Args:
+        settings: the parsed ``HeterogeneousSettings``.
+        topology: the run's ``Topology`` (None: not known, e.g. a report from a config).
+        param_dict: the ds_config (its ZeRO stage decides whether the reduction applies; its own
+            bucket sizes are kept by the link-aware rule).
+        link_sizes: the sizes the run chose (``state.link_bucket_sizes``); None: derived here from
+            the topology and ``param_dict``."""
+    config = settings.config.communication
+    enabled = settings.enabled
+    if not enabled:
+        return False, ["off (heterogeneous_config.enabled is false)"]
+    parts = []
+    known = topology is not None
+    hosts = tuple(topology.hosts) if known else None
+
+    reduction = config.hierarchical_reduction
+    if reduction is False:
+        parts.append("hierarchical reduction off")
+        reducing = False
+    elif not known:
+        parts.append(f"hierarchical reduction {_setting(reduction)}: {ACROSS_HOSTS}")
+        reducing = False
+    else:
+        try:
+            reducing, why = reduction_decision(reduction, True, hosts, _zero_stage(param_dict), True)
+        except ValueError as exc:
+            reducing, why = False, str(exc)
+        parts.append("hierarchical reduction on" if reducing else f"hierarchical reduction off ({why})")
+
+    buckets = config.link_aware_buckets
+    if buckets is False:
+        parts.append("link-aware buckets off")
+        sizing = False
+    elif not known:
+        parts.append(f"link-aware buckets {_setting(buckets)}: {ACROSS_HOSTS}, sized from the measured link")
+        sizing = False
+    else:
+        sizing, why = link_buckets_decision(buckets, True, topology)
+        if sizing:
+            zero = (param_dict or {}).get("zero_optimization")
+            sizes = link_sizes if link_sizes is not None else link_bucket_sizes(
+                topology.link_bandwidth, frozenset(zero) if isinstance(zero, dict) else ())
+            sizing = bool(sizes)
+            parts.append(f"link-aware buckets {describe_link_buckets(sizes, topology.link_bandwidth)}" if sizes else
+                         "link-aware buckets off (the config sets every bucket size)")
+        else:
+            parts.append(f"link-aware buckets off ({why})")
+
+    compression = config.compress_inter_host
+    if compression:
+        if reducing:
+            parts.append(f"inter-host step compressed to {compression}")
+        else:
+            parts.append(f"inter-host compression {compression}: with the hierarchical reduction")
+    return reducing or sizing, parts
+
+
+def _setting(value):
+    return "auto" if value == "auto" else "true"
+
+
+def status_line(settings, topology=None, param_dict=None, link_sizes=None):
+    """``Active (...)`` / ``Inactive (...)``: the state and its parts on one line, for the log."""
+    active, parts = communication_status(settings, topology, param_dict, link_sizes)
+    return f"{'Active' if active else 'Inactive'} ({'; '.join(parts)})"

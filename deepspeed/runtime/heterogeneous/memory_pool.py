@@ -1,0 +1,525 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``HeterogeneousMemoryPool``: where each rank's model state lives (docs/architecture.md §4.4).
+
+On a cluster that mixes 80 GB and 24 GB devices the question "does it fit?" has a different
+answer per rank, and host RAM is a second, shared budget: the ranks of one node offload into the
+same memory. The pool holds both budgets and makes the placement decision in one place::
+
+    pool = HeterogeneousMemoryPool(hbm_devices=["80GB", "24GB"], cpu_memory_limit="64GB")
+    placement = pool.place(ModelStateSpec(num_parameters=3_000_000_000, zero_stage=2,
+                                          param_bytes=2, master_bytes=4))
+    placement.partition_shares      # each rank's share of the ZeRO-1/2 state (None: upstream's 1/N)
+    print(pool.report())            # per rank: what lives where, and the room left
+    pool.report().to_dict()         # the same as plain data
+
+Budgets:
+- ``hbm_devices``: one entry per data-parallel rank: a size (``"80GB"``, ``"24GiB"``, bytes, read
+  with ``config.parse_bytes``), a gathered ``DeviceDescription`` (its capacity, name, host and
+  prior speed; a CPU rank's shared host RAM counts as no limit), or None (no limit known). A rank
+  may fill ``hbm_utilization_threshold`` (default: the config's, 0.85) of its device.
+- ``cpu_memory_limit``: the hard host budget of one node (host RAM is shared by the node's ranks),
+  a size or None (no limit). ``hosts`` says which ranks share a node (default: the devices' host
+  names, else one node).
+
+The decision (``place``), in this order:
+1. ZeRO-1/2 shares (``zero_partitions``): ``"auto"`` picks them from each rank's room and speed
+   (``partitions.choose_partition_shares``), ``"even"`` keeps 1/N, a list is used as given.
+   ZeRO-3 partitions evenly, ZeRO-0 keeps everything whole.
+2. A rank whose state still does not fit its device offloads its optimizer state (and fp32 master
+   copy): all of it in ZeRO-1/2, where the shares are then chosen again so that the offloading
+   rank carries the state its device no longer has to hold; in ZeRO-3 the smallest ratio that fits
+   (hundredths). Ranks with room keep their state on the device. Offload goes to the host when
+   ``cpu_offload`` allows it.
+3. Per node, the offloaded state of its ranks must fit ``cpu_memory_limit``; what does not goes to
+   NVMe when ``nvme_offload`` allows it, the largest first.
+What cannot be placed is an error (``MemoryPlacementError``) naming the rank or node and the
+numbers; ``strict=False`` records it in ``placement.problems`` instead.
+
+Parameters, gradients and activations always stay on the device. The pool decides and reports:
+it allocates nothing and runs no collective, so every rank reaches the same placement from the
+same inputs. The engine builds one when ``heterogeneous_memory.enabled`` (``place_engine_state``,
+kept as ``state.memory_pool``), and ``deepspeed env_report --heterogeneous --config ds_config.json
+--model-parameters N`` prints the placement a config would get (``config_placement_lines``).
+"""
+
+import math
+from dataclasses import dataclass, replace
+from typing import Optional, Tuple
+
+from .config import HeterogeneousMemoryConfig, parse_bytes
+from .devices import DeviceDescription
+from .memory import RankCannotFitError, _model_state_inputs, model_state_bytes, model_state_parts
+from .memory_pool_report import DEVICE, MemoryReport
+from .memory_pool_report import format_size as _size
+from .partitions import check_shares, choose_partition_shares, is_even
+
+DEFAULT_UTILIZATION = HeterogeneousMemoryConfig.model_fields["hbm_utilization_threshold"].default
+OFFLOAD_KEY = "zero_optimization.heterogeneous_offload"
+HOST, NVME = "host", "nvme"
+
+
+class MemoryPlacementError(RankCannotFitError):
+    """A rank's state, or a node's offloaded state, fits none of the places allowed."""
+
+
+@dataclass(frozen=True)
+class ModelStateSpec:
+    """What the pool places: the model's trainable parameters and how ZeRO keeps their state."""
+
+    num_parameters: int
+    zero_stage: int
+    param_bytes: int = 4
+    """Bytes per parameter and gradient in the training dtype (2 under fp16/bf16)."""
+    optimizer_bytes: int = 8
+    """Optimizer state per parameter (Adam: 8; ``memory.optimizer_state_bytes``)."""
+    master_bytes: int = 0
+    """The fp32 master copy under fp16/bf16 (4); ZeRO 1-3 count 4 whatever it says."""
+    optimizer_device: Optional[str] = None
+    """Upstream's ``offload_optimizer.device`` ("cpu"/"nvme"), which offloads every rank."""
+
+    def __post_init__(self):
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage {self.zero_stage!r} must be 0, 1, 2 or 3")
+        if self.num_parameters < 0:
+            raise ValueError(f"num_parameters {self.num_parameters!r} must be >= 0")
+
+    def _inputs(self):
+        return dict(param_bytes=self.param_bytes, optimizer_bytes=self.optimizer_bytes,
+                    master_bytes=self.master_bytes)
+
+    def parts(self, world, share):
+        return model_state_parts(self.num_parameters, self.zero_stage, world, share=share, **self._inputs())
+
+    def device_bytes(self, world, share, offloaded=False):
+        return model_state_bytes(self.num_parameters, self.zero_stage, world, share=share,
+                                 optimizer_offloaded=offloaded or self.optimizer_device is not None, **self._inputs())
+
+    @classmethod
+    def for_engine(cls, ds_config, model, optimizer=None):
+        """The state of ``model`` under a ``DeepSpeedConfig``, counted as the planner counts it
+        (``memory.config_model_state_bytes``): the client's optimizer instance, else the config's."""
+        import torch
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            optimizer = getattr(ds_config, "optimizer_name", None) or "unknown"
+        offload = ds_config.zero_config.offload_optimizer
+        half = ds_config.float16_config.enabled or ds_config.bfloat16_config.enabled
+        return cls._from_inputs(_model_state_inputs(model.parameters(), half, optimizer, False),
+                                int(ds_config.zero_optimization_stage or 0), _offload_device(offload))
+
+    @classmethod
+    def for_config_dict(cls, param_dict, num_parameters, half):
+        """The state of a model of ``num_parameters`` under a ds_config dict (no engine, no model)."""
+        from deepspeed.runtime.config import get_optimizer_name
+        from deepspeed.runtime.zero.config import get_zero_config
+        zero = get_zero_config(param_dict)
+        return cls(num_parameters=int(num_parameters), zero_stage=int(zero.stage), param_bytes=2 if half else 4,
+                   optimizer_bytes=_optimizer_bytes(get_optimizer_name(param_dict) or "unknown"),
+                   master_bytes=4 if half else 0, optimizer_device=_offload_device(zero.offload_optimizer))
+
+    @classmethod
+    def _from_inputs(cls, inputs, zero_stage, optimizer_device):
+        return cls(num_parameters=int(inputs["num_parameters"]), zero_stage=zero_stage,
+                   param_bytes=inputs["param_bytes"], optimizer_bytes=inputs["optimizer_bytes"],
+                   master_bytes=inputs["master_bytes"], optimizer_device=optimizer_device)
+
+
+def _optimizer_bytes(name):
+    from .memory import optimizer_state_bytes
+    return optimizer_state_bytes(str(name))
+
+
+def _offload_device(offload):
+    device = None if offload is None else str(getattr(offload.device, "value", offload.device))
+    return device if device in ("cpu", "nvme") else None
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    """One rank's placement: bytes of each kind of state and where it lives."""
+
+    rank: int
+    host: int
+    name: str
+    capacity_bytes: Optional[int]
+    budget_bytes: Optional[float]
+    share: float
+    """The rank's fraction of the partitioned state (ZeRO-0: 1, the whole model)."""
+    parameter_bytes: float
+    gradient_bytes: float
+    optimizer_bytes: float
+    """Optimizer state and the fp32 master copy of the rank's share."""
+    activation_bytes: Optional[float] = None
+    optimizer_location: str = DEVICE
+    """"device", "host" or "nvme": where the offloaded part of the optimizer state lives."""
+    offload_fraction: float = 0.0
+    """Part of the optimizer state off the device: 0, 1, or a ZeRO-3 ratio."""
+    slack_bytes: float = 0.0
+    """What rounding the shares to millionths may add over a budget they were cut to fit."""
+
+    @property
+    def offloaded_bytes(self):
+        return self.optimizer_bytes * self.offload_fraction
+
+    @property
+    def host_bytes(self):
+        return self.offloaded_bytes if self.optimizer_location == HOST else 0.0
+
+    @property
+    def device_bytes(self):
+        return math.ceil(self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes - self.offloaded_bytes +
+                         (self.activation_bytes or 0.0))
+
+    @property
+    def room_bytes(self):
+        return None if self.budget_bytes is None else self.budget_bytes - self.device_bytes
+
+    @property
+    def fits(self):
+        return self.budget_bytes is None or self.device_bytes <= self.budget_bytes + self.slack_bytes
+
+
+@dataclass(frozen=True)
+class MemoryPlacement:
+    """The pool's decision for one model: every rank's placement and what could not be placed."""
+
+    zero_stage: int
+    ranks: Tuple[RankPlacement, ...]
+    partition_shares: Optional[Tuple[float, ...]]
+    """The ZeRO-1/2 shares for ``heterogeneous_memory.zero_partitions`` (None: upstream's 1/N)."""
+    host_budget_bytes: Optional[int]
+    problems: Tuple[str, ...] = ()
+
+    @property
+    def offloaded_ranks(self):
+        return [r.rank for r in self.ranks if r.offload_fraction > 0]
+
+    def host_bytes(self, host):
+        return sum(r.host_bytes for r in self.ranks if r.host == host)
+
+
+class HeterogeneousMemoryPool:
+    """Per-device budgets and a hard host budget per node, and the placement decision (module
+    docstring). Pure: no collectives, nothing allocated.
+
+    Args:
+        hbm_devices: per data-parallel rank, a size ("80GB", bytes), a ``DeviceDescription`` or None.
+        cpu_memory_limit: host budget of one node for offloaded state ("64GB", bytes), None: none.
+        hbm_utilization_threshold: fraction of a device a rank may fill (the config's default).
+        hosts: per rank, which node it is on (any labels); default: the devices' hosts, else one.
+        speeds: per rank, a relative speed (> 0) for the "auto" shares; default: the devices'
+            prior scores when every one is known, else equal.
+        device_names: per rank, a name for reports and errors; default: the devices' names.
+    """
+
+    def __init__(self, hbm_devices, cpu_memory_limit=None, hbm_utilization_threshold=DEFAULT_UTILIZATION,
+                 hosts=None, speeds=None, device_names=None):
+        entries = list(hbm_devices or ())
+        if not entries:
+            raise ValueError("HeterogeneousMemoryPool: hbm_devices needs one entry per data-parallel rank "
+                             "(a size such as '80GB', bytes, a DeviceDescription or None)")
+        if not 0 < float(hbm_utilization_threshold) <= 1:
+            raise ValueError(f"HeterogeneousMemoryPool: hbm_utilization_threshold {hbm_utilization_threshold!r} "
+                             "must be in (0, 1]")
+        devices = [e if isinstance(e, DeviceDescription) else None for e in entries]
+        self.capacities = [_capacity(entry, index) for index, entry in enumerate(entries)]
+        self.utilization = float(hbm_utilization_threshold)
+        try:
+            self.host_budget = None if cpu_memory_limit is None else parse_bytes(cpu_memory_limit)
+        except ValueError as exc:
+            raise ValueError(f"HeterogeneousMemoryPool: cpu_memory_limit: {exc}") from None
+        world = len(entries)
+        self.hosts = _dense_hosts(hosts if hosts is not None else
+                                  [d.host for d in devices] if all(devices) else [0] * world, world)
+        known = [d.spec_score for d in devices] if all(devices) else []
+        self.speeds = [float(s) for s in (speeds if speeds is not None else
+                                          known if known and all(s > 0 for s in known) else [1.0] * world)]
+        if len(self.speeds) != world or not all(s > 0 for s in self.speeds):
+            raise ValueError(f"HeterogeneousMemoryPool: speeds {list(self.speeds)} must give a positive speed to "
+                             f"each of the {world} ranks")
+        names = device_names or [d.name if d is not None else "-" for d in devices]
+        self.device_names = [str(n) for n in names]
+        self.placement = None
+
+    @property
+    def world_size(self):
+        return len(self.capacities)
+
+    @property
+    def budgets(self):
+        """Per rank, the bytes it may fill on its device (None: no limit known)."""
+        return [None if c is None else c * self.utilization for c in self.capacities]
+
+    @classmethod
+    def from_state(cls, state, world_size):
+        """The pool of a running job: the gathered devices' capacities (emulated ones included,
+        ``batch.memory_capacities``), the topology's nodes and the ``heterogeneous_memory`` block."""
+        from .batch import memory_capacities
+        # A device that reports no memory (0) has no known limit, as in the planner.
+        capacities = [c if c else None for c in memory_capacities(state) or [None] * world_size]
+        speeds = _known_speeds(state.devices) if state.devices and len(state.devices) == world_size else None
+        memory = state.settings.memory
+        return cls(capacities, cpu_memory_limit=memory.cpu_memory_limit_bytes,
+                   hbm_utilization_threshold=memory.hbm_utilization_threshold,
+                   hosts=state.topology.hosts if state.topology is not None else None, speeds=speeds,
+                   device_names=state.device_names or [f"rank {r}" for r in range(world_size)])
+
+    # -- the decision ----------------------------------------------------------------------------
+
+    def place(self, model_state, zero_partitions="auto", activation_bytes=None, cpu_offload=True,
+              nvme_offload=False, strict=True):
+        """Place ``model_state`` (a ``ModelStateSpec``) on the ranks; returns the ``MemoryPlacement``
+        (also kept as ``self.placement`` for ``report``).
+
+        Args:
+            zero_partitions: "auto", "even" or one share per rank (ZeRO-1/2 only).
+            activation_bytes: per rank, the activation bytes of its micro-batch, or None (unknown:
+                the room left then still has to hold them).
+            cpu_offload, nvme_offload: where a rank that does not fit may offload its optimizer state.
+            strict: raise ``MemoryPlacementError`` for what cannot be placed; False: record it.
+        """
+        world = self.world_size
+        activations = list(activation_bytes) if activation_bytes is not None else [None] * world
+        if len(activations) != world:
+            raise ValueError(f"activation_bytes has {len(activations)} entries for {world} ranks")
+        stage = model_state.zero_stage
+        partitioned = stage in (1, 2) and world > 1
+        if partitioned and zero_partitions not in ("auto", "even"):
+            fixed = check_shares(zero_partitions, world)
+        elif partitioned and zero_partitions == "auto":
+            fixed = None
+        else:
+            fixed = tuple([1.0 / world] * world) if stage >= 1 else tuple([1.0] * world)
+        may_offload = (cpu_offload or nvme_offload) and stage >= 1 and model_state.optimizer_device is None
+        offloaded = {}  # rank -> fraction of its optimizer state off the device
+        while True:
+            shares = fixed if fixed is not None else self._auto_shares(model_state, offloaded, activations)
+            ranks = self._ranks(model_state, shares, offloaded, activations)
+            over = [r for r in ranks if not r.fits and r.rank not in offloaded]
+            if not over or not may_offload:
+                break
+            if stage == 3:
+                offloaded.update({r.rank: _zero3_ratio(r) for r in over})
+            elif fixed is None:
+                # One rank at a time, the one with the least memory first: re-sharing after each
+                # lets the others keep their state on the device.
+                smallest = min(over, key=lambda r: (r.budget_bytes, -r.rank))
+                offloaded[smallest.rank] = 1.0
+            else:
+                offloaded.update({r.rank: 1.0 for r in over})
+        ranks, problems = self._host_placement(ranks, nvme_offload)
+        problems = [self._rank_problem(r, model_state, cpu_offload or nvme_offload) for r in ranks if not r.fits
+                    ] + problems
+        if strict and problems:
+            raise MemoryPlacementError("; ".join(problems))
+        if stage in (1, 2) and world > 1:
+            shares_out = shares if fixed is not None and zero_partitions not in ("auto", "even") else (
+                None if is_even(shares) else tuple(shares))
+        else:
+            shares_out = None
+        self.placement = MemoryPlacement(stage, tuple(ranks), shares_out, self.host_budget, tuple(problems))
+        return self.placement
+
+    def _auto_shares(self, model_state, offloaded, activations):
+        """``choose_partition_shares`` with each rank's room for the partitioned state; an offloading
+        rank's room is scaled by what a share costs it on the device (ZeRO-2 gradients only)."""
+        world = self.world_size
+        if all(b is None for b in self.budgets):
+            return choose_partition_shares(self.speeds)
+        # What a rank holds whatever its share (share 0), and what all shares together hold.
+        held_whole = model_state.device_bytes(world, 0.0)
+        state_bytes = model_state.device_bytes(world, 1.0) - held_whole
+        gradient_bytes = model_state.parts(world, 1.0).gradients if model_state.zero_stage == 2 else 0.0
+        rooms = []
+        for rank, budget in enumerate(self.budgets):
+            room = None if budget is None else budget - held_whole - (activations[rank] or 0.0)
+            if room is not None and rank in offloaded:
+                room = None if gradient_bytes == 0 else room * state_bytes / gradient_bytes
+            rooms.append(room)
+        return choose_partition_shares(self.speeds, rooms, state_bytes)
+
+    def _ranks(self, model_state, shares, offloaded, activations):
+        world, ranks = self.world_size, []
+        forced = model_state.optimizer_device
+        # choose_partition_shares rounds to millionths; the last share takes what the others' rounding left.
+        slack = world * 1e-6 * model_state.device_bytes(world, 1.0) if model_state.zero_stage in (1, 2) else 0.0
+        for rank, share in enumerate(shares):
+            parts = model_state.parts(world, share if model_state.zero_stage in (1, 2) else None)
+            fraction = 1.0 if forced else offloaded.get(rank, 0.0)
+            ranks.append(RankPlacement(
+                rank=rank, host=self.hosts[rank], name=self.device_names[rank], capacity_bytes=self.capacities[rank],
+                budget_bytes=self.budgets[rank], share=share, parameter_bytes=parts.parameters,
+                gradient_bytes=parts.gradients, optimizer_bytes=parts.optimizer, activation_bytes=activations[rank],
+                optimizer_location=(NVME if forced == "nvme" else HOST) if fraction > 0 else DEVICE,
+                offload_fraction=fraction, slack_bytes=slack))
+        return ranks
+
+    def _host_placement(self, ranks, nvme_offload):
+        """Keep each node's offloaded state within the host budget: the largest go to NVMe when
+        allowed; what still does not fit is a problem naming the node."""
+        if self.host_budget is None:
+            return ranks, []
+        ranks, problems = list(ranks), []
+        for host in sorted(set(self.hosts)):
+            on_host = sorted((r for r in ranks if r.host == host and r.host_bytes > 0), key=lambda r: -r.host_bytes)
+            total = sum(r.host_bytes for r in on_host)
+            for moved in on_host:
+                if total <= self.host_budget or not nvme_offload:
+                    break
+                ranks[moved.rank] = replace(moved, optimizer_location=NVME)
+                total -= moved.host_bytes
+            if total > self.host_budget:
+                offloads = ", ".join(f"rank {r.rank}: {_size(r.host_bytes)}" for r in on_host
+                                     if ranks[r.rank].optimizer_location == HOST)
+                problems.append(
+                    f"node {host} (data-parallel ranks {[r for r, h in enumerate(self.hosts) if h == host]}) would "
+                    f"offload {_size(total)} of optimizer state to its host ({offloads}), more than "
+                    f"heterogeneous_memory.cpu_memory_limit {_size(self.host_budget)}; raise the limit, allow NVMe "
+                    f"({OFFLOAD_KEY}.nvme_offload), use a higher ZeRO stage or give the ranks more device memory")
+        return ranks, problems
+
+    def _rank_problem(self, rank, model_state, offload_allowed):
+        label = f"data-parallel rank {rank.rank}" + ("" if rank.name == "-" else f" ({rank.name})")
+        held = (f"parameters {_size(rank.parameter_bytes)} + gradients {_size(rank.gradient_bytes)} + optimizer "
+                f"state {_size(rank.optimizer_bytes - rank.offloaded_bytes)}" +
+                (f" + activations {_size(rank.activation_bytes)}" if rank.activation_bytes else ""))
+        budget = (f"its budget {_size(rank.budget_bytes)} ({self.utilization:.0%} of {_size(rank.capacity_bytes)}, "
+                  "heterogeneous_memory.hbm_utilization_threshold)")
+        if model_state.zero_stage == 0:
+            advice = "ZeRO stage 0 cannot offload: use ZeRO stage 1-3, or give the rank more memory"
+        elif rank.offload_fraction >= 1.0:
+            advice = "even with all its optimizer state offloaded: use a higher ZeRO stage or give it more memory"
+        elif not offload_allowed and model_state.optimizer_device is None:
+            advice = (f"offloading its optimizer state ({_size(rank.optimizer_bytes)}) would leave "
+                      f"{_size(rank.device_bytes - rank.optimizer_bytes)}: allow it with {OFFLOAD_KEY}.cpu_offload "
+                      "(or nvme_offload), use a higher ZeRO stage or give the rank more memory")
+        else:
+            advice = "use a higher ZeRO stage or give the rank more memory"
+        return f"{label} needs {_size(rank.device_bytes)} on its device ({held}), more than {budget}; {advice}"
+
+    # -- the report ------------------------------------------------------------------------------
+
+    def report(self):
+        """Per rank, where parameters, gradients, optimizer state and activations live and the room
+        left, for the last ``place`` (budgets only before it): ``str()`` is a table, ``to_dict()``
+        plain data."""
+        return MemoryReport(self, self.placement)
+
+
+def _capacity(entry, index):
+    if entry is None:
+        return None
+    if isinstance(entry, DeviceDescription):
+        return None if entry.shared_host_memory else int(entry.memory_bytes)
+    try:
+        size = parse_bytes(entry)
+    except ValueError as exc:
+        raise ValueError(f"HeterogeneousMemoryPool: hbm_devices[{index}]: {exc}, a DeviceDescription or "
+                         "None") from None
+    if size <= 0:
+        raise ValueError(f"HeterogeneousMemoryPool: hbm_devices[{index}] = {entry!r} must be a positive size")
+    return size
+
+
+def _dense_hosts(hosts, world):
+    hosts = list(hosts)
+    if len(hosts) != world:
+        raise ValueError(f"HeterogeneousMemoryPool: hosts {hosts} must name the node of each of the {world} ranks")
+    order = list(dict.fromkeys(hosts))
+    return [order.index(h) for h in hosts]
+
+
+def _zero3_ratio(rank):
+    """The smallest ratio (in hundredths) of a ZeRO-3 rank's optimizer state to offload so it fits."""
+    needed = rank.device_bytes - rank.budget_bytes
+    if rank.optimizer_bytes <= 0:
+        return 1.0
+    return min(1.0, math.ceil(needed / rank.optimizer_bytes * 100) / 100)
+
+
+# -- the engine's and the env report's pools ------------------------------------------------------
+
+
+def place_engine_state(state, ds_config, model, optimizer=None):
+    """``(pool or None, partition shares)`` as the engine starts (``HeterogeneousState.engine_starting``).
+
+    With ``heterogeneous_memory.enabled`` the pool decides the shares and is returned to be kept
+    on the state; otherwise only explicit shares apply. Every rank decides alike from what every
+    rank has (the config, the gathered devices, the model); the ZeRO optimizer still compares the
+    layout's digest. Per-rank offload is decided by ``place`` but applied by no engine yet, so the
+    engine's placement is decided without it, and not strictly: what cannot be placed is logged,
+    and the memory checks that follow (and the device) have the last word, as before the pool."""
+    from deepspeed.utils import logger
+    memory = state.settings.memory
+    setting = memory.zero_partitions
+    stage = int(ds_config.zero_optimization_stage or 0)
+    world = int(ds_config.world_size)
+    if not memory.enabled:
+        explicit = stage in (1, 2) and world >= 2 and setting not in ("auto", "even")
+        return None, check_shares(setting, world) if explicit else None
+    pool = HeterogeneousMemoryPool.from_state(state, world)
+    # No engine applies per-rank offload yet: shares chosen on the assumption that a rank offloads
+    # would leave it with state its device cannot hold. Decide without offload; say so once.
+    offload = state.settings.offload
+    placement = pool.place(ModelStateSpec.for_engine(ds_config, model, optimizer), zero_partitions=setting,
+                           cpu_offload=False, nvme_offload=False, strict=False)
+    if state.dp_rank == 0:
+        if offload.cpu_offload or offload.nvme_offload:
+            logger.warning("deepspeed-hetero memory pool: zero_optimization.heterogeneous_offload is not applied "
+                           "per rank yet; the placement keeps every rank's state on its device (set "
+                           "zero_optimization.offload_optimizer to offload on every rank)")
+        for problem in placement.problems:
+            logger.warning(f"deepspeed-hetero memory pool: {problem}")
+    return pool, placement.partition_shares
+
+
+def config_placement_lines(param_dict, settings, rows, num_parameters=None):
+    """The env report's placement section for a ds_config on its rows (``(DeviceDescription,
+    memory emulated?, speed emulated?)`` per rank, one node); ``num_parameters`` None: a line
+    saying the model size is needed."""
+    if num_parameters is None:
+        return ["Memory Placement: unknown: the config gives no model size; add --model-parameters N"]
+    from deepspeed.runtime.precision_config import get_bfloat16_config, get_float16_config
+    from .precision import choose_precision_for_config
+    devices = [device for device, _, _ in rows]
+    mode = settings.config.mixed_precision_support if settings.enabled else "config"
+    decided = dict(param_dict)
+    choose_precision_for_config(mode, devices, decided)
+    half = get_float16_config(decided).enabled or get_bfloat16_config(decided).enabled
+    spec = ModelStateSpec.for_config_dict(param_dict, num_parameters, half)
+    memory = settings.memory
+    # As the runtime counts them (batch.memory_capacities): an emulated capacity, else the device's
+    # own; the CPU accelerator's shared host RAM is no rank's limit.
+    capacities = [d.memory_bytes if emulated or not d.shared_host_memory else None for d, emulated, _ in rows]
+    pool = HeterogeneousMemoryPool(capacities, cpu_memory_limit=memory.cpu_memory_limit_bytes,
+                                   hbm_utilization_threshold=memory.hbm_utilization_threshold,
+                                   hosts=[0] * len(rows), speeds=_known_speeds(devices),
+                                   device_names=[d.name for d in devices])
+    auto_allowed = memory.enabled or memory.zero_partitions != "auto"
+    pool.place(spec, zero_partitions=memory.zero_partitions if auto_allowed else "even",
+               cpu_offload=settings.offload.cpu_offload, nvme_offload=settings.offload.nvme_offload, strict=False)
+    return [f"Memory Placement ({num_parameters:,} parameters, {'fp16/bf16' if half else 'fp32'}):"
+            ] + ["  " + line for line in str(pool.report()).splitlines()]
+
+
+def _known_speeds(devices):
+    known = [d.spec_score for d in devices]
+    return known if known and all(s > 0 for s in known) else None
+
+
+def parse_parameter_count(text):
+    """'7e9', '350M', '1.3B', '125k' or digits -> an int; ValueError naming what is allowed."""
+    units = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+    value = str(text).strip()
+    suffix = value[-1:].upper() if value[-1:].isalpha() and value[-1:].upper() in units else ""
+    try:
+        count = float(value[:-1] if suffix else value) * units[suffix]
+    except ValueError:
+        count = -1
+    if not math.isfinite(count) or count <= 0:
+        raise ValueError(f"--model-parameters {text!r} is not a parameter count; write e.g. 125000000, 1.3e9, "
+                         "350M or 7B")
+    return int(count)
+
+
+__all__ = ["HeterogeneousMemoryPool", "MemoryPlacement", "MemoryPlacementError", "MemoryReport", "ModelStateSpec",
+           "RankPlacement", "config_placement_lines", "parse_parameter_count", "place_engine_state"]

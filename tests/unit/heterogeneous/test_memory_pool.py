@@ -1,0 +1,311 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``HeterogeneousMemoryPool``: per-device budgets, a per-node host budget, the placement decision
+(ZeRO-1/2 shares, per-rank optimizer offload, ZeRO-3 ratios) and its report; the engine keeps the
+pool it placed its state with, and the profiler's memory figures match that placement."""
+
+import io
+import json
+
+import pytest
+import torch
+
+from deepspeed.runtime.heterogeneous import HeterogeneousMemoryPool, MemoryPlacementError, ModelStateSpec
+from deepspeed.runtime.heterogeneous.config import load_heterogeneous_settings
+from deepspeed.runtime.heterogeneous.devices import BYTES_PER_GB, DeviceDescription
+from deepspeed.runtime.heterogeneous.memory import model_state_bytes
+from deepspeed.runtime.heterogeneous.memory_pool import config_placement_lines, parse_parameter_count
+from deepspeed.runtime.heterogeneous.partitions import choose_partition_shares
+
+GIB = BYTES_PER_GB
+# 1e9 parameters, bf16 with Adam: 2 GB of parameters, 2 GB of gradients, 12 GB of optimizer state
+# and fp32 master copy.
+BF16_1B = dict(num_parameters=10**9, param_bytes=2, optimizer_bytes=8, master_bytes=4)
+BF16_4B = {**BF16_1B, "num_parameters": 4 * 10**9}
+
+
+def device(rank, memory_gib, host="node-a", name="GPU", score=100.0, shared=False):
+    return DeviceDescription(rank=rank, local_rank=rank, host=host, name=name, memory_bytes=int(memory_gib * GIB),
+                             bf16=True, fp16=True, accelerator="cuda", spec_score=score, score_source="spec",
+                             shared_host_memory=shared)
+
+
+# -- budgets ----------------------------------------------------------------------------------------
+
+
+def test_budgets_come_from_sizes_bytes_devices_and_the_threshold():
+    pool = HeterogeneousMemoryPool(hbm_devices=["80GB", 24 * GIB, None, device(3, 16)], hbm_utilization_threshold=0.5)
+    assert pool.capacities == [80 * 10**9, 24 * GIB, None, 16 * GIB]
+    assert pool.budgets == [40 * 10**9, 12 * GIB, None, 8 * GIB]
+    # The seed's call: the config's default threshold, the host budget parsed like the config's.
+    seed = HeterogeneousMemoryPool(hbm_devices=["80GB", "24GB"], cpu_memory_limit="64GB")
+    assert seed.utilization == 0.85 and seed.host_budget == 64 * 10**9
+    # A CPU rank's reported memory is the host's RAM, shared: no limit of its own.
+    assert HeterogeneousMemoryPool([device(0, 512, shared=True)]).capacities == [None]
+
+
+def test_devices_give_names_nodes_and_speeds():
+    pool = HeterogeneousMemoryPool([device(0, 80, "b", "H100", 900.0), device(1, 24, "a", "A10", 100.0),
+                                    device(2, 24, "b", "A10", 100.0)])
+    assert pool.hosts == [0, 1, 0] and pool.speeds == [900.0, 100.0, 100.0]
+    assert pool.device_names == ["H100", "A10", "A10"]
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    (dict(hbm_devices=[]), "one entry per data-parallel rank"),
+    (dict(hbm_devices=["80GB", "24 gigs"]), "hbm_devices[1]"),
+    (dict(hbm_devices=["80GB", 0]), "hbm_devices[1]"),
+    (dict(hbm_devices=["80GB"], cpu_memory_limit="lots"), "cpu_memory_limit"),
+    (dict(hbm_devices=["80GB"], hbm_utilization_threshold=1.5), "hbm_utilization_threshold"),
+    (dict(hbm_devices=["80GB", "24GB"], hosts=[0]), "hosts"),
+    (dict(hbm_devices=["80GB", "24GB"], speeds=[1.0, 0.0]), "speeds"),
+])
+def test_bad_budgets_are_refused_by_name(kwargs, named):
+    with pytest.raises(ValueError, match=named.replace("[", r"\[").replace("]", r"\]")):
+        HeterogeneousMemoryPool(**kwargs)
+
+
+# -- ZeRO-1/2 shares -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_auto_shares_are_the_partition_rule_with_each_ranks_room(stage):
+    """Before the pool the engine chose shares with ``choose_partition_shares`` from each rank's
+    budget minus what it holds whatever its share; the pool's decision must be that one."""
+    capacities, utilization, speeds = [80 * GIB, 24 * GIB, 40 * GIB], 0.85, [3.0, 1.0, 2.0]
+    spec = ModelStateSpec(zero_stage=stage, **BF16_1B)
+    pool = HeterogeneousMemoryPool(capacities, hbm_utilization_threshold=utilization, speeds=speeds)
+    placement = pool.place(spec)
+    inputs = dict(param_bytes=2, optimizer_bytes=8, master_bytes=4)
+    held = model_state_bytes(10**9, stage, 3, share=0.0, **inputs)
+    total = model_state_bytes(10**9, stage, 3, share=1.0, **inputs) - held
+    expected = choose_partition_shares(speeds, [c * utilization - held for c in capacities], total)
+    assert placement.partition_shares == expected
+    assert placement.offloaded_ranks == [] and all(r.fits for r in placement.ranks)
+    assert [r.share for r in placement.ranks] == list(expected)
+
+
+def test_the_memory_limit_tests_rank_gets_a_small_share():
+    """test_memory_limits.py's cluster: 4 GiB and 0.43 GiB at 0.6, a 50M-parameter fp32 model."""
+    pool = HeterogeneousMemoryPool([4 * GIB, int(0.43 * GIB)], hbm_utilization_threshold=0.6)
+    shares = pool.place(ModelStateSpec(12 * (2048 * 2048 + 2048), 2)).partition_shares
+    assert shares[1] < 0.25 and pool.placement.ranks[1].fits
+
+
+def test_even_and_explicit_shares_are_kept_and_equal_shares_mean_upstreams_slices():
+    pool = HeterogeneousMemoryPool(["80GB", "80GB"])
+    spec = ModelStateSpec(zero_stage=2, **BF16_1B)
+    assert pool.place(spec, zero_partitions="even").partition_shares is None
+    assert pool.place(spec, zero_partitions=[0.7, 0.3]).partition_shares == (0.7, 0.3)
+    assert pool.place(spec).partition_shares is None  # equal devices: auto is even
+    assert [r.share for r in pool.place(ModelStateSpec(zero_stage=3, **BF16_1B)).ranks] == [0.5, 0.5]
+    assert pool.placement.partition_shares is None  # ZeRO-3 parameters stay evenly partitioned
+
+
+def test_activations_take_room_from_the_state():
+    pool = HeterogeneousMemoryPool([80 * GIB, 24 * GIB])
+    spec = ModelStateSpec(zero_stage=2, **BF16_4B)
+    without = pool.place(spec).partition_shares
+    with_activations = pool.place(spec, activation_bytes=[0, 6 * GIB]).partition_shares
+    assert with_activations[1] < without[1]
+    assert pool.placement.ranks[1].fits  # its state and its activations, within the shares' rounding
+
+
+# -- offload -----------------------------------------------------------------------------------------
+
+
+def test_a_rank_that_cannot_hold_its_share_offloads_and_the_others_keep_theirs_on_the_device():
+    # 4e9 parameters, ZeRO-2 bf16 Adam: 8 GB held whole, 56 GB partitioned (8 GB of it gradients).
+    # Three 24 GiB ranks and a 16 GiB one cannot keep it all on their devices; offloading only the
+    # smallest rank's optimizer state lets it take a larger share, and the others then fit.
+    spec = ModelStateSpec(zero_stage=2, **BF16_4B)
+    pool = HeterogeneousMemoryPool([24 * GIB, 24 * GIB, 24 * GIB, 16 * GIB], cpu_memory_limit="256GB")
+    placement = pool.place(spec)
+    assert placement.offloaded_ranks == [3]
+    assert [r.optimizer_location for r in placement.ranks] == ["device", "device", "device", "host"]
+    assert all(r.fits for r in placement.ranks), [r.device_bytes - r.budget_bytes for r in placement.ranks]
+    assert placement.host_bytes(0) == placement.ranks[3].optimizer_bytes > 0
+    # Without the offload it would not fit: the same pool refuses, naming the rank and the switch.
+    with pytest.raises(MemoryPlacementError, match=r"data-parallel rank \d .*heterogeneous_offload.cpu_offload"):
+        pool.place(spec, cpu_offload=False)
+
+
+def test_explicit_shares_offload_exactly_the_ranks_over_budget():
+    # ZeRO-1, half each: 8 GB of parameters + 8 GB of gradients + 24 GB of optimizer state.
+    pool = HeterogeneousMemoryPool(["80GB", "24GB"])
+    placement = pool.place(ModelStateSpec(zero_stage=1, **BF16_4B), zero_partitions=[0.5, 0.5])
+    assert placement.offloaded_ranks == [1] and placement.partition_shares == (0.5, 0.5)
+    assert placement.ranks[1].fits and placement.ranks[0].optimizer_location == "device"
+
+
+def test_zero3_offloads_the_smallest_ratio_that_fits():
+    spec = ModelStateSpec(zero_stage=3, **BF16_4B)
+    pool = HeterogeneousMemoryPool([80 * GIB, 20 * GIB], hbm_utilization_threshold=1.0)
+    rank = pool.place(spec).ranks[1]
+    assert 0 < rank.offload_fraction < 1 and rank.fits
+    needed = rank.parameter_bytes + rank.gradient_bytes + rank.optimizer_bytes - rank.budget_bytes
+    assert rank.optimizer_bytes * (rank.offload_fraction - 0.01) < needed <= rank.offloaded_bytes
+    assert pool.placement.ranks[0].offload_fraction == 0
+
+
+def test_each_nodes_offload_must_fit_its_host_budget():
+    spec = ModelStateSpec(zero_stage=1, **BF16_1B)
+    # Even ZeRO-1 shares: 2 + 2 + 3 GB per rank, over an 8 GB device's 6.8 GB budget. Node 0's two
+    # small ranks would offload 3 GB each, 6 GB, over its 5 GB host budget; node 1's ranks fit.
+    devices = ["8GB", "8GB", "80GB", "80GB"]
+    pool = HeterogeneousMemoryPool(devices, cpu_memory_limit="5GB", hosts=["x", "x", "y", "y"])
+    with pytest.raises(MemoryPlacementError, match=r"node 0 \(data-parallel ranks \[0, 1\]\).*cpu_memory_limit"):
+        pool.place(spec, zero_partitions="even")
+    # Host budget enough for one of them: the other goes to NVMe when allowed.
+    placement = pool.place(spec, zero_partitions="even", nvme_offload=True)
+    assert sorted(r.optimizer_location for r in placement.ranks[:2]) == ["host", "nvme"]
+    assert placement.host_bytes(0) <= 5 * 10**9 and placement.host_bytes(1) == 0
+    # Another node's budget is its own: 5 GB per node is enough for one offloading rank on each.
+    spread = HeterogeneousMemoryPool(devices, cpu_memory_limit="5GB", hosts=["x", "y", "x", "y"])
+    assert spread.place(spec, zero_partitions="even").offloaded_ranks == [0, 1]
+
+
+def test_upstream_offload_puts_every_ranks_optimizer_state_on_the_host():
+    spec = ModelStateSpec(zero_stage=2, optimizer_device="cpu", **BF16_1B)
+    placement = HeterogeneousMemoryPool(["80GB", "24GB"], cpu_memory_limit="64GB").place(spec, zero_partitions="even")
+    assert [r.optimizer_location for r in placement.ranks] == ["host", "host"]
+    assert placement.host_bytes(0) == pytest.approx(12 * 10**9)
+
+
+@pytest.mark.parametrize("stage, devices, named", [
+    (0, ["80GB", "12GB"], "ZeRO stage 0 cannot offload"),
+    (2, ["80GB", "1GB"], "even with all its optimizer state offloaded"),
+])
+def test_what_cannot_be_placed_is_an_error_with_the_numbers(stage, devices, named):
+    pool = HeterogeneousMemoryPool(devices)
+    with pytest.raises(MemoryPlacementError) as error:
+        pool.place(ModelStateSpec(zero_stage=stage, **BF16_1B))
+    message = str(error.value)
+    assert named in message and "data-parallel rank 1 needs" in message and "GiB" in message, message
+    assert "hbm_utilization_threshold" in message
+    # Not strict (the engine's way, until per-rank offload is applied): recorded, not raised.
+    placement = pool.place(ModelStateSpec(zero_stage=stage, **BF16_1B), strict=False)
+    assert placement.problems and not placement.ranks[1].fits
+
+
+# -- the report -------------------------------------------------------------------------------------
+
+
+def test_report_says_where_each_kind_of_state_lives_and_the_room_left():
+    pool = HeterogeneousMemoryPool(["80GB", "24GB"], cpu_memory_limit="64GB", device_names=["H100", "A10"])
+    assert "no model placed yet" in str(pool.report())
+    assert pool.report().to_dict()["placed"] is False
+    pool.place(ModelStateSpec(zero_stage=1, **BF16_4B), zero_partitions=[0.5, 0.5], activation_bytes=[GIB, None])
+    text = str(pool.report())
+    header = text.splitlines()[1]
+    for column in ("rank", "node", "device", "budget", "share", "parameters", "gradients", "optimizer state",
+                   "activations", "room left"):
+        assert column in header, header
+    a10 = next(line for line in text.splitlines() if " A10 " in line)
+    assert "host" in a10 and "unmeasured" in a10
+    assert "offloaded to the host of 59.6 GiB" in text
+    report = pool.report().to_dict()
+    json.dumps(report)  # plain data
+    first, second = report["ranks"]
+    assert first["optimizer_state"]["location"] == "device" and second["optimizer_state"]["location"] == "host"
+    assert {first[k]["location"] for k in ("parameters", "gradients", "activations")} == {"device"}
+    assert first["activations"]["bytes"] == GIB and second["activations"]["bytes"] is None
+    assert first["room_bytes"] == pytest.approx(first["budget_bytes"] - first["device_bytes"])
+    assert report["nodes"][0]["offloaded_bytes"] == second["optimizer_state"]["offloaded_bytes"] > 0
+
+
+# -- the env report -------------------------------------------------------------------------------------
+
+
+def _settings(config):
+    return load_heterogeneous_settings(config)
+
+
+def test_env_report_placement_follows_the_config_and_the_emulated_capacities():
+    config = {"train_batch_size": 8, "zero_optimization": {"stage": 2, "heterogeneous_offload": {"cpu_offload": True}},
+              "bf16": {"enabled": True},
+              "heterogeneous_config": {"enabled": True, "emulation": {"memory_gb": [80, 24]}},
+              "heterogeneous_memory": {"enabled": True, "cpu_memory_limit": "64GB"}}
+    # The CPU accelerator's rows: host RAM, shared, but emulated capacities count.
+    rows = [(device(0, 80, shared=True), True, False), (device(1, 24, shared=True), True, False)]
+    lines = config_placement_lines(config, _settings(config), rows, 10**9)
+    assert lines[0].startswith("Memory Placement (1,000,000,000 parameters, fp16/bf16)")
+    assert "ZeRO stage 2" in lines[1] and any(line.lstrip().startswith("1 ") for line in lines)
+    assert not any("problem" in line for line in lines)
+    unknown = config_placement_lines(config, _settings(config), rows)
+    assert unknown == ["Memory Placement: unknown: the config gives no model size; add --model-parameters N"]
+
+
+def test_env_report_prints_the_placement_with_model_parameters(tmp_path, monkeypatch):
+    from deepspeed.runtime.heterogeneous import env_report
+    config = {"train_batch_size": 8, "zero_optimization": {"stage": 1},
+              "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "uniform",
+                                       "emulation": {"memory_gb": [2, 1], "mode": "dilation"}},
+              "heterogeneous_memory": {"enabled": True}}
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config))
+    output = io.StringIO()
+    env_report.heterogeneous_report(str(path), file=output, model_parameters=10**7)
+    text = output.getvalue()
+    assert "Memory Placement (10,000,000 parameters, fp32):" in text and "room left" in text
+
+
+@pytest.mark.parametrize("text, count", [("125000000", 125_000_000), ("1.3e9", 1_300_000_000), ("350M", 350_000_000),
+                                         ("7B", 7_000_000_000), ("125k", 125_000)])
+def test_parameter_counts_read_like_model_names(text, count):
+    assert parse_parameter_count(text) == count
+
+
+def test_a_bad_parameter_count_exits_2_naming_it(capsys):
+    from deepspeed.runtime.heterogeneous.env_report import main
+    assert main(["--model-parameters", "seven"]) == 2
+    assert "--model-parameters 'seven'" in capsys.readouterr().err
+
+
+# -- the engine's pool (two ranks) ------------------------------------------------------------------------
+
+WIDTH = 1024
+
+
+def _engine_with_pool(rank, world_size):
+    import deepspeed
+    from deepspeed.profiling.heterogeneous_profiler import HeterogeneousProfiler
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, 4))
+    # Rank 1's emulated memory (accounting only) holds about a third of the ZeRO-2 state.
+    config = {"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+              "zero_optimization": {"stage": 2},
+              "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "manual",
+                                       "micro_batch_sizes": [4, 4],
+                                       "emulation": {"memory_gb": [1.0, 0.012], "mode": "dilation"}},
+              "heterogeneous_memory": {"enabled": True, "adaptive_chunking": False}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    state = engine._config.heterogeneous
+    profiler = HeterogeneousProfiler(engine)
+    profiler.start_heterogeneous_profile()
+    for _ in range(2):
+        engine.backward(engine(torch.randn(4, WIDTH)).pow(2).mean())
+        engine.step()
+    profiler.stop_profile()
+    placed = state.memory_pool.placement.ranks[state.dp_rank]
+    return {"shares": state.partition_shares, "pool_shares": state.memory_pool.placement.partition_shares,
+            "partition": int(engine.optimizer.single_partition_of_fp32_groups[0].numel()),
+            "placed_bytes": placed.device_bytes,
+            "runtime_state_bytes": engine._heterogeneous_runtime().model_state_bytes(),
+            "memory_balance": profiler.get_metrics()["memory_balance"]}
+
+
+@pytest.mark.multiprocess
+def test_the_engine_places_its_state_through_the_pool_and_the_profiler_reads_that_placement():
+    from harness import run_subcases
+    (first, second), = run_subcases(_engine_with_pool, [{}], world_size=2, timeout=300)
+    shares = first["shares"]
+    assert shares is not None and shares == first["pool_shares"] == second["shares"], (first, second)
+    assert 0.1 < shares[1] < 0.45, shares
+    assert second["partition"] < first["partition"]
+    # The profiler's per-rank memory (on the CPU: model state of the rank's own share plus
+    # activations) counts what the pool placed on each rank, not 1/N of the state.
+    for result in (first, second):
+        assert result["runtime_state_bytes"] == result["placed_bytes"], result
+    assert first["placed_bytes"] > second["placed_bytes"]
+    assert first["memory_balance"] is not None
