@@ -1,0 +1,158 @@
+# SPDX-License-Identifier: Apache-2.0
+"""One rank of bench_communication.py: the small GPT trained flat and hierarchically, in turn.
+
+Started by the real ``deepspeed`` launcher on every emulated host (``scripts/emulated_cluster.py``).
+For every ZeRO stage in ``--stages`` and every repeat, it builds one engine per reduction mode
+(``--modes``, default ``flat,hier``; ``flat``: ``communication.hierarchical_reduction: false``,
+upstream's one flat all-reduce; ``hier``: ``"auto"``, the fork's default on several hosts; ``off``:
+the fork disabled, upstream itself), alternating which mode goes first, and
+trains each from the same initial weights on the same samples:
+
+    warm-up steps | mark a | SHORT steps | mark b | LONG steps | mark c
+
+At a mark every rank stops at a barrier and rank 0 asks the benchmark, which runs outside the
+namespaces, to read every link's ``tc -s`` byte counters (a file ``mark-<name>`` in ``--out``;
+the benchmark answers ``ack-<name>``). Both segments pay the same per-segment overhead (the
+marks' own barriers), so (c - b) - (b - a) over LONG - SHORT is the link traffic of one training
+step and nothing else; start-up traffic (rendezvous, the topology probe, group creation) lies
+before mark a.
+
+Both modes run the fork (``load_balancing_strategy: uniform``, so both split the batch evenly):
+the fork's comm clock then times every collective in either mode, and the only difference left
+is the reduction. Each rank saves ``<out>/rank<R>.json``: per stage, mode and repeat the seconds
+of the long segment, the seconds inside collectives in it, whether the hierarchical reducer was in
+force, the loss of every step, and (rank 0) the largest parameter difference between the two modes.
+"""
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+LR = 3e-4
+ACK_TIMEOUT_S = 120
+
+
+def mark(out, name):
+    """Every rank stops here while the benchmark reads the link counters (see the docstring)."""
+    from deepspeed import comm as dist
+
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (out / f"mark-{name}").write_text(str(time.time()))
+        ack = out / f"ack-{name}"
+        deadline = time.monotonic() + ACK_TIMEOUT_S
+        while not ack.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {ack} within {ACK_TIMEOUT_S} s: is bench_communication.py reading "
+                                   "the link counters?")
+            time.sleep(0.005)
+    dist.barrier()
+
+
+def train(args, out, stage, mode, repeat, rank, world_size):
+    """One engine of ``mode``; returns its measurements and its final parameters."""
+    import deepspeed
+    from deepspeed.runtime.heterogeneous import comm_clock, hierarchical
+    from examples.tiny_gpt import GPT, GPTConfig, TokenDataset, split_batch
+
+    build_started = time.perf_counter()
+    model = GPT(GPTConfig.bench(), seed=0)
+    global_batch = args.micro_batch * world_size
+    communication = {"hierarchical_reduction": False if mode == "flat" else "auto"}
+    config = {"train_batch_size": global_batch, "steps_per_print": 10**6, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
+              "heterogeneous_config": {"enabled": mode != "off", "load_balancing_strategy": "uniform",
+                                       "mixed_precision_support": "fp32", "communication": communication}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    reducer = hierarchical.reducer_for(engine.seq_data_parallel_group)
+    build_seconds = time.perf_counter() - build_started
+    steps = args.warmup + args.short + args.long
+    data = TokenDataset(seq_len=model.config.seq_len, num_samples=steps * global_batch, seed=0)
+    losses = []
+
+    def step(index):
+        start = index * global_batch + rank * args.micro_batch
+        batch = torch.stack([data[i] for i in range(start, start + args.micro_batch)])
+        inputs, targets = split_batch(batch)
+        loss = engine(inputs, targets)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+
+    tag = f"zero{stage}-{mode}-r{repeat}"
+    for index in range(args.warmup):
+        step(index)
+    mark(out, f"{tag}-a")
+    for index in range(args.warmup, args.warmup + args.short):
+        step(index)
+    mark(out, f"{tag}-b")
+    started, comm_started = time.perf_counter(), comm_clock.seconds_in_collectives()
+    for index in range(args.warmup + args.short, steps):
+        step(index)
+    comm_seconds = comm_clock.seconds_in_collectives() - comm_started
+    from deepspeed import comm as dist
+    dist.barrier()  # the segment ends when the slowest rank is done
+    seconds = time.perf_counter() - started
+    mark(out, f"{tag}-c")
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
+        params = [p.detach().clone() for p in engine.module.parameters()]
+    result = {"build_seconds": build_seconds, "seconds": seconds, "comm_seconds": comm_seconds, "long_steps": args.long,
+              "hierarchical": reducer is not None,
+              "scheme": None if reducer is None else ("sharded" if reducer.layout.even else "through host leaders"),
+              "losses": losses}
+    engine.destroy()
+    return result, params
+
+
+def max_difference(left, right):
+    """(largest absolute difference, largest absolute value) over two lists of tensors."""
+    diff = max(float((a - b).abs().max()) for a, b in zip(left, right))
+    scale = max(float(a.abs().max()) for a in left)
+    return diff, scale
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--local_rank", type=int, default=0)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--stages", default="1,2")
+    parser.add_argument("--modes", default="flat,hier",
+                        help="flat, hier, off (the fork disabled: upstream itself; its collectives are timed only "
+                             "after a fork engine was built in the process)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--short", type=int, default=2)
+    parser.add_argument("--long", type=int, default=8)
+    args = parser.parse_args()
+
+    imported = time.time()
+    import deepspeed
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    initialised = time.time()
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    out = Path(args.out)
+    result = {"rank": rank, "cross_rank": os.environ.get("CROSS_RANK"), "runs": {},
+              "times": {"main": imported, "initialised": initialised}}
+    for stage in map(int, args.stages.split(",")):
+        for repeat in range(args.repeats):
+            modes = args.modes.split(",")
+            params = {}
+            for mode in modes if repeat % 2 == 0 else modes[::-1]:  # alternate: no order bias
+                run, params[mode] = train(args, out, stage, mode, repeat, rank, world_size)
+                result["runs"][f"zero{stage}-{mode}-r{repeat}"] = run
+            if "flat" in params and "hier" in params:
+                diff, scale = max_difference(params["flat"], params["hier"])
+                result["runs"][f"zero{stage}-hier-r{repeat}"].update(max_param_diff=diff, max_param=scale)
+    result["times"]["done"] = time.time()
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    deepspeed.comm.barrier()
+
+
+if __name__ == "__main__":
+    main()
