@@ -181,13 +181,13 @@ def test_bf16_uneven_shares_track_the_reference():
 SAVE_AT = 3
 
 
-def _checkpoint_run(rank, world_size, shares, folder, save=False, load=None, universal=False):
+def _checkpoint_run(rank, world_size, shares, folder, save=False, load=None, universal=False, sizes=(5, 3)):
     """ZeRO-2, [5, 3], Adam: steps 1..STEPS, saving after step SAVE_AT (``save``) or starting from
     the checkpoint (``load``: its tag); ``universal``: load its universal form."""
     import deepspeed
     from test_exactness import STEPS, ds_config, global_batches, make_model
 
-    sizes = [5, 3]
+    sizes = list(sizes)
     model = make_model()
     config = ds_config(2, 1, sizes, 0.0)
     config["heterogeneous_memory"] = {"zero_partitions": shares}
@@ -230,7 +230,7 @@ def _reference_after(steps):
 def test_uneven_checkpoints_resume_exactly_and_a_mismatched_layout_is_refused(tmp_path):
     """Saved with shares (0.7, 0.3): resumed with the same shares = the uninterrupted run; a
     per-rank load with even or reversed shares is refused by name; the universal checkpoint
-    re-partitions onto the even and the reversed layout and resumes exactly."""
+    re-partitions onto the even and the reversed layout, and onto one rank, and resumes exactly."""
     from harness import run_subcases
     from test_exactness import reference_parameters
 
@@ -270,6 +270,12 @@ def test_uneven_checkpoints_resume_exactly_and_a_mismatched_layout_is_refused(tm
     for index in (2, 3):
         for rank_result in results[index]:
             assert "saved with partition shares [0.700, 0.300]" in rank_result.get("error", ""), rank_result
+    # Another world size: the universal checkpoint of the 2-rank (0.7, 0.3) run resumes on one rank.
+    one_rank = dict(shares="even", folder=folder, load="saved", universal=True, sizes=[8])
+    (alone, ), = run_subcases(_checkpoint_run, [one_rank], world_size=1, timeout=600)
+    assert "params" in alone, alone
+    for got, want in zip(alone["params"], uninterrupted):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
 @pytest.mark.multiprocess
