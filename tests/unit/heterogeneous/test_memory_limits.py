@@ -51,7 +51,6 @@ def _train(rank, world_size, mode):
               "zero_optimization": {"stage": 2, "reduce_bucket_size": BUCKET}}
     if mode == "upstream":
         config["train_micro_batch_size_per_gpu"] = 4
-        cgroup = emulation.MemoryLimitCgroup(emulation.memory_limit_bytes(MEMORY_GB[rank]), label=f"rank{rank}")
     else:
         config["heterogeneous_config"] = {"enabled": True, "load_balancing_strategy": "manual",
                                           "micro_batch_sizes": [4, 4],
@@ -60,6 +59,8 @@ def _train(rank, world_size, mode):
                                           "hbm_utilization_threshold": UTILIZATION,
                                           "zero_partitions": "auto" if mode == "fork_auto" else "even"}
     model = make_model()
+    if mode == "upstream":  # joined where the fork's rank joins its own: as the engine starts
+        cgroup = emulation.MemoryLimitCgroup(emulation.memory_limit_bytes(MEMORY_GB[rank]), label=f"rank{rank}")
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     for x in batches():
         mine = x[rank * 4:(rank + 1) * 4]
