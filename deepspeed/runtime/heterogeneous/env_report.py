@@ -25,7 +25,7 @@ from .communication import communication_status
 from .config import load_heterogeneous_settings
 from .device_benchmark import measured_score
 from .devices import BYTES_PER_GB, describe_local_device, emulated_memory_bytes, local_device_count
-from .memory_pool import config_placement_lines, parse_parameter_count
+from .memory_placement import config_placement_lines, parse_parameter_count
 from .native import native_op_status
 from .precision import choose_precision_for_config
 
@@ -170,7 +170,7 @@ def heterogeneous_report(config_path=None, file=None, model_parameters=None):
             defaults; otherwise disabled).
         file: where to print. Default None: sys.stdout at call time.
         model_parameters: with a config, the model's parameter count: the report then shows the
-            memory placement the config would get (``memory_pool.config_placement_lines``).
+            memory placement the config would get (``memory_placement.config_placement_lines``).
 
     Raises ValueError, before printing anything, when the config or the environment is invalid.
     """

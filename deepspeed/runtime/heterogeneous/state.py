@@ -128,7 +128,7 @@ class HeterogeneousState:
         start_memory_limit(self.settings.config.emulation, self.dp_rank)  # before the engine allocates
         if model is not None:
             from .batch import cap_startup_plan
-            from .memory_pool import place_engine_state
+            from .memory_placement import place_engine_state
             from .partitions import describe_shares
             self.memory_pool, self.partition_shares = place_engine_state(self, ds_config, model, optimizer)
             if self.partition_shares is not None and self.dp_rank == 0:

@@ -13,7 +13,7 @@ from deepspeed.runtime.heterogeneous import HeterogeneousMemoryPool, MemoryPlace
 from deepspeed.runtime.heterogeneous.config import load_heterogeneous_settings
 from deepspeed.runtime.heterogeneous.devices import BYTES_PER_GB, DeviceDescription
 from deepspeed.runtime.heterogeneous.memory import model_state_bytes
-from deepspeed.runtime.heterogeneous.memory_pool import config_placement_lines, parse_parameter_count
+from deepspeed.runtime.heterogeneous.memory_placement import config_placement_lines, parse_parameter_count
 from deepspeed.runtime.heterogeneous.partitions import choose_partition_shares
 
 GIB = BYTES_PER_GB
