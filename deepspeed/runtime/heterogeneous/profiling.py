@@ -359,6 +359,10 @@ def plan_after_profiling_step(history, plan, gradient_accumulation_steps, limits
     spread = plan_micro_batches(models, train_batch_size=plan.train_batch_size,
                                 gradient_accumulation_steps=gradient_accumulation_steps, strategy="manual",
                                 manual=sizes)
+    # Shown under the run's own strategy: the sizes are a probe of it, not a user's manual plan.
+    spread = Plan(**{**spread.to_dict(), "strategy": chosen.strategy, "notes": list(spread.notes) + [
+        "profiling probe: each rank's size spread around the best plan so far, so that every rank is timed at "
+        "more than one size"]})
     return ProfilingDecision(spread, decision.models, decision.note, decision.best)
 
 
