@@ -368,10 +368,20 @@ def remove_cgroup_tree(path, timeout=10.0):
             time.sleep(0.1)
 
 
+WORKDIR_RE = re.compile(r"^dsh-([0-9a-z]+)-([0-9a-z]+)-[0-9a-z_]+$")
+"""A run's scratch directory (its hostfile, host logs) in the temporary directory."""
+
+
 def remove_stale(alive=_alive):
     """Remove what runs of this module left when their process was killed (SIGKILL skips every
-    teardown): namespaces, veths and bridges, host cgroups. Returns the names removed."""
+    teardown): namespaces, veths and bridges, host cgroups, scratch directories. Returns the names
+    removed."""
     removed = []
+    for path in Path(tempfile.gettempdir()).glob(f"{PREFIX}-*"):
+        match = WORKDIR_RE.match(path.name)
+        if match and path.is_dir() and not alive(int(match.group(1), 36)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(str(path))
     namespaces = stale_names(_namespaces(), alive)
     for name in namespaces:
         _kill(_namespace_pids(name))

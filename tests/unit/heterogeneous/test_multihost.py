@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -214,8 +215,10 @@ def test_teardown_leaves_nothing_after_a_failed_run_sigterm_or_sigkill(cluster_m
     holder.kill()
     holder.wait(timeout=30)
     assert names_of(run_id) and cgroups_of(run_id), "a killed run leaves its namespaces and cgroups"
+    workdirs = lambda: list(Path(tempfile.gettempdir()).glob(f"{ec.PREFIX}-{run_id}-*"))  # noqa: E731
+    assert workdirs(), "a killed run leaves its scratch directory (hostfile)"
     removed = ec.remove_stale()
-    assert names_of(run_id) == [] and cgroups_of(run_id) == [], removed
+    assert names_of(run_id) == [] and cgroups_of(run_id) == [] and workdirs() == [], removed
 
 
 # -- pure helpers -------------------------------------------------------------------------------
