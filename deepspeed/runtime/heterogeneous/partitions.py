@@ -192,12 +192,6 @@ class ZeroPartitionLayout:
         self.groups.append(bounds)
         return bounds
 
-    def start(self, group, rank):
-        return self.groups[group][rank][0]
-
-    def numel(self, group, rank):
-        return self.groups[group][rank][1]
-
     def narrow(self, flat, group):
         """Views of ``flat`` (a flat group, or a tensor of its size) for every rank's slice."""
         return [flat.narrow(0, start, numel) for start, numel in self.groups[group]]
