@@ -113,6 +113,70 @@ def shard_size(numel, parts):
     return -(-numel // parts)
 
 
+def owner_members(owners):
+    """The members that read a slice after the reduction: ZeRO passes a partition id (int) or a
+    frozenset of them (a matrix several ranks update whole)."""
+    return (owners, ) if isinstance(owners, int) else tuple(sorted(owners))
+
+
+def host_ranges(layout, segments):
+    """For each host, the ``(start, numel)`` ranges of a flat tensor that some member of that host
+    reads after a reduction to owners (adjacent ranges merged).
+
+    Args:
+        layout: the group's ``GroupLayout``.
+        segments: ``(numel, owners)`` for consecutive slices of the flat tensor, in order; owners as
+            ``owner_members`` takes them."""
+    ranges = [[] for _ in range(layout.num_hosts)]
+    start = 0
+    for numel, owners in segments:
+        if numel < 0:
+            raise ValueError(f"a segment of {numel} elements")
+        if numel:
+            for host in sorted({layout.host_of(member) for member in owner_members(owners)}):
+                mine = ranges[host]
+                if mine and mine[-1][0] + mine[-1][1] == start:
+                    mine[-1] = (mine[-1][0], mine[-1][1] + numel)
+                else:
+                    mine.append((start, numel))
+        start += numel
+    return tuple(tuple(r) for r in ranges)
+
+
+def ranges_numel(ranges):
+    return sum(numel for _, numel in ranges)
+
+
+def pack(flat, ranges):
+    """The elements of ``ranges`` (``host_ranges``) of ``flat``, concatenated (a new tensor)."""
+    if not ranges:
+        return flat.new_empty(0)
+    return torch.cat([flat.narrow(0, start, numel) for start, numel in ranges])
+
+
+def unpack(packed, flat, ranges):
+    """Write ``packed`` (as ``pack`` made it) back into ``ranges`` of ``flat``."""
+    offset = 0
+    for start, numel in ranges:
+        flat.narrow(0, start, numel).copy_(packed.narrow(0, offset, numel))
+        offset += numel
+
+
+PIECE_SECONDS = 0.004
+"""An inter-host piece takes about this long on the slowest measured link (see
+``HierarchicalReducer._leaders_all_to_all``); on a 200 Mbit/s link that is 100 KB."""
+
+MIN_PIECE_ELEMENTS = 16 * 1024
+
+
+def piece_elements_for(bandwidth, element_bytes=4):
+    """Elements per inter-host piece for a slowest link of ``bandwidth`` bytes/s (None when not
+    measured: whole messages); at least ``MIN_PIECE_ELEMENTS``, so fast links send one piece."""
+    if not bandwidth:
+        return None
+    return max(MIN_PIECE_ELEMENTS, int(bandwidth * PIECE_SECONDS) // element_bytes)
+
+
 def reduction_decision(setting, enabled, hosts, zero_stage, dp_is_world):
     """Whether the hierarchical reduction is in force, and a note saying why not (or None).
 
@@ -149,13 +213,18 @@ class HierarchicalReducer:
     Construction creates process groups and must run on every rank of the world, in the same
     order relative to every other group creation."""
 
-    def __init__(self, hosts, group=None, compress=False):
+    def __init__(self, hosts, group=None, compress=False, piece_elements=None):
         """
         Args:
             hosts: host of each member of ``group`` (member order), e.g. (0, 0, 1, 1).
             group: the data-parallel process group (None: the world).
             compress: False, "bf16" or "fp16": the dtype of the inter-host step.
+            piece_elements: the most elements the leaders' all-to-all sends a peer at once
+                (``piece_elements_for``; None: whole messages). The same on every rank.
         """
+        if piece_elements is not None and piece_elements < 1:
+            raise ValueError(f"piece_elements must be a positive number of elements or None, got {piece_elements}")
+        self.piece_elements = piece_elements
         self.layout = group_layout(hosts)
         self.group = group
         self.compress = COMPRESSION_DTYPES[compress] if compress else None
@@ -163,19 +232,21 @@ class HierarchicalReducer:
         if len(ranks) != len(self.layout.hosts):
             raise ValueError(f"hosts {list(hosts)} name {len(self.layout.hosts)} ranks but the data-parallel group "
                              f"has {len(ranks)}")
+        self.ranks = tuple(ranks)
         self.member = ranks.index(dist.get_rank())
-        host = self.layout.host_of(self.member)
+        self.host = host = self.layout.host_of(self.member)
         self.host_size = len(self.layout.host_members[host])
         self.leader = ranks[self.layout.leaders[host]]
         self.is_leader = self.leader == dist.get_rank()
         global_members = [[ranks[m] for m in members] for members in self.layout.host_members]
         self.intra_group, _ = torch.distributed.new_subgroups_by_enumeration(global_members)
+        leaders = dist.new_group([ranks[m] for m in self.layout.leaders])
+        self.leader_group = leaders if self.is_leader else None
         if self.layout.even:
             shards = [[ranks[m] for m in column] for column in self.layout.shard_groups]
             self.inter_group, _ = torch.distributed.new_subgroups_by_enumeration(shards)
         else:
-            leaders = dist.new_group([ranks[m] for m in self.layout.leaders])
-            self.inter_group = leaders if self.is_leader else None
+            self.inter_group = self.leader_group
 
     def all_reduce(self, tensor):
         """Sum ``tensor`` over the group, in place (as ``deepspeed.comm.all_reduce``)."""
@@ -211,6 +282,106 @@ class HierarchicalReducer:
         if self.host_size > 1:
             dist.broadcast(flat, self.leader, group=self.intra_group)
 
+    def reduce_to_owners(self, tensor, segments):
+        """Sum ``tensor`` over the group, in place, where it is read afterwards: each slice of
+        ``segments`` (``(numel, owners)`` in order, as ``host_ranges`` takes them) ends up summed
+        on its owners; elsewhere the slice holds a partial sum, as after upstream's reduce to one rank.
+
+        ZeRO-1/2 all-reduce whole buckets although each rank keeps only its own partition's
+        slices. Here the sum goes to each host's leader, the leaders exchange only the slices the
+        other hosts own (an all-to-all: with two hosts each sends half the bucket, against the one
+        and a half buckets of a flat ring all-reduce), and each leader passes its host's slices
+        to the host. The host partials are added in host order, so leaders that share a slice
+        compute the same bits."""
+        if tensor.numel() == 0:
+            return
+        flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
+        ranges = host_ranges(self.layout, segments)
+        covered = sum(numel for numel, _ in segments)
+        if covered != flat.numel():
+            raise ValueError(f"segments cover {covered} elements of a tensor of {flat.numel()}")
+        if self.host_size > 1:
+            dist.reduce(flat, self.leader, group=self.intra_group)
+        if self.is_leader:
+            self._exchange_owned(flat, ranges)
+        mine = ranges[self.host]
+        if self.host_size > 1 and mine:
+            packed = pack(flat, mine) if self.is_leader else flat.new_empty(ranges_numel(mine))
+            dist.broadcast(packed, self.leader, group=self.intra_group)
+            if not self.is_leader:
+                unpack(packed, flat, mine)
+        if flat.data_ptr() != tensor.data_ptr():
+            tensor.copy_(flat.view_as(tensor))
+
+    def _exchange_owned(self, flat, ranges):
+        """Leaders only: send each other host the host partial of the slices it owns, receive the
+        other hosts' partials of this host's slices, add them in host order."""
+        dtype = self.compress or flat.dtype
+        sends = [flat.new_empty(0, dtype=dtype) if host == self.host else pack(flat, owned).to(dtype)
+                 for host, owned in enumerate(ranges)]
+        wanted = ranges_numel(ranges[self.host])
+        partials = self._leaders_all_to_all(sends, [0 if host == self.host else wanted for host in range(len(ranges))],
+                                            largest=max(ranges_numel(owned) for owned in ranges))
+        if not wanted:
+            return
+        partials[self.host] = pack(flat, ranges[self.host]).to(dtype)  # rounded alike when compressed
+        total = partials[0].to(flat.dtype)
+        for partial in partials[1:]:
+            total.add_(partial.to(flat.dtype))
+        unpack(total, flat, ranges[self.host])
+
+    def _leaders_all_to_all(self, sends, receive_sizes, largest):
+        """Leaders only: ``sends[h]`` to host h's leader, ``receive_sizes[h]`` elements from it;
+        returns what came, per host. ``largest`` (the same on every leader) bounds every send.
+
+        One all-to-all, so every link carries its host's data out and the others' in at once, cut
+        into pieces of at most ``piece_elements`` per peer when the link was measured: gloo sends a
+        large message over a rate-limited link at about half the rate (measured on the emulated
+        cluster at 200 Mbit/s: 1.68 MB each way took 134 ms in one message, 73 ms in 105 KB
+        pieces, against 67 ms at the link's rate)."""
+        received = [sends[0].new_empty(size) for size in receive_sizes]
+        if largest == 0:
+            return received
+        pieces = 1 if not self.piece_elements else -(-largest // self.piece_elements)
+        for index in range(pieces):
+            inputs = [_piece(tensor, index, pieces) for tensor in sends]
+            outputs = [_piece(tensor, index, pieces) for tensor in received]
+            sizes = [output.numel() for output in outputs]
+            arrived = sends[0].new_empty(sum(sizes))
+            dist.all_to_all_single(arrived, torch.cat(inputs), output_split_sizes=sizes,
+                                   input_split_sizes=[tensor.numel() for tensor in inputs], group=self.leader_group)
+            for output, part in zip(outputs, arrived.split(sizes)):
+                output.copy_(part)
+        return received
+
+    def all_gather_partitions(self, partitions):
+        """Give every rank every member's partition (views of one flat buffer, in member order;
+        this rank's own is up to date), crossing each link once per partition: inside the host
+        each member broadcasts its partition, the leaders exchange their hosts' blocks (one
+        all-to-all), and each leader broadcasts the other hosts' blocks inside its host.
+        Partitions may differ in size (``heterogeneous_memory.zero_partitions``)."""
+        layout = self.layout
+        if len(partitions) != len(layout.hosts):
+            raise ValueError(f"{len(partitions)} partitions for a group of {len(layout.hosts)}")
+        if self.host_size > 1:
+            for member in layout.host_members[self.host]:
+                dist.broadcast(partitions[member], self.ranks[member], group=self.intra_group)
+        if self.is_leader:
+            own = torch.cat([partitions[m] for m in layout.host_members[self.host]])
+            sizes = [sum(partitions[m].numel() for m in members) for members in layout.host_members]
+            sends = [own.new_empty(0) if host == self.host else own for host in range(layout.num_hosts)]
+            blocks = self._leaders_all_to_all(sends, [0 if host == self.host else size for host, size in enumerate(sizes)],
+                                              largest=max(sizes))
+            for host, block in enumerate(blocks):
+                if host != self.host:
+                    _scatter_into(block, [partitions[m] for m in layout.host_members[host]])
+        if self.host_size > 1:
+            others = [partitions[m] for m in range(len(partitions)) if layout.host_of(m) != self.host]
+            block = torch.cat(others) if self.is_leader else others[0].new_empty(sum(p.numel() for p in others))
+            dist.broadcast(block, self.leader, group=self.intra_group)
+            if not self.is_leader:
+                _scatter_into(block, others)
+
     def _between_hosts(self, values):
         if self.compress is None or values.dtype == self.compress:
             dist.all_reduce(values, group=self.inter_group)
@@ -220,13 +391,52 @@ class HierarchicalReducer:
         values.copy_(sent)
 
 
-def all_reduce(tensor, group=None):
+def _piece(tensor, index, pieces):
+    """Piece ``index`` of ``tensor`` cut into ``pieces`` nearly equal pieces (the last ones may be
+    shorter or empty)."""
+    size = -(-tensor.numel() // pieces)
+    start = min(index * size, tensor.numel())
+    return tensor.narrow(0, start, min(size, tensor.numel() - start))
+
+
+def _scatter_into(block, parts):
+    offset = 0
+    for part in parts:
+        part.copy_(block.narrow(0, offset, part.numel()).view_as(part))
+        offset += part.numel()
+
+
+def all_reduce(tensor, group=None, owners=None):
     """The gradient all-reduce (sum, in place) at upstream's data-parallel call sites: through the
-    reducer ``attach`` built for ``group``, else ``deepspeed.comm.all_reduce`` unchanged."""
+    reducer ``attach`` built for ``group``, else ``deepspeed.comm.all_reduce`` unchanged.
+
+    ``owners`` (ZeRO-1/2's multi-rank buckets): ``(numel, owners)`` per consecutive slice, where
+    only the owners read the slice afterwards; the reducer then sends each host only what it owns
+    (``HierarchicalReducer.reduce_to_owners``)."""
     reducer = _reducers.get(group) if _reducers else None
     if reducer is None:
         return dist.all_reduce(tensor, group=group)
-    reducer.all_reduce(tensor)
+    if owners is None:
+        reducer.all_reduce(tensor)
+    else:
+        reducer.reduce_to_owners(tensor, owners)
+
+
+def all_gather_dp_groups(groups_flat, partitioned_param_groups, dp_process_group, start_alignment_factor,
+                         allgather_bucket_size):
+    """Upstream's ``all_gather_dp_groups`` (the updated parameters of ZeRO-1/2 to every rank), each
+    group with a reducer gathered through it (``HierarchicalReducer.all_gather_partitions``)."""
+    from deepspeed.runtime.utils import all_gather_dp_groups as flat_all_gather
+    rest = [i for i, group in enumerate(dp_process_group[:len(partitioned_param_groups)])
+            if not _reducers or _reducers.get(group) is None]
+    for i, parts in enumerate(partitioned_param_groups):
+        if i not in rest:
+            _reducers[dp_process_group[i]].all_gather_partitions(parts)
+    if rest:
+        flat_all_gather(groups_flat=[groups_flat[i] for i in rest],
+                        partitioned_param_groups=[partitioned_param_groups[i] for i in rest],
+                        dp_process_group=[dp_process_group[i] for i in rest],
+                        start_alignment_factor=start_alignment_factor, allgather_bucket_size=allgather_bucket_size)
 
 
 def reducer_for(group):
@@ -263,11 +473,14 @@ def attach(engine):
             logger.warning(f"heterogeneous_config.communication: hierarchical reduction not in force: {note}")
         return None
     compress = communication.compress_inter_host
-    if (previous is not None and previous.layout == group_layout(hosts)
-            and previous.compress == (COMPRESSION_DTYPES[compress] if compress else None)):
+    topology = getattr(state, "topology", None)
+    pieces = piece_elements_for(topology.link_bandwidth if topology is not None else None)
+    if previous is not None and previous.layout == group_layout(hosts):
         reducer = previous  # the same groups again: no second creation
+        reducer.compress = COMPRESSION_DTYPES[compress] if compress else None
+        reducer.piece_elements = pieces
     else:
-        reducer = HierarchicalReducer(hosts, group=group, compress=compress)
+        reducer = HierarchicalReducer(hosts, group=group, compress=compress, piece_elements=pieces)
     _reducers[group] = reducer
     if dist.get_rank() == 0:
         layout = reducer.layout

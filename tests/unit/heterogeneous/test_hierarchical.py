@@ -10,7 +10,9 @@ launcher's node rank, which the fork's topology reads) is set before ``deepspeed
 import pytest
 import torch
 
-from deepspeed.runtime.heterogeneous.hierarchical import group_layout, reduction_decision, shard_size
+from deepspeed.runtime.heterogeneous.hierarchical import (HierarchicalReducer, group_layout, host_ranges, pack,
+                                                          piece_elements_for, ranges_numel, reduction_decision,
+                                                          shard_size, unpack)
 
 from harness import run_subcases
 from references import adam_mse_reference
@@ -53,6 +55,29 @@ def test_one_host_or_one_rank_per_host_is_not_useful():
 def test_shards_cover_the_tensor_with_padding_below_one_element_per_part(numel, parts, shard):
     assert shard_size(numel, parts) == shard
     assert numel <= parts * shard < numel + parts
+
+
+def test_inter_host_pieces_take_a_few_milliseconds_of_the_slowest_link():
+    assert piece_elements_for(None) is None
+    assert piece_elements_for(25e6) == 25_000  # 200 Mbit/s: 100 KB
+    assert piece_elements_for(1e6) == 16 * 1024  # never below the floor
+    with pytest.raises(ValueError, match="piece_elements must be a positive"):
+        HierarchicalReducer([0, 1], piece_elements=0)
+
+
+def test_host_ranges_merge_neighbours_and_send_a_shared_slice_to_each_host():
+    layout = group_layout([0, 0, 1, 1])
+    segments = [(4, 0), (2, 1), (0, 3), (3, 2), (5, frozenset({1, 3})), (1, 3)]
+    assert host_ranges(layout, segments) == (((0, 6), (9, 5)), ((6, 9), ))
+    assert ranges_numel(((0, 6), (9, 5))) == 11
+    flat = torch.arange(15.0)
+    packed = pack(flat, ((0, 6), (9, 5)))
+    assert packed.tolist() == [0, 1, 2, 3, 4, 5, 9, 10, 11, 12, 13]
+    target = torch.zeros(15)
+    unpack(packed, target, ((0, 6), (9, 5)))
+    assert target[6:9].abs().sum() == 0 and torch.equal(target[9:14], flat[9:14]) and target[14] == 0
+    with pytest.raises(ValueError, match="-1 elements"):
+        host_ranges(layout, [(-1, 0)])
 
 
 @pytest.mark.parametrize("setting, enabled, hosts, stage, dp_is_world, active, note", [
@@ -102,6 +127,46 @@ def _case_reducer_equals_flat(rank, world_size, hosts, compress=False):
     return worst, [t.sum().item() for t in tensors]
 
 
+def _segments(world_size):
+    """Slices of a 1001-element bucket and their readers (member indices): single owners on
+    every host, an empty slice, a slice read by two ranks on different hosts."""
+    last = world_size - 1
+    return [(100, 0), (250, last), (0, 1), (1, 1), (300, frozenset({1, last})), (350, last - 1)]
+
+
+def _case_owners(rank, world_size, hosts, compress=False, pieces=None):
+    """``reduce_to_owners`` against the flat all-reduce on each slice this rank reads, and
+    ``all_gather_partitions`` with equal and unequal partitions. Returns the largest relative
+    difference, the shared slice as this rank sees it and whether the gathers were right."""
+    from deepspeed import comm as dist
+    from deepspeed.runtime.heterogeneous.hierarchical import HierarchicalReducer, owner_members
+
+    reducer = HierarchicalReducer(hosts, compress=compress, piece_elements=pieces)
+    generator = torch.Generator().manual_seed(99 + rank)
+    segments = _segments(world_size)
+    bucket = torch.randn(sum(n for n, _ in segments), generator=generator)
+    flat, mine = bucket.clone(), bucket.clone()
+    dist.all_reduce(flat)
+    reducer.reduce_to_owners(mine, segments)
+    worst, start, shared = 0.0, 0, None
+    for numel, owners in segments:
+        if rank in owner_members(owners) and numel:
+            got, want = mine[start:start + numel], flat[start:start + numel]
+            worst = max(worst, ((got - want).abs().max() / want.abs().max()).item())
+            if isinstance(owners, frozenset):
+                shared = got.clone()
+        start += numel
+    gathered = []
+    for sizes in ([4] * world_size, [5, 3, 7, 2][:world_size]):
+        buffer = torch.full((sum(sizes), ), -1.0)
+        parts = list(buffer.split(sizes))
+        parts[rank].copy_(torch.arange(sizes[rank], dtype=torch.float32) + 100 * rank)
+        reducer.all_gather_partitions(parts)
+        want = torch.cat([torch.arange(n, dtype=torch.float32) + 100 * r for r, n in enumerate(sizes)])
+        gathered.append(torch.equal(buffer, want))
+    return worst, shared, gathered
+
+
 def _model():
     torch.manual_seed(20261201)
     return torch.nn.Sequential(torch.nn.Linear(WIDTH, 16), torch.nn.Tanh(), torch.nn.Linear(16, WIDTH))
@@ -114,7 +179,7 @@ def _data(train_batch_size, steps=STEPS):
 
 
 def _case_zero_training(rank, world_size, stage, hosts, sizes, gas=1, setting="auto", zero=None, compress=False,
-                        steps=STEPS):
+                        steps=STEPS, memory=None):
     """ZeRO training with faked hosts; returns the parameters, the collectives that carried the
     gradients (op, group) as this rank issued them, and the rank's loss at each step."""
     import deepspeed
@@ -132,6 +197,8 @@ def _case_zero_training(rank, world_size, stage, hosts, sizes, gas=1, setting="a
                                  "communication": {"hierarchical_reduction": setting,
                                                    "compress_inter_host": compress}},
     }
+    if memory:
+        config["heterogeneous_memory"] = memory
     with patched_environ({"CROSS_RANK": hosts[rank]}):
         model = _model()
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -153,7 +220,24 @@ def _case_zero_training(rank, world_size, stage, hosts, sizes, gas=1, setting="a
                 engine.backward(loss)
                 engine.step()
     ops = sorted({(entry.op, entry.group) for entry in entries})
+    world = tuple(range(world_size))
+    world_numel = max([_numel(entry.tensors) for entry in entries if entry.group == world] or [0])
+    ops.append(("largest world collective", world_numel))
     return [p.detach().clone() for p in engine.module.parameters()], ops, losses
+
+
+def _numel(described):
+    """Largest element count among a collective log entry's tensors ((shape, dtype name), nested)."""
+    if (isinstance(described, tuple) and len(described) == 2 and isinstance(described[1], str)
+            and isinstance(described[0], tuple) and all(isinstance(size, int) for size in described[0])):
+        shape = described[0]
+        count = 1
+        for size in shape:
+            count *= size
+        return count
+    if isinstance(described, (tuple, list)):
+        return max([_numel(item) for item in described] or [0])
+    return 0
 
 
 def _reference(sizes, gas=1):
@@ -181,7 +265,8 @@ def _reference_losses(sizes, steps):
 
 
 def _run_case(rank, world_size, kind, **case):
-    return {"flat": _case_reducer_equals_flat, "zero": _case_zero_training}[kind](rank, world_size, **case)
+    return {"flat": _case_reducer_equals_flat, "owners": _case_owners,
+            "zero": _case_zero_training}[kind](rank, world_size, **case)
 
 
 def _check(cases, results):
@@ -192,6 +277,15 @@ def _check(cases, results):
                 assert worst <= limit, (case, worst)
             if case.get("compress"):
                 assert max(w for w, _ in per_rank) > 1e-6, "compression left the sum exact: not in force"
+            continue
+        if case["kind"] == "owners":
+            limit = 1e-2 if case.get("compress") else 1e-6
+            for worst, _, gathered in per_rank:
+                assert worst <= limit and all(gathered), (case, worst, gathered)
+            if case.get("compress"):
+                assert max(w for w, _, _ in per_rank) > 1e-6, "compression left the sum exact: not in force"
+            last = len(per_rank) - 1  # the ranks that share a slice sum it in the same order
+            assert torch.equal(per_rank[1][1], per_rank[last][1]), case
             continue
         if case.get("compress"):
             # bf16 between hosts: the gradient sum is rounded to 8 mantissa bits each step. Over 50
@@ -211,6 +305,13 @@ def _check(cases, results):
         intra = max(layout.host_members, key=len)
         if case.get("setting") is False:
             assert not any(group == intra for _, group in ops), (case, ops)
+        elif case["stage"] > 0 and (case.get("zero") or {}).get("reduce_scatter", True):
+            # ZeRO-1/2 buckets: to the host leader, only the other hosts' slices between the leaders,
+            # the host's slices back; the updated parameters cross between the leaders once.
+            assert {("reduce", intra), ("all_to_all_single", layout.leaders), ("broadcast", intra),
+                    ("all_to_all_single", layout.leaders)} <= ops, (case, ops)
+            largest = max(dict(rank_ops)["largest world collective"] for _, rank_ops, _ in per_rank)
+            assert largest <= 2, (case, largest)  # only norms and overflow flags over the whole world
         elif layout.even:
             assert ("reduce_scatter_tensor", intra) in ops and ("all_gather_into_tensor", intra) in ops, (case, ops)
             assert ("all_reduce", layout.shard_groups[0]) in ops, (case, ops)  # shard 0 between the hosts
@@ -223,16 +324,24 @@ EVEN_CASES = [
     dict(kind="flat", hosts=[0, 0, 1, 1]),
     dict(kind="flat", hosts=[0, 1, 0, 1]),
     dict(kind="flat", hosts=[0, 0, 1, 1], compress="bf16"),
+    dict(kind="owners", hosts=[0, 0, 1, 1]),
+    dict(kind="owners", hosts=[0, 1, 1, 0]),
+    dict(kind="owners", hosts=[0, 0, 1, 1], compress="bf16"),
+    dict(kind="owners", hosts=[0, 0, 1, 1], pieces=64),  # the leaders' all-to-all in pieces, uneven last piece
     dict(kind="zero", stage=0, hosts=[0, 0, 1, 1], sizes=[3, 2, 2, 1]),
     dict(kind="zero", stage=1, hosts=[0, 0, 1, 1], sizes=[3, 2, 2, 1], gas=2),
     dict(kind="zero", stage=2, hosts=[0, 0, 1, 1], sizes=[1, 3, 2, 3]),
     dict(kind="zero", stage=2, hosts=[0, 0, 1, 1], sizes=[1, 3, 2, 3], setting=False),
+    # Unequal partitions: the updated parameters cross between the leaders in blocks of unequal size.
+    dict(kind="zero", stage=2, hosts=[0, 0, 1, 1], sizes=[3, 2, 2, 1], memory={"zero_partitions": [0.4, 0.3, 0.2, 0.1]}),
     dict(kind="zero", stage=2, hosts=[0, 0, 1, 1], sizes=[2, 2, 2, 2], compress="bf16", steps=50),
 ]
 
 UNEVEN_CASES = [
     dict(kind="flat", hosts=[0, 0, 1]),
     dict(kind="flat", hosts=[0, 1, 1]),
+    dict(kind="owners", hosts=[0, 0, 1]),
+    dict(kind="owners", hosts=[0, 1, 0], pieces=3),
     dict(kind="zero", stage=1, hosts=[0, 0, 1], sizes=[3, 2, 1]),
     dict(kind="zero", stage=2, hosts=[0, 0, 1], sizes=[1, 2, 4], gas=2),
     # reduce_scatter off: whole buckets through gradient_reduction_w_predivide; the host of two is the second.
