@@ -4,8 +4,9 @@
 Issue 14's benchmark. Upstream all-reduces ZeRO-1/2 gradient buckets over one flat data-parallel
 group, so a slow link between hosts carries as much as any link inside a host; the fork's
 ``heterogeneous_config.communication.hierarchical_reduction`` (``"auto"``: on across hosts)
-reduces inside each host first and sends only shards (or, on uneven hosts, one leader's tensor)
-between hosts (``deepspeed/runtime/heterogeneous/hierarchical.py``).
+reduces inside each host first and sends between host leaders only the gradient slices the other
+hosts' ranks own, then sends each host's updated parameter partitions across once
+(``deepspeed/runtime/heterogeneous/hierarchical.py``).
 
 Clusters (``scripts/emulated_cluster.py``: network namespaces on a bridge, ``tbf``-shaped links,
 every host started by the real ``deepspeed`` launcher without ssh), the small GPT of
@@ -36,12 +37,9 @@ summation order (largest difference <= 1e-5, the multi-host exactness tests' tol
 puts the same bytes on the links as the fork switched off (``comm_train.py --modes flat,off``
 measured 15.883 and 15.882 MB per step on 2x2, ZeRO-2).
 
-Beside the measurement the table prints the byte reduction that rings over the ranks predict
-(``link_bytes_model``, which the counters match within a few % of frame headers) and what a
-reduce-scatter between hosts plus a hierarchical parameter all-gather would reach
-(``link_bytes_sharded_model``): the fork's scheme all-reduces whole buckets, as upstream does, and
-leaves ZeRO's parameter all-gather flat, so its byte reduction is bounded by the model whatever
-the link rates.
+Beside the measurement the table prints the byte reduction that ``link_bytes_model`` predicts
+(flat rings vs the fork's exchange of owned slices and partitions; the counters match it within a
+few % of frame headers).
 
 The machine's other load changes step times, not bytes: the JSON records ``os.getloadavg()``.
 
@@ -108,31 +106,22 @@ def step_bytes(counters, short, long):
     return ((c - b) - (b - a)) / (long - short)
 
 
-def link_bytes_model(ranks, numel_bytes, hierarchical):
-    """Bytes a step puts on one host's link (both directions) when gloo's collectives are rings
-    over the ranks in rank order (hosts numbered host by host, as DeepSpeed's launcher does, so
-    one ring edge leaves every host and one enters it):
+def link_bytes_model(ranks, numel_bytes, hierarchical, host):
+    """Bytes a ZeRO-1/2 step puts on ``host``'s link (both directions), for N bytes of gradients
+    on P ranks, P_h of them on the host, H hosts:
 
-    - the gradient all-reduce of N bytes: flat, a ring of P ranks puts 2 (P - 1) / P * N on every
-      edge. Hierarchical: on even hosts L shard rings of the H hosts, 2 (H - 1) / H * N / L per
-      edge each; through leaders, one ring of the H leaders, 2 (H - 1) / H * N: the same bytes;
-    - ZeRO-1/2's parameter all-gather after the step, flat in both modes: (P - 1) / P * N per edge.
+    - flat (upstream): gloo's rings over the ranks in rank order (hosts numbered host by host, as
+      DeepSpeed's launcher does, so one ring edge leaves every host and one enters it): the
+      gradient all-reduce puts 2 (P - 1) / P * N on every edge, the parameter all-gather
+      (P - 1) / P * N;
+    - hierarchical: the host leaders exchange only the slices the other hosts' ranks own (out
+      N (P - P_h) / P, in (H - 1) N P_h / P), and each host's updated partitions cross once (out
+      (H - 1) N P_h / P, in N (P - P_h) / P).
     """
-    count, hosts = sum(ranks), len(ranks)
-    gather = (count - 1) / count * numel_bytes
-    reduce = 2 * ((hosts - 1) / hosts if hierarchical else (count - 1) / count) * numel_bytes
-    return 2 * (reduce + gather)  # out and in
-
-
-def link_bytes_sharded_model(ranks, numel_bytes):
-    """Bytes on one host's link (both directions) if ZeRO-1/2 moved between hosts only what their
-    partitions need: a reduce-scatter of the gradients among the hosts (each host keeps the sum of
-    its ranks' partitions) and a hierarchical parameter all-gather (each host receives the other
-    hosts' partitions once), rings of the H hosts: (H - 1) / H * N per edge for each. Neither
-    upstream nor the fork does this today (upstream all-reduces whole buckets); it says what the
-    link could get down to."""
-    hosts = len(ranks)
-    return 2 * 2 * (hosts - 1) / hosts * numel_bytes
+    count, hosts, mine = sum(ranks), len(ranks), ranks[host]
+    if not hierarchical:
+        return 2 * (2 * (count - 1) / count + (count - 1) / count) * numel_bytes  # out and in
+    return 2 * ((count - mine) / count + (hosts - 1) * mine / count) * numel_bytes
 
 
 def median(values):
@@ -167,8 +156,8 @@ def summarise(scenario, stage, marks, ranks_results, repeats, short, long, gradi
             "step_time_s": median([r["step_time_s"] for r in per_repeat]),
             "comm_time_s": median([r["comm_time_s"] for r in per_repeat]),
             "comm_share": median([r["comm_share"] for r in per_repeat]),
-            "model_slow_link_bytes": link_bytes_model(scenario.ranks, gradient_bytes,
-                                                      mode == "hier"),
+            "model_slow_link_bytes": link_bytes_model(scenario.ranks, gradient_bytes, mode == "hier",
+                                                      scenario.slow_host),
         }
     flat, hier = modes["flat"], modes["hier"]
     diffs = [result["runs"][f"zero{stage}-hier-r{r}"]["max_param_diff"] for result in ranks_results
@@ -185,8 +174,6 @@ def summarise(scenario, stage, marks, ranks_results, repeats, short, long, gradi
         and not any(r["hierarchical"] for r in flat["repeats"]),
         "scheme": hier["repeats"][0]["scheme"],
         "lower": lower, "model_lower": reduction(flat["model_slow_link_bytes"], hier["model_slow_link_bytes"]),
-        "sharded_model_lower": reduction(flat["model_slow_link_bytes"],
-                                         link_bytes_sharded_model(scenario.ranks, gradient_bytes)),
         "meets": {key: lower[key] >= target for key, target in TARGETS.items()},
         "max_param_diff": max(diffs), "max_loss_diff": loss_diff, "exact": max(diffs) <= EXACT_ATOL,
     }
@@ -273,14 +260,14 @@ def print_table(report):
     print(f"\ncommunication: flat (upstream's all-reduce) vs hierarchical, tiny GPT "
           f"({report['gradient_bytes'] / mb:.1f} MB of fp32 gradients), median of {report['repeats']} repeat(s)"
           f"{' (--quick: a smoke run)' if report['quick'] else ''}, {report['elapsed_s']:.0f} s")
-    print(f"{'cluster':<14} {'ZeRO':>4}  {'slow-link MB/step':>19}  {'model':>5} {'RS+AG':>5}  "
+    print(f"{'cluster':<14} {'ZeRO':>4}  {'slow-link MB/step':>19}  {'model':>5}  "
           f"{'comm ms (share)':>27}  {'step ms':>15}  {'lower: bytes':>12}{'comm':>7}{'step':>7}  exact")
     for row in report["rows"]:
         flat, hier, lower = row["flat"], row["hier"], row["lower"]
         marks = {key: ("" if met else "!") for key, met in row["meets"].items()}
         print(f"{row['scenario']:<14} {row['zero_stage']:>4}  "
               f"{flat['slow_link_bytes'] / mb:>9.2f} -> {hier['slow_link_bytes'] / mb:>6.2f}  "
-              f"{row['model_lower']:>5.0%} {row['sharded_model_lower']:>5.0%}  "
+              f"{row['model_lower']:>5.0%}  "
               f"{1e3 * flat['comm_time_s']:>6.0f} ({flat['comm_share']:>3.0%}) -> {1e3 * hier['comm_time_s']:>5.0f} "
               f"({hier['comm_share']:>3.0%})  {1e3 * flat['step_time_s']:>6.0f} -> {1e3 * hier['step_time_s']:>5.0f}  "
               f"{lower['slow_link_bytes']:>11.0%}{marks['slow_link_bytes']:1}{lower['comm_time']:>6.0%}"
@@ -291,8 +278,7 @@ def print_table(report):
     total = sum(len(row["meets"]) for row in report["rows"])
     print(f"targets (lower than flat): bytes >= {TARGETS['slow_link_bytes']:.0%}, comm >= {TARGETS['comm_time']:.0%}, "
           f"step >= {TARGETS['step_time']:.0%}; met {total - missed} of {total} ('!': not met).\n'model': the "
-          f"byte reduction the ring model gives the two schemes (link_bytes_model); 'RS+AG': what a reduce-scatter "
-          f"between hosts plus a hierarchical parameter all-gather would give (link_bytes_sharded_model).\n"
+          f"byte reduction link_bytes_model predicts for the slow link (flat rings vs the fork's exchange).\n"
           f"Load average start/end "
           f"{report['load_average']['start']} / {report['load_average']['end']}")
 

@@ -1,32 +1,38 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Hierarchical all-reduce of gradients on a cluster of several hosts.
+"""Hierarchical gradient reduction and parameter all-gather on a cluster of several hosts.
 
-Upstream all-reduces ZeRO-0/1/2 gradient buckets over one flat data-parallel group, so the links
-between hosts, often ten times slower than those inside one, carry as much as any in-host link.
-Here the sum is taken in three steps (``HierarchicalReducer.all_reduce``):
+Upstream all-reduces ZeRO-0/1/2 gradient buckets over one flat data-parallel group and gathers
+ZeRO-1/2's updated parameters over it too, so the links between hosts, often ten times slower
+than those inside one, carry as much as any in-host link. Here:
 
-- **even hosts** (every host has L ranks): reduce-scatter inside each host (local rank j holds
-  the host's sum of shard j), all-reduce of shard j across the hosts among the ranks with local
-  index j, all-gather inside the host. Each rank sends only its shard between hosts, and the
-  L shards of a host travel in parallel.
-- **uneven hosts** (e.g. 2 + 1): reduce to each host's leader (its first rank), all-reduce among
-  the leaders, broadcast inside the host. The bytes a host sends over its link are the same as
-  in the sharded scheme (the whole tensor once, in the leader's all-reduce), only not split over
-  several ranks; sharding across hosts whose rank counts differ would need shards of unequal
-  sizes, which no collective offers.
+- **ZeRO-1/2 buckets** (``HierarchicalReducer.reduce_to_owners``): ZeRO all-reduces whole buckets
+  although each rank reads only the slices of its own partition afterwards. The bucket is reduced
+  to each host's leader, the leaders exchange only the slices the other hosts' ranks own (one
+  all-to-all, cut into pieces of a few milliseconds of the slowest link), and each leader passes
+  its host's slices on. On 2 hosts x 2 ranks a host's link carries half a bucket each way,
+  against one and a half for a flat ring all-reduce.
+- **ZeRO-1/2 updated parameters** (``all_gather_partitions``): each partition crosses a link once
+  (inside the host, then one all-to-all between the leaders, then inside the host again), also
+  when partitions differ in size (``heterogeneous_memory.zero_partitions``).
+- **Other all-reduces** (ZeRO-0, ``reduce_scatter: false``; ``all_reduce``): on even hosts
+  (every host has L ranks) a reduce-scatter inside each host, an all-reduce of shard j across the
+  hosts among the ranks with local index j, an all-gather inside the host; on uneven hosts
+  (e.g. 2 + 1) a reduce to each host's leader, an all-reduce among the leaders and a broadcast.
 
-In floating point the result equals the flat all-reduce up to the order of the summation. The
+In floating point the results equal the flat collectives up to the order of the summation. The
 optional compression (``compress_inter_host``) rounds only the inter-host step.
 
-Pure parts (``group_layout``, ``shard_size``, ``reduction_decision``) are tested without
-processes; the reducer creates its process groups once, on every rank of the world in the same
-order (a creation that differs between ranks would hang), and every collective goes through
-``deepspeed.comm``, so the fork's comm clock and collective log see each step.
+Pure parts (``group_layout``, ``host_ranges``, ``shard_size``, ``reduction_decision``,
+``piece_elements_for``) are tested without processes; the reducer creates its process groups
+once, on every rank of the world in the same order (a creation that differs between ranks would
+hang), and every collective goes through ``deepspeed.comm``, so the fork's comm clock and
+collective log see each step.
 
-Upstream reaches this module through ``all_reduce(tensor, group)``, called instead of
-``deepspeed.comm.all_reduce`` at the gradient all-reduce sites of ZeRO-1/2
-(``stage_1_and_2.py``) and ZeRO-0 (``engine.py``); without a reducer for ``group`` it is that
-call, after one branch on an empty dict.
+Upstream reaches this module through ``all_reduce(tensor, group, owners)``, called instead of
+``deepspeed.comm.all_reduce`` at the gradient all-reduce sites of ZeRO-1/2 (``stage_1_and_2.py``)
+and ZeRO-0 (``engine.py``), and ``all_gather_dp_groups``, called instead of upstream's at
+ZeRO-1/2's two parameter gathers; without a reducer for the group each is upstream's call, after
+one branch on an empty dict.
 """
 
 from dataclasses import dataclass
@@ -484,7 +490,8 @@ def attach(engine):
     _reducers[group] = reducer
     if dist.get_rank() == 0:
         layout = reducer.layout
-        scheme = "sharded" if layout.even else "through host leaders"
+        scheme = ("ZeRO-1/2: owned slices and partitions between host leaders" if engine.zero_optimization_stage()
+                  else "sharded" if layout.even else "through host leaders")
         # Printed like the plan (runtime.log_plan): a default run shows WARNING and above only.
         print(f"[deepspeed-hetero] hierarchical gradient reduction over {layout.num_hosts} hosts "
               f"{[list(m) for m in layout.host_members]} ({scheme}"
