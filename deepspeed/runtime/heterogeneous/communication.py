@@ -28,7 +28,7 @@ def communication_status(settings, topology=None, param_dict=None, link_sizes=No
     Args:
         settings: the parsed ``HeterogeneousSettings``.
         topology: the run's ``Topology`` (None: not known, e.g. a report from a config).
-        param_dict: the ds_config (its ZeRO stage decides whether the reduction applies; its own
+        param_dict: the ds_config (its ZeRO stage decides what the reduction covers; its own
             bucket sizes are kept by the link-aware rule).
         link_sizes: the sizes the run chose (``state.link_bucket_sizes``); None: derived here from
             the topology and ``param_dict``."""
@@ -49,10 +49,13 @@ def communication_status(settings, topology=None, param_dict=None, link_sizes=No
         reducing = False
     else:
         try:
-            reducing, why = reduction_decision(reduction, True, hosts, _zero_stage(param_dict), True)
+            reducing, why = reduction_decision(reduction, True, hosts, True)
         except ValueError as exc:
             reducing, why = False, str(exc)
-        parts.append("hierarchical reduction on" if reducing else f"hierarchical reduction off ({why})")
+        if reducing and _zero_stage(param_dict) == 3:
+            parts.append("hierarchical reduction on (ZeRO-3: the gradient reduce-scatter; parameter gathers stay flat)")
+        else:
+            parts.append("hierarchical reduction on" if reducing else f"hierarchical reduction off ({why})")
 
     buckets = config.link_aware_buckets
     if buckets is False:

@@ -183,14 +183,13 @@ def piece_elements_for(bandwidth, element_bytes=4):
     return max(MIN_PIECE_ELEMENTS, int(bandwidth * PIECE_SECONDS) // element_bytes)
 
 
-def reduction_decision(setting, enabled, hosts, zero_stage, dp_is_world):
+def reduction_decision(setting, enabled, hosts, dp_is_world):
     """Whether the hierarchical reduction is in force, and a note saying why not (or None).
 
     Args:
         setting: ``communication.hierarchical_reduction`` (True, False or "auto").
         enabled: ``heterogeneous_config.enabled``.
         hosts: host of each data-parallel rank, or None when unknown (one host).
-        zero_stage: the ZeRO stage; stage 3 reduce-scatters through its own path.
         dp_is_world: the data-parallel group is the whole world (no model or sequence parallelism):
             the reducer's groups are created by every rank alike only then.
 
@@ -202,8 +201,6 @@ def reduction_decision(setting, enabled, hosts, zero_stage, dp_is_world):
         return False, "the data-parallel ranks run on one host"
     if not layout.useful:
         return False, "every host runs one rank: the flat all-reduce is already hierarchical"
-    if zero_stage > 2:
-        return False, "ZeRO-3 reduce-scatters gradients through its own path, which stays flat"
     if not dp_is_world:
         if setting is True:
             raise ValueError("heterogeneous_config.communication.hierarchical_reduction is true, but the "
@@ -428,6 +425,29 @@ def all_reduce(tensor, group=None, owners=None):
         reducer.reduce_to_owners(tensor, owners)
 
 
+def reduce_scatter(buffer, member, group=None):
+    """ZeRO-3's batched gradient reduce-scatter (``reduce_scatter_coalesced``: ``buffer`` holds one
+    equal chunk per member of ``group``, in member order) through the group's reducer, in place:
+    afterwards chunk ``member`` holds the sum. Returns False, having done nothing, when no reducer
+    is registered for ``group`` (upstream's reduce-scatter then runs)."""
+    if not _reducers:
+        return False
+    reducer = _reducers.get(group)
+    if reducer is None and (group is None or group == dist.get_world_group()):
+        # ZeRO-3 partitions parameters over the world group object when the data-parallel group
+        # is the whole world (the only case ``attach`` registers a reducer for).
+        reducer = next((r for r in _reducers.values() if len(r.ranks) == dist.get_world_size()), None)
+    if reducer is None:
+        return False
+    members = len(reducer.layout.hosts)
+    if buffer.numel() % members or member != reducer.member:
+        raise ValueError(f"reduce_scatter: a buffer of {buffer.numel()} elements is not {members} equal chunks, or "
+                         f"member {member} is not this rank's ({reducer.member})")
+    chunk = buffer.numel() // members
+    reducer.reduce_to_owners(buffer, [(chunk, owner) for owner in range(members)])
+    return True
+
+
 def all_gather_dp_groups(groups_flat, partitioned_param_groups, dp_process_group, start_alignment_factor,
                          allgather_bucket_size):
     """Upstream's ``all_gather_dp_groups`` (the updated parameters of ZeRO-1/2 to every rank), each
@@ -473,7 +493,7 @@ def attach(engine):
     hosts = engine_hosts(state, world_size)
     communication = state.settings.config.communication
     active, note = reduction_decision(communication.hierarchical_reduction, True, hosts,
-                                      engine.zero_optimization_stage(), world_size == dist.get_world_size())
+                                      world_size == dist.get_world_size())
     if not active:
         if note and (communication.hierarchical_reduction is True or communication.compress_inter_host):
             logger.warning(f"heterogeneous_config.communication: hierarchical reduction not in force: {note}")
@@ -490,8 +510,10 @@ def attach(engine):
     _reducers[group] = reducer
     if dist.get_rank() == 0:
         layout = reducer.layout
-        scheme = ("ZeRO-1/2: owned slices and partitions between host leaders" if engine.zero_optimization_stage()
-                  else "sharded" if layout.even else "through host leaders")
+        stage = engine.zero_optimization_stage()
+        scheme = ("ZeRO-3: gradient chunks to their owners' hosts only" if stage == 3 else
+                  "ZeRO-1/2: owned slices and partitions between host leaders" if stage else
+                  "sharded" if layout.even else "through host leaders")
         # Printed like the plan (runtime.log_plan): a default run shows WARNING and above only.
         print(f"[deepspeed-hetero] hierarchical gradient reduction over {layout.num_hosts} hosts "
               f"{[list(m) for m in layout.host_members]} ({scheme}"

@@ -80,25 +80,24 @@ def test_host_ranges_merge_neighbours_and_send_a_shared_slice_to_each_host():
         host_ranges(layout, [(-1, 0)])
 
 
-@pytest.mark.parametrize("setting, enabled, hosts, stage, dp_is_world, active, note", [
-    ("auto", True, (0, 0, 1, 1), 2, True, True, None),
-    (True, True, (0, 0, 1), 1, True, True, None),
-    ("auto", False, (0, 0, 1, 1), 2, True, False, None),
-    (False, True, (0, 0, 1, 1), 2, True, False, None),
-    ("auto", True, None, 2, True, False, "one host"),
-    (True, True, (0, 0, 0), 2, True, False, "one host"),
-    ("auto", True, (0, 1), 0, True, False, "one rank"),
-    ("auto", True, (0, 0, 1, 1), 3, True, False, "ZeRO-3"),
-    ("auto", True, (0, 0, 1, 1), 2, False, False, "not the whole world"),
+@pytest.mark.parametrize("setting, enabled, hosts, dp_is_world, active, note", [
+    ("auto", True, (0, 0, 1, 1), True, True, None),
+    (True, True, (0, 0, 1), True, True, None),
+    ("auto", False, (0, 0, 1, 1), True, False, None),
+    (False, True, (0, 0, 1, 1), True, False, None),
+    ("auto", True, None, True, False, "one host"),
+    (True, True, (0, 0, 0), True, False, "one host"),
+    ("auto", True, (0, 1), True, False, "one rank"),
+    ("auto", True, (0, 0, 1, 1), False, False, "not the whole world"),
 ])
-def test_reduction_decision(setting, enabled, hosts, stage, dp_is_world, active, note):
-    got, why = reduction_decision(setting, enabled, hosts, stage, dp_is_world)
+def test_reduction_decision(setting, enabled, hosts, dp_is_world, active, note):
+    got, why = reduction_decision(setting, enabled, hosts, dp_is_world)
     assert got == active and (note is None) == (why is None) and (note is None or note in why)
 
 
 def test_explicit_true_where_it_cannot_apply_is_an_error():
     with pytest.raises(ValueError, match="communication.hierarchical_reduction is true.*use \"auto\" or false"):
-        reduction_decision(True, True, (0, 0, 1, 1), 1, False)
+        reduction_decision(True, True, (0, 0, 1, 1), False)
 
 
 # -- on ranks -------------------------------------------------------------------------------
@@ -223,7 +222,9 @@ def _case_zero_training(rank, world_size, stage, hosts, sizes, gas=1, setting="a
     world = tuple(range(world_size))
     world_numel = max([_numel(entry.tensors) for entry in entries if entry.group == world] or [0])
     ops.append(("largest world collective", world_numel))
-    return [p.detach().clone() for p in engine.module.parameters()], ops, losses
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
+        params = [p.detach().clone() for p in engine.module.parameters()]
+    return params, ops, losses
 
 
 def _numel(described):
@@ -306,12 +307,15 @@ def _check(cases, results):
         if case.get("setting") is False:
             assert not any(group == intra for _, group in ops), (case, ops)
         elif case["stage"] > 0 and (case.get("zero") or {}).get("reduce_scatter", True):
-            # ZeRO-1/2 buckets: to the host leader, only the other hosts' slices between the leaders,
-            # the host's slices back; the updated parameters cross between the leaders once.
-            assert {("reduce", intra), ("all_to_all_single", layout.leaders), ("broadcast", intra),
-                    ("all_to_all_single", layout.leaders)} <= ops, (case, ops)
-            largest = max(dict(rank_ops)["largest world collective"] for _, rank_ops, _ in per_rank)
-            assert largest <= 2, (case, largest)  # only norms and overflow flags over the whole world
+            # ZeRO-1/2 buckets and ZeRO-3's reduce-scatter: to the host leader, only the other hosts'
+            # slices between the leaders (all-to-all), the host's slices back.
+            assert {("reduce", intra), ("all_to_all_single", layout.leaders), ("broadcast", intra)} <= ops, (case, ops)
+            world = tuple(range(len(layout.hosts)))
+            if case["stage"] == 3:
+                assert ("reduce_scatter_tensor", world) not in ops, (case, ops)  # its parameter gathers stay flat
+            else:  # the updated parameters cross between the leaders once too
+                largest = max(dict(rank_ops)["largest world collective"] for _, rank_ops, _ in per_rank)
+                assert largest <= 2, (case, largest)  # only norms and overflow flags over the whole world
         elif layout.even:
             assert ("reduce_scatter_tensor", intra) in ops and ("all_gather_into_tensor", intra) in ops, (case, ops)
             assert ("all_reduce", layout.shard_groups[0]) in ops, (case, ops)  # shard 0 between the hosts
@@ -332,6 +336,7 @@ EVEN_CASES = [
     dict(kind="zero", stage=1, hosts=[0, 0, 1, 1], sizes=[3, 2, 2, 1], gas=2),
     dict(kind="zero", stage=2, hosts=[0, 0, 1, 1], sizes=[1, 3, 2, 3]),
     dict(kind="zero", stage=2, hosts=[0, 0, 1, 1], sizes=[1, 3, 2, 3], setting=False),
+    dict(kind="zero", stage=3, hosts=[0, 0, 1, 1], sizes=[1, 3, 2, 3], gas=2),
     # Unequal partitions: the updated parameters cross between the leaders in blocks of unequal size.
     dict(kind="zero", stage=2, hosts=[0, 0, 1, 1], sizes=[3, 2, 2, 1], memory={"zero_partitions": [0.4, 0.3, 0.2, 0.1]}),
     dict(kind="zero", stage=2, hosts=[0, 0, 1, 1], sizes=[2, 2, 2, 2], compress="bf16", steps=50),
@@ -344,6 +349,7 @@ UNEVEN_CASES = [
     dict(kind="owners", hosts=[0, 1, 0], pieces=3),
     dict(kind="zero", stage=1, hosts=[0, 0, 1], sizes=[3, 2, 1]),
     dict(kind="zero", stage=2, hosts=[0, 0, 1], sizes=[1, 2, 4], gas=2),
+    dict(kind="zero", stage=3, hosts=[0, 1, 1], sizes=[3, 1, 2]),
     # reduce_scatter off: whole buckets through gradient_reduction_w_predivide; the host of two is the second.
     dict(kind="zero", stage=2, hosts=[0, 1, 1], sizes=[2, 2, 3], zero={"reduce_scatter": False}),
 ]
