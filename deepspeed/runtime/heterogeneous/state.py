@@ -114,6 +114,8 @@ class HeterogeneousState:
             from .chunking import apply_adaptive_chunking
             state.chunk_sizes = apply_adaptive_chunking(param_dict, memory_capacities(state))
         state.link_bucket_sizes = configure_link_buckets(state, param_dict, user_zero)
+        from .zero3_settings import configure_zero3_settings
+        configure_zero3_settings(state, param_dict, user_zero)  # ZeRO-3: fewer collectives per step
         return state
 
     def engine_starting(self, ds_config, engine_class, model=None, optimizer=None):
