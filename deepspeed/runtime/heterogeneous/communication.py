@@ -11,7 +11,7 @@ one host, therefore says what ``auto`` (or ``true``) would switch on across host
 feature Active only for a topology of several hosts where a part is in force.
 """
 
-from .hierarchical import reduction_decision
+from .host_groups import reduction_decision
 from .link_buckets import describe_link_buckets, link_bucket_sizes, link_buckets_decision
 
 ACROSS_HOSTS = "on when the data-parallel ranks span more than one host"

@@ -22,8 +22,8 @@ than those inside one, carry as much as any in-host link. Here:
 In floating point the results equal the flat collectives up to the order of the summation. The
 optional compression (``compress_inter_host``) rounds only the inter-host step.
 
-Pure parts (``group_layout``, ``host_ranges``, ``shard_size``, ``reduction_decision``,
-``piece_elements_for``) are tested without processes; the reducer creates its process groups
+The pure parts (layouts, owned ranges, pieces, the decision) are in ``host_groups.py``; the
+reducer creates its process groups
 once, on every rank of the world in the same order (a creation that differs between ranks would
 hang), and every collective goes through ``deepspeed.comm``, so the fork's comm clock and
 collective log see each step.
@@ -35,179 +35,19 @@ ZeRO-1/2's two parameter gathers; without a reducer for the group each is upstre
 one branch on an empty dict.
 """
 
-from dataclasses import dataclass
-from typing import Tuple
-
 import torch
 
 from deepspeed import comm as dist
 from deepspeed.utils import logger
+
+from .host_groups import (group_layout, host_ranges, pack, piece, piece_elements_for, ranges_numel, reduction_decision,
+                          scatter_into, shard_size, unpack)
 
 
 COMPRESSION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 _reducers = {}
 """Process group -> the HierarchicalReducer that all-reduces over it (set by ``attach``)."""
-
-
-@dataclass(frozen=True)
-class GroupLayout:
-    """Which members (indices 0..n-1 of the data-parallel group) share a host and how they pair up."""
-
-    hosts: Tuple[int, ...]
-    """Host index of each member, dense 0..H-1 by first appearance."""
-    host_members: Tuple[Tuple[int, ...], ...]
-    """The members of each host, in member order."""
-
-    @property
-    def num_hosts(self):
-        return len(self.host_members)
-
-    @property
-    def even(self):
-        """Every host has the same number of members: the sharded scheme applies."""
-        return len({len(members) for members in self.host_members}) == 1
-
-    @property
-    def ranks_per_host(self):
-        return len(self.host_members[0]) if self.even else None
-
-    @property
-    def leaders(self):
-        """The first member of each host."""
-        return tuple(members[0] for members in self.host_members)
-
-    @property
-    def shard_groups(self):
-        """Even hosts: for each local index j, the members with local index j on every host (the
-        ranks that exchange shard j between hosts)."""
-        if not self.even:
-            raise ValueError(f"hosts {list(self.hosts)} are uneven: no shard groups")
-        return tuple(zip(*self.host_members))
-
-    @property
-    def useful(self):
-        """More than one host and more than one rank on some host: otherwise the three steps are
-        the flat all-reduce with extra work."""
-        return self.num_hosts > 1 and len(self.hosts) > self.num_hosts
-
-    def host_of(self, member):
-        return self.hosts[member]
-
-    def local_index(self, member):
-        return self.host_members[self.hosts[member]].index(member)
-
-
-def group_layout(hosts):
-    """The layout of a data-parallel group whose member i runs on host ``hosts[i]`` (any labels;
-    renumbered dense by first appearance)."""
-    hosts = tuple(hosts)
-    if not hosts:
-        raise ValueError("hosts is empty: give the host of each data-parallel rank")
-    dense, members = {}, []
-    for member, host in enumerate(hosts):
-        if host not in dense:
-            dense[host] = len(dense)
-            members.append([])
-        members[dense[host]].append(member)
-    return GroupLayout(hosts=tuple(dense[h] for h in hosts), host_members=tuple(map(tuple, members)))
-
-
-def shard_size(numel, parts):
-    """Elements per shard when ``numel`` elements are split into ``parts`` equal shards; the last
-    shard is padded with zeros up to ``parts * shard_size(numel, parts)``."""
-    return -(-numel // parts)
-
-
-def owner_members(owners):
-    """The members that read a slice after the reduction: ZeRO passes a partition id (int) or a
-    frozenset of them (a matrix several ranks update whole)."""
-    return (owners, ) if isinstance(owners, int) else tuple(sorted(owners))
-
-
-def host_ranges(layout, segments):
-    """For each host, the ``(start, numel)`` ranges of a flat tensor that some member of that host
-    reads after a reduction to owners (adjacent ranges merged).
-
-    Args:
-        layout: the group's ``GroupLayout``.
-        segments: ``(numel, owners)`` for consecutive slices of the flat tensor, in order; owners as
-            ``owner_members`` takes them."""
-    ranges = [[] for _ in range(layout.num_hosts)]
-    start = 0
-    for numel, owners in segments:
-        if numel < 0:
-            raise ValueError(f"a segment of {numel} elements")
-        if numel:
-            for host in sorted({layout.host_of(member) for member in owner_members(owners)}):
-                mine = ranges[host]
-                if mine and mine[-1][0] + mine[-1][1] == start:
-                    mine[-1] = (mine[-1][0], mine[-1][1] + numel)
-                else:
-                    mine.append((start, numel))
-        start += numel
-    return tuple(tuple(r) for r in ranges)
-
-
-def ranges_numel(ranges):
-    return sum(numel for _, numel in ranges)
-
-
-def pack(flat, ranges):
-    """The elements of ``ranges`` (``host_ranges``) of ``flat``, concatenated (a new tensor)."""
-    if not ranges:
-        return flat.new_empty(0)
-    return torch.cat([flat.narrow(0, start, numel) for start, numel in ranges])
-
-
-def unpack(packed, flat, ranges):
-    """Write ``packed`` (as ``pack`` made it) back into ``ranges`` of ``flat``."""
-    offset = 0
-    for start, numel in ranges:
-        flat.narrow(0, start, numel).copy_(packed.narrow(0, offset, numel))
-        offset += numel
-
-
-PIECE_SECONDS = 0.004
-"""An inter-host piece takes about this long on the slowest measured link (see
-``HierarchicalReducer._leaders_all_to_all``); on a 200 Mbit/s link that is 100 KB."""
-
-MIN_PIECE_ELEMENTS = 16 * 1024
-
-
-def piece_elements_for(bandwidth, element_bytes=4):
-    """Elements per inter-host piece for a slowest link of ``bandwidth`` bytes/s (None when not
-    measured: whole messages); at least ``MIN_PIECE_ELEMENTS``, so fast links send one piece."""
-    if not bandwidth:
-        return None
-    return max(MIN_PIECE_ELEMENTS, int(bandwidth * PIECE_SECONDS) // element_bytes)
-
-
-def reduction_decision(setting, enabled, hosts, dp_is_world):
-    """Whether the hierarchical reduction is in force, and a note saying why not (or None).
-
-    Args:
-        setting: ``communication.hierarchical_reduction`` (True, False or "auto").
-        enabled: ``heterogeneous_config.enabled``.
-        hosts: host of each data-parallel rank, or None when unknown (one host).
-        dp_is_world: the data-parallel group is the whole world (no model or sequence parallelism):
-            the reducer's groups are created by every rank alike only then.
-
-    Raises ValueError when ``true`` was asked for where the reduction cannot run."""
-    if not enabled or setting is False:
-        return False, None
-    layout = group_layout(hosts) if hosts else None
-    if layout is None or layout.num_hosts == 1:
-        return False, "the data-parallel ranks run on one host"
-    if not layout.useful:
-        return False, "every host runs one rank: the flat all-reduce is already hierarchical"
-    if not dp_is_world:
-        if setting is True:
-            raise ValueError("heterogeneous_config.communication.hierarchical_reduction is true, but the "
-                             "data-parallel group is not the whole world (model or sequence parallelism), which the "
-                             "hierarchical reduction does not cover; use \"auto\" or false")
-        return False, "the data-parallel group is not the whole world (model or sequence parallelism)"
-    return True, None
 
 
 class HierarchicalReducer:
@@ -347,8 +187,8 @@ class HierarchicalReducer:
             return received
         pieces = 1 if not self.piece_elements else -(-largest // self.piece_elements)
         for index in range(pieces):
-            inputs = [_piece(tensor, index, pieces) for tensor in sends]
-            outputs = [_piece(tensor, index, pieces) for tensor in received]
+            inputs = [piece(tensor, index, pieces) for tensor in sends]
+            outputs = [piece(tensor, index, pieces) for tensor in received]
             sizes = [output.numel() for output in outputs]
             arrived = sends[0].new_empty(sum(sizes))
             dist.all_to_all_single(arrived, torch.cat(inputs), output_split_sizes=sizes,
@@ -377,13 +217,13 @@ class HierarchicalReducer:
                                               largest=max(sizes))
             for host, block in enumerate(blocks):
                 if host != self.host:
-                    _scatter_into(block, [partitions[m] for m in layout.host_members[host]])
+                    scatter_into(block, [partitions[m] for m in layout.host_members[host]])
         if self.host_size > 1:
             others = [partitions[m] for m in range(len(partitions)) if layout.host_of(m) != self.host]
             block = torch.cat(others) if self.is_leader else others[0].new_empty(sum(p.numel() for p in others))
             dist.broadcast(block, self.leader, group=self.intra_group)
             if not self.is_leader:
-                _scatter_into(block, others)
+                scatter_into(block, others)
 
     def _between_hosts(self, values):
         if self.compress is None or values.dtype == self.compress:
@@ -392,21 +232,6 @@ class HierarchicalReducer:
         sent = values.to(self.compress)
         dist.all_reduce(sent, group=self.inter_group)
         values.copy_(sent)
-
-
-def _piece(tensor, index, pieces):
-    """Piece ``index`` of ``tensor`` cut into ``pieces`` nearly equal pieces (the last ones may be
-    shorter or empty)."""
-    size = -(-tensor.numel() // pieces)
-    start = min(index * size, tensor.numel())
-    return tensor.narrow(0, start, min(size, tensor.numel() - start))
-
-
-def _scatter_into(block, parts):
-    offset = 0
-    for part in parts:
-        part.copy_(block.narrow(0, offset, part.numel()).view_as(part))
-        offset += part.numel()
 
 
 def all_reduce(tensor, group=None, owners=None):

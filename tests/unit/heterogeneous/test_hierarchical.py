@@ -10,9 +10,9 @@ launcher's node rank, which the fork's topology reads) is set before ``deepspeed
 import pytest
 import torch
 
-from deepspeed.runtime.heterogeneous.hierarchical import (HierarchicalReducer, group_layout, host_ranges, pack,
-                                                          piece_elements_for, ranges_numel, reduction_decision,
-                                                          shard_size, unpack)
+from deepspeed.runtime.heterogeneous.hierarchical import HierarchicalReducer
+from deepspeed.runtime.heterogeneous.host_groups import (group_layout, host_ranges, pack, piece_elements_for,
+                                                         ranges_numel, reduction_decision, shard_size, unpack)
 
 from harness import run_subcases
 from references import adam_mse_reference
@@ -138,7 +138,8 @@ def _case_owners(rank, world_size, hosts, compress=False, pieces=None):
     ``all_gather_partitions`` with equal and unequal partitions. Returns the largest relative
     difference, the shared slice as this rank sees it and whether the gathers were right."""
     from deepspeed import comm as dist
-    from deepspeed.runtime.heterogeneous.hierarchical import HierarchicalReducer, owner_members
+    from deepspeed.runtime.heterogeneous.hierarchical import HierarchicalReducer
+    from deepspeed.runtime.heterogeneous.host_groups import owner_members
 
     reducer = HierarchicalReducer(hosts, compress=compress, piece_elements=pieces)
     generator = torch.Generator().manual_seed(99 + rank)
