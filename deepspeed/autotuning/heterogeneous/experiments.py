@@ -142,4 +142,8 @@ def _finish(engine, marks):
         print(f"Autotuning: wrote metrics of {len(intervals)} steps to {os.path.abspath(path)}", flush=True)
     dist.barrier()
     sys.stdout.flush()
+    # Tear the process group down before the interpreter does: gloo's threads, destroyed during
+    # interpreter shutdown while a peer closes its sockets, once aborted a rank with "terminate
+    # called without an active exception" (exit -6) after the metrics were written.
+    dist.destroy_process_group()
     sys.exit(0)
