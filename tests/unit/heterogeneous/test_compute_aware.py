@@ -12,6 +12,11 @@ from references import adam_mse_reference
 
 WIDTH = 64
 DATASET = 96
+# Each sample is a sequence of 256 tokens, so a micro-step's time grows with its samples (about
+# 1.3 ms per sample here) well beyond the engine's fixed cost per micro-step (about 2 ms). With
+# single vectors the step was all fixed cost: the slow rank's time did not grow with its size, its
+# fit was mostly misfit, and the noise gate rightly kept [8, 8] in about half the runs.
+SEQUENCE = 256
 # Adam turns summation-order rounding of near-zero gradients into steps of size ~lr; a modest lr
 # keeps those within the 1e-5 tolerance without hiding a wrong weighting (which is off by 20-40%).
 LR = 1e-3
@@ -24,8 +29,8 @@ def make_model():
 
 def dataset():
     generator = torch.Generator().manual_seed(3)
-    inputs = torch.randn(DATASET, WIDTH, generator=generator)
-    targets = torch.randn(DATASET, WIDTH, generator=generator)
+    inputs = torch.randn(DATASET, SEQUENCE, WIDTH, generator=generator)
+    targets = torch.randn(DATASET, SEQUENCE, WIDTH, generator=generator)
     return torch.utils.data.TensorDataset(torch.arange(DATASET), inputs, targets)
 
 
