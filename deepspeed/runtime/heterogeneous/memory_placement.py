@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The memory pool's two users (``memory_pool.py``): the engine's placement as it starts
-(``place_engine_state``) and the env report's placement for a ds_config (``config_placement_lines``,
-``parse_parameter_count`` for ``--model-parameters``)."""
+(``place_engine_state``, then ``apply_rank_offload`` for the ranks it offloads) and the env report's
+placement for a ds_config (``config_placement_lines``, ``parse_parameter_count`` for
+``--model-parameters``). Both decide through ``engine_placement``, so the report shows what the
+engine would do."""
 
 import math
 
@@ -10,14 +12,17 @@ from .partitions import check_shares
 
 
 def place_engine_state(state, ds_config, model, optimizer=None):
-    """``(pool or None, partition shares)`` as the engine starts (``HeterogeneousState.engine_starting``).
+    """``(pool or None, partition shares, offloaded ranks)`` as the engine starts
+    (``HeterogeneousState.engine_starting``).
 
-    With ``heterogeneous_memory.enabled`` the pool decides the shares and is returned to be kept
-    on the state; otherwise only explicit shares apply. Every rank decides alike from what every
-    rank has (the config, the gathered devices, the model); the ZeRO optimizer still compares the
-    layout's digest. Per-rank offload is decided by ``place`` but applied by no engine yet, so the
-    engine's placement is decided without it, and not strictly: what cannot be placed is logged,
-    and the memory checks that follow (and the device) have the last word, as before the pool."""
+    With ``heterogeneous_memory.enabled`` the pool decides the shares and which ranks offload their
+    optimizer state, and is returned to be kept on the state; otherwise only explicit shares apply.
+    Every rank decides alike from what every rank has (the config, the gathered devices, the
+    model); the ZeRO optimizer still compares the layout's digest. ZeRO-1/2 ranks that do not fit
+    offload to the host when ``heterogeneous_offload.cpu_offload`` allows it (``apply_rank_offload``);
+    per-rank NVMe and ZeRO-3 offload are not applied, so those placements are decided without
+    offload. The placement is not strict: what cannot be placed is logged, and the memory checks
+    that follow (and the device) have the last word."""
     from deepspeed.utils import logger
     memory = state.settings.memory
     setting = memory.zero_partitions
@@ -25,21 +30,73 @@ def place_engine_state(state, ds_config, model, optimizer=None):
     world = int(ds_config.world_size)
     if not memory.enabled:
         explicit = stage in (1, 2) and world >= 2 and setting not in ("auto", "even")
-        return None, check_shares(setting, world) if explicit else None
+        return None, check_shares(setting, world) if explicit else None, ()
     pool = HeterogeneousMemoryPool.from_state(state, world)
-    # No engine applies per-rank offload yet: shares chosen on the assumption that a rank offloads
-    # would leave it with state its device cannot hold. Decide without offload; say so once.
     offload = state.settings.offload
-    placement = pool.place(ModelStateSpec.for_engine(ds_config, model, optimizer), zero_partitions=setting,
-                           cpu_offload=False, nvme_offload=False, strict=False)
+    placement, offloaded = engine_placement(pool, ModelStateSpec.for_engine(ds_config, model, optimizer), setting,
+                                            offload.cpu_offload)
+    per_rank = stage in (1, 2) and world >= 2
     if state.dp_rank == 0:
-        if offload.cpu_offload or offload.nvme_offload:
-            logger.warning("deepspeed-hetero memory pool: zero_optimization.heterogeneous_offload is not applied "
-                           "per rank yet; the placement keeps every rank's state on its device (set "
-                           "zero_optimization.offload_optimizer to offload on every rank)")
+        unapplied = [key for key, wanted in (("nvme_offload", offload.nvme_offload),
+                                             ("cpu_offload", offload.cpu_offload and not per_rank)) if wanted]
+        if unapplied:
+            logger.warning(f"deepspeed-hetero memory pool: zero_optimization.heterogeneous_offload."
+                           f"{' and '.join(unapplied)} is not applied per rank here (per-rank offload drives ZeRO "
+                           "stage 1-2 to the host on 2+ ranks); set zero_optimization.offload_optimizer to offload "
+                           "on every rank")
         for problem in placement.problems:
             logger.warning(f"deepspeed-hetero memory pool: {problem}")
-    return pool, placement.partition_shares
+    return pool, placement.partition_shares, offloaded
+
+
+def engine_placement(pool, spec, zero_partitions, cpu_offload):
+    """``(placement, offloaded ranks)``: the pool's placement of ``spec`` as an engine applies it.
+
+    Per-rank offload drives ZeRO-1/2 on 2+ ranks to the host (``cpu_offload``), and only when the
+    config does not offload every rank already; NVMe and ZeRO-3 placements are decided without
+    offload. Once a rank offloads, the shares are even: upstream's offloaded ZeRO-1/2 path keeps
+    equal slices (``partitions.zero_partition_layout``), so explicit uneven shares are refused."""
+    world, stage = pool.world_size, spec.zero_stage
+    per_rank = stage in (1, 2) and world >= 2 and cpu_offload and spec.optimizer_device is None
+    placement = pool.place(spec, zero_partitions=zero_partitions, cpu_offload=per_rank, nvme_offload=False,
+                           strict=False)
+    offloaded = tuple(placement.offloaded_ranks) if per_rank else ()
+    if offloaded and zero_partitions not in ("auto", "even"):
+        raise ValueError(f"heterogeneous_memory.zero_partitions {list(zero_partitions)} gives the ranks uneven "
+                         f"shares, but data-parallel rank(s) {list(offloaded)} must offload their optimizer state "
+                         "to fit (zero_optimization.heterogeneous_offload.cpu_offload), and upstream's offloaded "
+                         "ZeRO-1/2 path keeps equal slices. Use zero_partitions \"auto\" (shares from memory, even "
+                         "once a rank offloads) or \"even\", or turn cpu_offload off")
+    if offloaded and placement.partition_shares is not None:
+        placement = pool.place(spec, zero_partitions="even", cpu_offload=True, nvme_offload=False, strict=False)
+        offloaded = tuple(placement.offloaded_ranks)
+    return placement, offloaded
+
+
+def apply_rank_offload(ds_config, offloaded_ranks, dp_rank):
+    """Move the optimizer state of the ranks the pool offloads (``offloaded_ranks``) to the host.
+
+    The one edit of upstream's validated config after start-up (the model, and so what fits, is
+    known only as the engine starts): ``zero_optimization.offload_optimizer`` on the offloading
+    ranks, and ``contiguous_gradients`` on every rank, which upstream forces on an offloading rank
+    and which chooses between bucketed and per-tensor gradient reductions: anything that shapes a
+    collective stays the same on all ranks. Refuses the adaptive loss scaler, which the offloaded
+    ZeRO-1/2 path cannot feed."""
+    if not offloaded_ranks:
+        return
+    from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadOptimizerConfig, OffloadDeviceEnum
+    fp16 = ds_config.float16_config
+    if fp16.enabled and fp16.auto_scale_threshold is not None:
+        raise ValueError(f"heterogeneous_memory offloads the optimizer state of data-parallel rank(s) "
+                         f"{list(offloaded_ranks)} to the host (zero_optimization.heterogeneous_offload.cpu_offload), "
+                         f"but fp16.auto_scale_threshold ({fp16.auto_scale_threshold}) selects the adaptive loss "
+                         "scaler, which ZeRO stage 1-2 cannot feed from an offloaded optimizer. Use bf16 or fp32 "
+                         "(heterogeneous_config.mixed_precision_support), remove fp16.auto_scale_threshold, or give "
+                         "the ranks room (heterogeneous_offload.cpu_offload: false)")
+    zero = ds_config.zero_config
+    zero.contiguous_gradients = True
+    if dp_rank in offloaded_ranks:
+        zero.offload_optimizer = DeepSpeedZeroOffloadOptimizerConfig(device=OffloadDeviceEnum.cpu)
 
 
 def config_placement_lines(param_dict, settings, rows, num_parameters=None):
@@ -65,10 +122,12 @@ def config_placement_lines(param_dict, settings, rows, num_parameters=None):
                                    hosts=[0] * len(rows), speeds=known_speeds(devices),
                                    device_names=[d.name for d in devices])
     auto_allowed = memory.enabled or memory.zero_partitions != "auto"
-    pool.place(spec, zero_partitions=memory.zero_partitions if auto_allowed else "even",
-               cpu_offload=settings.offload.cpu_offload, nvme_offload=settings.offload.nvme_offload, strict=False)
-    return [f"Memory Placement ({num_parameters:,} parameters, {'fp16/bf16' if half else 'fp32'}):"
-            ] + ["  " + line for line in str(pool.report()).splitlines()]
+    title = f"Memory Placement ({num_parameters:,} parameters, {'fp16/bf16' if half else 'fp32'}):"
+    try:
+        engine_placement(pool, spec, memory.zero_partitions if auto_allowed else "even", settings.offload.cpu_offload)
+    except ValueError as exc:
+        return [title, f"  refused: {exc}"]
+    return [title] + ["  " + line for line in str(pool.report()).splitlines()]
 
 
 def parse_parameter_count(text):

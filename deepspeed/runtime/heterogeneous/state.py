@@ -11,7 +11,8 @@ Life cycle (docs/architecture.md):
 1. ``HeterogeneousState.from_config`` runs in ``DeepSpeedConfig.__init__`` *before* upstream
    validates the config: it parses the fork's blocks, gathers the devices (a collective, once)
    and writes the chosen precision into the fp16/bf16 blocks of the config dict, so upstream's
-   pydantic models are built from the final values and never edited afterwards.
+   pydantic models are built from the final values. The one later edit: per-rank offload, as the
+   engine starts (``memory_placement.apply_rank_offload``; what fits is known only with the model).
 2. ``configure`` runs where upstream would set the batch fields: it resolves the start-up plan.
 3. The engine creates the runtime at its first hook (``runtime``) and plans change through
    ``batch.apply_plan`` at step boundaries.
@@ -57,6 +58,9 @@ class HeterogeneousState:
     memory_pool: Optional[object] = field(default=None, repr=False)
     """The ``HeterogeneousMemoryPool`` that placed this engine's state (``memory_pool.placement``;
     None unless heterogeneous_memory.enabled); the profiler and reports read it."""
+    offloaded_ranks: tuple = ()
+    """The data-parallel ranks whose ZeRO-1/2 optimizer state the pool put on the host
+    (``zero_optimization.heterogeneous_offload.cpu_offload``); the same on every rank."""
     link_bucket_sizes: Optional[dict] = None
     """The ZeRO bucket sizes the slowest inter-host link chose (``link_buckets.py``; already the
     smaller of it and adaptive chunking's), in elements; None when the rule did not apply."""
@@ -77,6 +81,13 @@ class HeterogeneousState:
     def partition_share(self):
         """This rank's share of the ZeRO-1/2 partitioned state; None: upstream's 1/N."""
         return None if self.partition_shares is None else self.partition_shares[self.dp_rank]
+
+    @property
+    def per_rank_zero_state(self):
+        """Whether ZeRO-1/2 state differs per rank (uneven shares or per-rank offload): then every
+        rank keeps the ZeRO optimizer, since upstream's BF16_Optimizer (ZeRO-1 + bf16) drives
+        neither, and one rank on another optimizer would issue other collectives."""
+        return self.partition_shares is not None or bool(self.offloaded_ranks)
 
     @property
     def device_names(self):
@@ -130,9 +141,15 @@ class HeterogeneousState:
         start_memory_limit(self.settings.config.emulation, self.dp_rank)  # before the engine allocates
         if model is not None:
             from .batch import cap_startup_plan
-            from .memory_placement import place_engine_state
+            from .memory_placement import apply_rank_offload, place_engine_state
             from .partitions import describe_shares
-            self.memory_pool, self.partition_shares = place_engine_state(self, ds_config, model, optimizer)
+            self.memory_pool, self.partition_shares, self.offloaded_ranks = place_engine_state(
+                self, ds_config, model, optimizer)
+            apply_rank_offload(ds_config, self.offloaded_ranks, self.dp_rank)
+            if self.offloaded_ranks and self.dp_rank == 0:
+                logger.warning(f"deepspeed-hetero: data-parallel rank(s) {list(self.offloaded_ranks)} keep their "
+                               "ZeRO optimizer state on the host (heterogeneous_offload.cpu_offload); the other "
+                               "ranks keep theirs on the device")
             if self.partition_shares is not None and self.dp_rank == 0:
                 logger.warning(f"deepspeed-hetero: ZeRO-{ds_config.zero_optimization_stage} optimizer-state shares "
                                f"per data-parallel rank {describe_shares(self.partition_shares)} "

@@ -1,0 +1,176 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Per-rank offload (issue 13 item 3): with ``heterogeneous_memory.enabled`` and
+``zero_optimization.heterogeneous_offload.cpu_offload``, a ZeRO-1/2 rank whose even shard does not
+fit its device keeps its optimizer state on the host while the rank with room keeps its own on
+the device. Both train exactly as one process on the global batch, and both issue the same
+collectives (upstream's offloaded path reduced the gradient norm as a [1]-tensor where the device
+path reduces a 0-d one, forced contiguous gradients on the offloading rank alone, and ZeRO-1 +
+bf16 chose another optimizer there). Without any one of the three fixes the ranks hang in
+mismatched collectives (checked by reverting each).
+
+Memory is emulated by accounting (``emulation.mode: dilation``): on the CPU accelerator the host
+and the "device" are the same RAM, so a memory cgroup cannot tell them apart."""
+
+import pytest
+import torch
+
+from deepspeed.runtime.heterogeneous.collective_log import assert_same_collectives
+from harness import run_subcases, run_ranks
+
+SIZES = [5, 3]
+
+
+def _memory_gb(stage, bf16):
+    """Rank 0 with plenty of room; rank 1 with room for its shard only once its optimizer state
+    (and the fp32 master copy under bf16) is on the host."""
+    from deepspeed.runtime.heterogeneous.devices import BYTES_PER_GB
+    from test_exactness import make_model
+
+    params = sum(p.numel() for p in make_model().parameters())
+    weights = 2 if bf16 else 4
+    state = (8 + 4) if bf16 else 8  # Adam's moments (+ fp32 master)
+    grads = weights * params / (2 if stage == 2 else 1)
+    on_device = weights * params + grads  # what rank 1 keeps after offloading
+    even = on_device + state * params / 2  # its even shard, all on the device
+    # Below the even shard, with most of the offloaded bytes left for the activations (~2.5 KiB).
+    return [1.0, (on_device + 0.9 * (even - on_device)) / BYTES_PER_GB]
+
+
+def _config(stage, gas, clipping, bf16=False, reverse=False):
+    from test_exactness import ds_config
+
+    memory = _memory_gb(stage, bf16)
+    config = ds_config(stage, gas, SIZES, clipping)
+    config["heterogeneous_config"]["emulation"] = {"memory_gb": memory[::-1] if reverse else memory,
+                                                   "mode": "dilation"}
+    config["heterogeneous_memory"] = {"enabled": True, "zero_partitions": "even", "hbm_utilization_threshold": 1.0}
+    config["zero_optimization"]["heterogeneous_offload"] = {"cpu_offload": True}
+    return config
+
+
+def _train(rank, world_size, stage, gas, clipping, bf16=False, zero=None):
+    import deepspeed
+    from deepspeed.runtime.heterogeneous.collective_log import recording
+    from test_exactness import global_batches, make_model
+
+    config = _config(stage, gas, clipping, bf16)
+    config["zero_optimization"].update(zero or {})
+    if bf16:
+        # fp32 accumulation: the combination where upstream runs ZeRO-1 on BF16_Optimizer
+        config.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
+    model = make_model()
+    with recording() as entries:
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        offset, per_micro = sum(SIZES[:rank]), sum(SIZES)
+        for inputs, targets in global_batches(config["train_batch_size"]):
+            for micro in range(gas):
+                start = micro * per_micro + offset
+                chunk = slice(start, start + SIZES[rank])
+                x = inputs[chunk].to(torch.bfloat16) if bf16 else inputs[chunk]
+                engine.backward(torch.nn.functional.mse_loss(engine(x).float(), targets[chunk]))
+                engine.step()
+    state = engine._config.heterogeneous
+    return {"params": [p.detach().float().clone() for p in engine.module.parameters()],
+            "entries": list(entries), "offloaded": list(state.offloaded_ranks),
+            "cpu_offload": bool(engine.optimizer.cpu_offload), "optimizer": type(engine.optimizer).__name__,
+            "placement": [r.optimizer_location for r in state.memory_pool.placement.ranks]}
+
+
+CASES = [
+    dict(stage=1, gas=1, clipping=0.0),
+    dict(stage=1, gas=2, clipping=0.05),
+    dict(stage=2, gas=1, clipping=0.05),
+    dict(stage=2, gas=2, clipping=0.0),
+    # Upstream turns contiguous gradients on for an offloading rank alone: bucketed reductions there,
+    # per-tensor ones on the other rank (a hang). The fork turns them on for every rank.
+    dict(stage=2, gas=1, clipping=0.0, zero={"contiguous_gradients": False, "use_multi_rank_bucket_allreduce": False}),
+]
+
+
+@pytest.mark.multiprocess
+def test_the_rank_without_room_offloads_and_both_train_exactly_with_the_same_collectives():
+    from test_exactness import reference_parameters
+
+    bf16_case = dict(stage=1, gas=1, clipping=0.0, bf16=True)
+    results = run_subcases(_train, CASES + [bf16_case], world_size=2, timeout=300)
+    for case, (first, second) in zip(CASES + [bf16_case], results):
+        assert first["offloaded"] == second["offloaded"] == [1], case
+        assert (first["cpu_offload"], second["cpu_offload"]) == (False, True), case
+        assert first["placement"] == ["device", "host"], (case, first["placement"])
+        # ZeRO-1 + bf16 would take BF16_Optimizer on the rank without offload: one class on both.
+        assert first["optimizer"] == second["optimizer"] == "DeepSpeedZeroOptimizer", case
+        assert_same_collectives([first["entries"], second["entries"]], what=str(case))
+        if case.get("bf16"):
+            continue  # bf16 Adam's rounding is not compared with the fp32 reference
+        expected = reference_parameters(sum(SIZES) * case["gas"], case["clipping"])
+        for result in (first, second):
+            for got, want in zip(result["params"], expected):
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=lambda m: f"{case}: {m}")
+
+
+SAVE_AT = 3
+
+
+def _resume(rank, world_size, stage, folder, load):
+    """Steps 1..STEPS with rank 1 offloaded, saving after step SAVE_AT; or (``load``) the memory of
+    the two ranks swapped, so rank 0 offloads, resuming from that checkpoint."""
+    import deepspeed
+    from test_exactness import STEPS, global_batches, make_model
+
+    model = make_model()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=_config(stage, 1, 0.0, reverse=load))
+    first = 0
+    if load:
+        engine.load_checkpoint(folder, tag="saved")
+        first = SAVE_AT
+    offset = sum(SIZES[:rank])
+    for step, (inputs, targets) in enumerate(global_batches(sum(SIZES), STEPS)):
+        if step < first:
+            continue
+        chunk = slice(offset, offset + SIZES[rank])
+        engine.backward(torch.nn.functional.mse_loss(engine(inputs[chunk]), targets[chunk]))
+        engine.step()
+        if not load and step + 1 == SAVE_AT:
+            engine.save_checkpoint(folder, tag="saved")
+    return {"params": [p.detach().clone() for p in engine.module.parameters()],
+            "offloaded": list(engine._config.heterogeneous.offloaded_ranks)}
+
+
+@pytest.mark.multiprocess
+def test_saved_with_rank_1_offloaded_resumed_with_rank_0_offloaded_equals_the_uninterrupted_run(tmp_path):
+    from test_exactness import reference_parameters
+
+    cases = [dict(stage=stage, folder=str(tmp_path / f"zero{stage}"), load=load) for stage in (1, 2)
+             for load in (False, True)]
+    results = run_subcases(_resume, cases, world_size=2, timeout=600)
+    expected = reference_parameters(sum(SIZES), 0.0)
+    for case, per_rank in zip(cases, results):
+        offloaded = [0] if case["load"] else [1]
+        assert [r["offloaded"] for r in per_rank] == [offloaded, offloaded], case
+        for result in per_rank:
+            for got, want in zip(result["params"], expected):
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=lambda m: f"{case}: {m}")
+
+
+def _without_offload(rank, world_size):
+    import deepspeed
+    from test_exactness import ds_config, make_model
+
+    config = ds_config(1, 1, SIZES, 0.0)
+    config["heterogeneous_config"]["emulation"] = {"memory_gb": _memory_gb(1, False), "mode": "dilation"}
+    config["heterogeneous_memory"] = {"enabled": True, "zero_partitions": "even", "hbm_utilization_threshold": 1.0}
+    model = make_model()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    state = engine._config.heterogeneous
+    return {"offloaded": list(state.offloaded_ranks), "cpu_offload": bool(engine.optimizer.cpu_offload),
+            "problems": list(state.memory_pool.placement.problems)}
+
+
+@pytest.mark.multiprocess
+def test_without_cpu_offload_nothing_moves_and_the_placement_names_the_key():
+    for result in run_ranks(_without_offload, world_size=2, timeout=300):
+        assert result["offloaded"] == [] and result["cpu_offload"] is False, result
+        assert len(result["problems"]) == 1, result
+        assert "data-parallel rank 1" in result["problems"][0], result
+        assert "zero_optimization.heterogeneous_offload.cpu_offload" in result["problems"][0], result
