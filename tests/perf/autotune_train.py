@@ -44,7 +44,8 @@ def main():
         loss = engine(inputs, targets)
         engine.backward(loss)
         engine.step()  # steps the optimizer at each accumulation boundary (per-rank gas included)
-    deepspeed.comm.destroy_process_group()  # else gloo's threads may abort the interpreter's exit
+    from deepspeed.runtime.heterogeneous.process_exit import end_process
+    end_process(0)  # else gloo's threads may abort the interpreter's exit
 
 
 if __name__ == "__main__":

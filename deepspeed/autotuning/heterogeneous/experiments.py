@@ -19,7 +19,6 @@ carries the FLOPS profiler's hooks on rank 0 and is left out. Rank 0 writes one 
 
 import json
 import os
-import sys
 import time
 
 from deepspeed.accelerator import get_accelerator
@@ -141,9 +140,6 @@ def _finish(engine, marks):
         os.replace(tmp, path)  # the tuner never reads a half-written file
         print(f"Autotuning: wrote metrics of {len(intervals)} steps to {os.path.abspath(path)}", flush=True)
     dist.barrier()
-    sys.stdout.flush()
-    # Tear the process group down before the interpreter does: gloo's threads, destroyed during
-    # interpreter shutdown while a peer closes its sockets, once aborted a rank with "terminate
-    # called without an active exception" (exit -6) after the metrics were written.
-    dist.destroy_process_group()
-    sys.exit(0)
+    # Not sys.exit: interpreter finalization can abort a gloo rank after the metrics were written.
+    from deepspeed.runtime.heterogeneous.process_exit import end_process
+    end_process(0)

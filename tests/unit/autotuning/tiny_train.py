@@ -118,9 +118,10 @@ def main():
             engine.step()
     if engine.global_rank == 0:
         print(f"training finished after {args.steps} steps", flush=True)
-    # As a training script should: without it gloo's worker threads can outlive the interpreter
-    # and abort the process at exit ("terminate called without an active exception").
-    deepspeed.comm.destroy_process_group()
+    # Destroy the process group and leave without interpreter finalization, where gloo's worker
+    # threads can abort a rank ("terminate called without an active exception") after its work.
+    from deepspeed.runtime.heterogeneous.process_exit import end_process
+    end_process(0)
 
 
 if __name__ == "__main__":
