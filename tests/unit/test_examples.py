@@ -75,9 +75,23 @@ def test_readme_blocks_equal_the_example_files():
             f"into the file)")
 
 
-def test_example_configs_are_valid_json():
-    for path in sorted((EXAMPLES / "configs").glob("*.json")):
-        json.loads(path.read_text())
+def test_example_configs_parse_as_the_fork_and_the_tuner_read_them():
+    """Every example config (examples/**/*.json): valid JSON, the fork's blocks load for the ranks
+    its emulation lists, and an autotuning block parses into settings and a tuning space (the
+    README's autotuning command itself takes minutes; its config is checked here)."""
+    from deepspeed.autotuning.heterogeneous.space import parse_settings, parse_space
+    from deepspeed.runtime.heterogeneous.config import load_heterogeneous_settings
+
+    paths = sorted(EXAMPLES.rglob("*.json"))
+    assert {"seed.json", "ds_config.json"} <= {p.name for p in paths}, paths
+    for path in paths:
+        config = json.loads(path.read_text())
+        emulation = (config.get("heterogeneous_config") or {}).get("emulation") or {}
+        world = len(emulation.get("speeds") or emulation.get("memory_gb") or [0, 0])
+        load_heterogeneous_settings(config, world_size=world)
+        if "autotuning" in config:
+            space = parse_space(config, parse_settings(config), world)
+            assert space is not None, path
 
 
 def _with_examples(tmp_path):

@@ -20,11 +20,20 @@ carries the FLOPS profiler's hooks on rank 0 and is left out. Rank 0 writes one 
 import json
 import os
 import time
+from dataclasses import dataclass, field
+from typing import List, Optional
 
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.heterogeneous.devices import rank_memory_capacity
+from deepspeed.runtime.heterogeneous.devices import cgroup_memory_limit, rank_memory_capacity
 
-_STATE = "_autotuning_window"
+
+@dataclass
+class AutotuningWindow:
+    """The metric window's progress, kept on the engine's ``HeterogeneousState`` (which exists with
+    the fork off too): the last optimizer step seen and the time at each step boundary in it."""
+
+    last: Optional[int] = None
+    marks: List[float] = field(default_factory=list)
 
 
 def _window(engine):
@@ -39,19 +48,22 @@ def _window(engine):
 
 def step_end(engine):
     """Called by the engine after every ``step()`` while autotuning is enabled."""
-    state = engine.__dict__.setdefault(_STATE, {"last": None, "marks": []})
+    home = engine._config.heterogeneous
+    if home.autotuning_window is None:
+        home.autotuning_window = AutotuningWindow()
+    state = home.autotuning_window
     steps = engine.global_steps
-    if steps == state["last"]:
+    if steps == state.last:
         return  # not an accumulation boundary
-    state["last"] = steps
+    state.last = steps
     start, end = _window(engine)
     if start + 1 <= steps <= end + 1:
         get_accelerator().synchronize()
         if steps == start + 1:
             get_accelerator().reset_peak_memory_stats()
-        state["marks"].append(time.perf_counter())
+        state.marks.append(time.perf_counter())
     if steps == end + 1:
-        _finish(engine, state["marks"])
+        _finish(engine, state.marks)
 
 
 def _rank_profile(engine):
@@ -103,7 +115,8 @@ def _finish(engine, marks):
         "gradient_accumulation_steps": int(gas),
         "step_seconds": sum(intervals) / len(intervals),
         "peak_memory_bytes": int(accelerator.max_memory_allocated()),
-        "memory_capacity_bytes": rank_memory_capacity(device_bytes, accelerator.device_name(), local),
+        "memory_capacity_bytes": rank_memory_capacity(device_bytes, accelerator.device_name(), local,
+                                                      cgroup_memory_limit()),
         "flops_per_micro_step": float(getattr(engine, "flops", 0) or 0) if rank == 0 else None,
         "profile": _rank_profile(engine),
     }

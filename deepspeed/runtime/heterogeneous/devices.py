@@ -270,7 +270,8 @@ def cpu_memory_capacity(reported_bytes, shared, cgroup_limit):
     return int(reported_bytes), shared
 
 
-def _cgroup_memory_limit():
+def cgroup_memory_limit():
+    """This process's memory cgroup limit in bytes, or None (no limit, not Linux, unreadable)."""
     from .cgroups import memory_limit
     try:
         return memory_limit()
@@ -311,7 +312,7 @@ def describe_local_device(local_rank=0, memory_bytes=None, rank=None, measure=Tr
         score, source = measure_device_score(accelerator.device_name(local_rank)), "measured"
     shared = accelerator.device_name() == "cpu" and real_memory == _host_memory_bytes()
     if accelerator.device_name() == "cpu":
-        real_memory, shared = cpu_memory_capacity(real_memory, shared, _cgroup_memory_limit())
+        real_memory, shared = cpu_memory_capacity(real_memory, shared, cgroup_memory_limit())
     return DeviceDescription(rank=int(os.environ.get("RANK", local_rank)) if rank is None else rank,
                              local_rank=local_rank,
                              host=socket.gethostname(),
@@ -362,17 +363,21 @@ def emulated_memory_bytes(emulation, rank):
     return int(sizes[rank] * BYTES_PER_GB)
 
 
-def rank_memory_capacity(device_bytes, accelerator_name, ranks_on_host):
+def rank_memory_capacity(device_bytes, accelerator_name, ranks_on_host, cgroup_limit=None):
     """Memory one rank may use: a GPU's own memory; on the CPU accelerator the host's RAM, which
-    every rank on the host shares (upstream gave each rank all of it). None when unknown.
+    every rank on the host shares (upstream gave each rank all of it), or this process's memory
+    cgroup limit when it is below the RAM (``cpu_memory_capacity``: the rank's own, not shared).
+    None when unknown.
 
     Args:
         device_bytes: the accelerator's total memory as it reports it (host RAM on CPU), or None.
         accelerator_name: ``get_accelerator().device_name()`` ('cuda', 'cpu', ...).
         ranks_on_host: processes on this host (at least 1 is assumed).
+        cgroup_limit: this process's memory cgroup limit (``cgroup_memory_limit``), or None.
     """
     if device_bytes is None:
         return None
     if accelerator_name == "cpu":
-        return int(device_bytes // max(1, int(ranks_on_host)))
+        capacity, shared = cpu_memory_capacity(device_bytes, True, cgroup_limit)
+        return int(capacity // max(1, int(ranks_on_host))) if shared else capacity
     return int(device_bytes)

@@ -61,6 +61,9 @@ class HeterogeneousState:
     offloaded_ranks: tuple = ()
     """The data-parallel ranks whose ZeRO-1/2 optimizer state the pool put on the host
     (``zero_optimization.heterogeneous_offload.cpu_offload``); the same on every rank."""
+    autotuning_window: Optional[object] = field(default=None, repr=False)
+    """The autotuning metric window's progress (``autotuning.heterogeneous.experiments``), also
+    with the fork off; None until the first step of an autotuning experiment."""
     link_bucket_sizes: Optional[dict] = None
     """The ZeRO bucket sizes the slowest inter-host link chose (``link_buckets.py``; already the
     smaller of it and adaptive chunking's), in elements; None when the rule did not apply."""

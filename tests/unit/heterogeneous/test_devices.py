@@ -212,6 +212,10 @@ def test_rank_memory_capacity_shares_host_ram_between_cpu_ranks():
     assert devices.rank_memory_capacity(64 * BYTES_PER_GB, "cpu", 4) == 16 * BYTES_PER_GB
     assert devices.rank_memory_capacity(80 * BYTES_PER_GB, "cuda", 8) == 80 * BYTES_PER_GB
     assert devices.rank_memory_capacity(None, "cpu", 2) is None
+    # A memory cgroup below the RAM is this rank's own limit (one rule with the config-time devices).
+    assert devices.rank_memory_capacity(64 * BYTES_PER_GB, "cpu", 4, 6 * BYTES_PER_GB) == 6 * BYTES_PER_GB
+    assert devices.rank_memory_capacity(64 * BYTES_PER_GB, "cpu", 4, 128 * BYTES_PER_GB) == 16 * BYTES_PER_GB
+    assert devices.rank_memory_capacity(80 * BYTES_PER_GB, "cuda", 8, 6 * BYTES_PER_GB) == 80 * BYTES_PER_GB
 
 
 def test_emulated_memory_bytes_per_rank():

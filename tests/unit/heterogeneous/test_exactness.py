@@ -54,6 +54,23 @@ def ds_config(stage, gas, sizes, clipping, strategy="manual"):
     }
 
 
+def train_slices(engine, rank, sizes, gas, train_batch_size, dtype=None, first=0, after_step=None):
+    """Feed ``engine`` this rank's slice of every global micro-batch (``global_batches``) and step,
+    from step ``first`` (0-based) on; ``after_step(n)`` runs after the n-th step (1-based)."""
+    offset, per_micro = sum(sizes[:rank]), sum(sizes)
+    for step, (inputs, targets) in enumerate(global_batches(train_batch_size)):
+        if step < first:
+            continue
+        for micro in range(gas):
+            start = micro * per_micro + offset
+            chunk = slice(start, start + sizes[rank])
+            x = inputs[chunk] if dtype is None else inputs[chunk].to(dtype)
+            engine.backward(torch.nn.functional.mse_loss(engine(x).float(), targets[chunk]))
+            engine.step()
+        if after_step is not None:
+            after_step(step + 1)
+
+
 def train_on_rank(rank, world_size, stage, gas, sizes, clipping, strategy="manual"):
     """This rank's slice of every global micro-batch, as the heterogeneous sampler would give it."""
     import deepspeed

@@ -51,7 +51,7 @@ def _config(stage, gas, clipping, bf16=False, reverse=False):
 def _train(rank, world_size, stage, gas, clipping, bf16=False, zero=None):
     import deepspeed
     from deepspeed.runtime.heterogeneous.collective_log import recording
-    from test_exactness import global_batches, make_model
+    from test_exactness import make_model, train_slices
 
     config = _config(stage, gas, clipping, bf16)
     config["zero_optimization"].update(zero or {})
@@ -61,14 +61,7 @@ def _train(rank, world_size, stage, gas, clipping, bf16=False, zero=None):
     model = make_model()
     with recording() as entries:
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-        offset, per_micro = sum(SIZES[:rank]), sum(SIZES)
-        for inputs, targets in global_batches(config["train_batch_size"]):
-            for micro in range(gas):
-                start = micro * per_micro + offset
-                chunk = slice(start, start + SIZES[rank])
-                x = inputs[chunk].to(torch.bfloat16) if bf16 else inputs[chunk]
-                engine.backward(torch.nn.functional.mse_loss(engine(x).float(), targets[chunk]))
-                engine.step()
+        train_slices(engine, rank, SIZES, gas, config["train_batch_size"], torch.bfloat16 if bf16 else None)
     state = engine._config.heterogeneous
     return {"params": [p.detach().float().clone() for p in engine.module.parameters()],
             "entries": list(entries), "offloaded": list(state.offloaded_ranks),
@@ -112,10 +105,10 @@ SAVE_AT = 3
 
 
 def _resume(rank, world_size, stage, folder, load):
-    """Steps 1..STEPS with rank 1 offloaded, saving after step SAVE_AT; or (``load``) the memory of
+    """Steps 1..STEPS (test_exactness) with rank 1 offloaded, saving after step SAVE_AT; or (``load``) the memory of
     the two ranks swapped, so rank 0 offloads, resuming from that checkpoint."""
     import deepspeed
-    from test_exactness import STEPS, global_batches, make_model
+    from test_exactness import make_model, train_slices
 
     model = make_model()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
@@ -124,15 +117,12 @@ def _resume(rank, world_size, stage, folder, load):
     if load:
         engine.load_checkpoint(folder, tag="saved")
         first = SAVE_AT
-    offset = sum(SIZES[:rank])
-    for step, (inputs, targets) in enumerate(global_batches(sum(SIZES), STEPS)):
-        if step < first:
-            continue
-        chunk = slice(offset, offset + SIZES[rank])
-        engine.backward(torch.nn.functional.mse_loss(engine(inputs[chunk]), targets[chunk]))
-        engine.step()
-        if not load and step + 1 == SAVE_AT:
+
+    def save(steps):
+        if not load and steps == SAVE_AT:
             engine.save_checkpoint(folder, tag="saved")
+
+    train_slices(engine, rank, SIZES, 1, sum(SIZES), first=first, after_step=save)
     return {"params": [p.detach().clone() for p in engine.module.parameters()],
             "offloaded": list(engine._config.heterogeneous.offloaded_ranks)}
 

@@ -101,7 +101,7 @@ def _train_with_shares(rank, world_size, stage, gas, sizes, clipping, shares, ze
     """test_exactness's training with ``zero_partitions: shares``; returns the parameters and this
     rank's optimizer-state partition (numel of each fp32 group)."""
     import deepspeed
-    from test_exactness import BF16_LR, ds_config, global_batches, make_model
+    from test_exactness import BF16_LR, ds_config, make_model, train_slices
 
     model = make_model()
     config = ds_config(stage, gas, sizes, clipping)
@@ -111,14 +111,7 @@ def _train_with_shares(rank, world_size, stage, gas, sizes, clipping, shares, ze
         config.update(bf16={"enabled": True}, optimizer={"type": "SGD", "params": {"lr": BF16_LR}},
                       zero_allow_untested_optimizer=True)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    offset, per_micro = sum(sizes[:rank]), sum(sizes)
-    for inputs, targets in global_batches(config["train_batch_size"]):
-        for micro in range(gas):
-            start = micro * per_micro + offset
-            chunk = slice(start, start + sizes[rank])
-            x = inputs[chunk].to(torch.bfloat16) if bf16 else inputs[chunk]
-            engine.backward(torch.nn.functional.mse_loss(engine(x).float(), targets[chunk]))
-            engine.step()
+    train_slices(engine, rank, sizes, gas, config["train_batch_size"], torch.bfloat16 if bf16 else None)
     partition = [int(g.numel()) for g in engine.optimizer.single_partition_of_fp32_groups]
     return [p.detach().float().clone() for p in engine.module.parameters()], partition
 
@@ -185,7 +178,7 @@ def _checkpoint_run(rank, world_size, shares, folder, save=False, load=None, uni
     """ZeRO-2, [5, 3], Adam: steps 1..STEPS, saving after step SAVE_AT (``save``) or starting from
     the checkpoint (``load``: its tag); ``universal``: load its universal form."""
     import deepspeed
-    from test_exactness import STEPS, ds_config, global_batches, make_model
+    from test_exactness import ds_config, make_model, train_slices
 
     sizes = list(sizes)
     model = make_model()
@@ -201,15 +194,12 @@ def _checkpoint_run(rank, world_size, shares, folder, save=False, load=None, uni
         except Exception as error:  # the parent checks the message
             return {"error": f"{type(error).__name__}: {error}"}
         first = SAVE_AT
-    offset = sum(sizes[:rank])
-    for step, (inputs, targets) in enumerate(global_batches(sum(sizes), STEPS)):
-        if step < first:
-            continue
-        chunk = slice(offset, offset + sizes[rank])
-        engine.backward(torch.nn.functional.mse_loss(engine(inputs[chunk]), targets[chunk]))
-        engine.step()
-        if save and step + 1 == SAVE_AT:
+
+    def save_at(steps):
+        if save and steps == SAVE_AT:
             engine.save_checkpoint(folder, tag="saved")
+
+    train_slices(engine, rank, sizes, 1, sum(sizes), first=first, after_step=save_at)
     from deepspeed.utils import safe_get_full_fp32_param
     return {"params": [p.detach().clone() for p in engine.module.parameters()],
             "full_fp32": [safe_get_full_fp32_param(p).clone() for p in engine.module.parameters()]}

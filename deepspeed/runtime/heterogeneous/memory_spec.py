@@ -1,0 +1,81 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``ModelStateSpec``: what the memory pool (``memory_pool.py``) places, counted as the planner
+counts model state (``memory.model_state_bytes``): the trainable parameters, the ZeRO stage, the
+bytes per parameter of weights, gradients, optimizer state and master copy, and whether upstream's
+``offload_optimizer`` already moves every rank's optimizer off the device."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .memory import _model_state_inputs, model_state_bytes, model_state_parts
+
+
+@dataclass(frozen=True)
+class ModelStateSpec:
+    """What the pool places: the model's trainable parameters and how ZeRO keeps their state."""
+
+    num_parameters: int
+    zero_stage: int
+    param_bytes: int = 4
+    """Bytes per parameter and gradient in the training dtype (2 under fp16/bf16)."""
+    optimizer_bytes: int = 8
+    """Optimizer state per parameter (Adam: 8; ``memory.optimizer_state_bytes``)."""
+    master_bytes: int = 0
+    """The fp32 master copy under fp16/bf16 (4); ZeRO 1-3 count 4 whatever it says."""
+    optimizer_device: Optional[str] = None
+    """Upstream's ``offload_optimizer.device`` ("cpu"/"nvme"), which offloads every rank."""
+
+    def __post_init__(self):
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage {self.zero_stage!r} must be 0, 1, 2 or 3")
+        if self.num_parameters < 0:
+            raise ValueError(f"num_parameters {self.num_parameters!r} must be >= 0")
+
+    def _inputs(self):
+        return dict(param_bytes=self.param_bytes, optimizer_bytes=self.optimizer_bytes,
+                    master_bytes=self.master_bytes)
+
+    def parts(self, world, share):
+        return model_state_parts(self.num_parameters, self.zero_stage, world, share=share, **self._inputs())
+
+    def device_bytes(self, world, share, offloaded=False):
+        return model_state_bytes(self.num_parameters, self.zero_stage, world, share=share,
+                                 optimizer_offloaded=offloaded or self.optimizer_device is not None, **self._inputs())
+
+    @classmethod
+    def for_engine(cls, ds_config, model, optimizer=None):
+        """The state of ``model`` under a ``DeepSpeedConfig``, counted as the planner counts it
+        (``memory.config_model_state_bytes``): the client's optimizer instance, else the config's."""
+        import torch
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            optimizer = getattr(ds_config, "optimizer_name", None) or "unknown"
+        offload = ds_config.zero_config.offload_optimizer
+        half = ds_config.float16_config.enabled or ds_config.bfloat16_config.enabled
+        return cls._from_inputs(_model_state_inputs(model.parameters(), half, optimizer, False),
+                                int(ds_config.zero_optimization_stage or 0), _offload_device(offload))
+
+    @classmethod
+    def for_config_dict(cls, param_dict, num_parameters, half):
+        """The state of a model of ``num_parameters`` under a ds_config dict (no engine, no model)."""
+        from deepspeed.runtime.config import get_optimizer_name
+        from deepspeed.runtime.zero.config import get_zero_config
+        zero = get_zero_config(param_dict)
+        return cls(num_parameters=int(num_parameters), zero_stage=int(zero.stage), param_bytes=2 if half else 4,
+                   optimizer_bytes=_optimizer_bytes(get_optimizer_name(param_dict) or "unknown"),
+                   master_bytes=4 if half else 0, optimizer_device=_offload_device(zero.offload_optimizer))
+
+    @classmethod
+    def _from_inputs(cls, inputs, zero_stage, optimizer_device):
+        return cls(num_parameters=int(inputs["num_parameters"]), zero_stage=zero_stage,
+                   param_bytes=inputs["param_bytes"], optimizer_bytes=inputs["optimizer_bytes"],
+                   master_bytes=inputs["master_bytes"], optimizer_device=optimizer_device)
+
+
+def _optimizer_bytes(name):
+    from .memory import optimizer_state_bytes
+    return optimizer_state_bytes(str(name))
+
+
+def _offload_device(offload):
+    device = None if offload is None else str(getattr(offload.device, "value", offload.device))
+    return device if device in ("cpu", "nvme") else None
