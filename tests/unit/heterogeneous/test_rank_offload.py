@@ -5,8 +5,9 @@ fit its device keeps its optimizer state on the host while the rank with room ke
 the device. Both train exactly as one process on the global batch, and both issue the same
 collectives (upstream's offloaded path reduced the gradient norm as a [1]-tensor where the device
 path reduces a 0-d one, forced contiguous gradients on the offloading rank alone, and ZeRO-1 +
-bf16 chose another optimizer there). Without any one of the three fixes the ranks hang in
-mismatched collectives (checked by reverting each).
+bf16 chose another optimizer there). Checked by reverting each fix alone: without the first two
+the ranks hang in mismatched collectives until the group times out; without the norm's shape the
+comparison of the sequences fails.
 
 Memory is emulated by accounting (``emulation.mode: dilation``): on the CPU accelerator the host
 and the "device" are the same RAM, so a memory cgroup cannot tell them apart."""
