@@ -89,9 +89,8 @@ def test_example_configs_parse_as_the_fork_and_the_tuner_read_them():
         emulation = (config.get("heterogeneous_config") or {}).get("emulation") or {}
         world = len(emulation.get("speeds") or emulation.get("memory_gb") or [0, 0])
         load_heterogeneous_settings(config, world_size=world)
-        if "autotuning" in config:
-            space = parse_space(config, parse_settings(config), world)
-            assert space is not None, path
+        if "autotuning" in config:  # a wrong key or value raises AutotuningConfigError, naming it
+            parse_space(config, parse_settings(config), world)
 
 
 def _with_examples(tmp_path):

@@ -35,10 +35,10 @@ def place_engine_state(state, ds_config, model, optimizer=None):
     offload = state.settings.offload
     placement, offloaded = engine_placement(pool, ModelStateSpec.for_engine(ds_config, model, optimizer), setting,
                                             offload.cpu_offload)
-    per_rank = stage in (1, 2) and world >= 2
     if state.dp_rank == 0:
-        unapplied = [key for key, wanted in (("nvme_offload", offload.nvme_offload),
-                                             ("cpu_offload", offload.cpu_offload and not per_rank)) if wanted]
+        cpu_unapplied = offload.cpu_offload and not _offloads_per_rank(stage, world)
+        unapplied = [key for key, wanted in (("nvme_offload", offload.nvme_offload), ("cpu_offload", cpu_unapplied))
+                     if wanted]
         if unapplied:
             logger.warning(f"deepspeed-hetero memory pool: zero_optimization.heterogeneous_offload."
                            f"{' and '.join(unapplied)} is not applied per rank here (per-rank offload drives ZeRO "
@@ -56,8 +56,7 @@ def engine_placement(pool, spec, zero_partitions, cpu_offload):
     config does not offload every rank already; NVMe and ZeRO-3 placements are decided without
     offload. Once a rank offloads, the shares are even: upstream's offloaded ZeRO-1/2 path keeps
     equal slices (``partitions.zero_partition_layout``), so explicit uneven shares are refused."""
-    world, stage = pool.world_size, spec.zero_stage
-    per_rank = stage in (1, 2) and world >= 2 and cpu_offload and spec.optimizer_device is None
+    per_rank = cpu_offload and _offloads_per_rank(spec.zero_stage, pool.world_size) and spec.optimizer_device is None
     placement = pool.place(spec, zero_partitions=zero_partitions, cpu_offload=per_rank, nvme_offload=False,
                            strict=False)
     offloaded = tuple(placement.offloaded_ranks) if per_rank else ()
@@ -71,6 +70,11 @@ def engine_placement(pool, spec, zero_partitions, cpu_offload):
         placement = pool.place(spec, zero_partitions="even", cpu_offload=True, nvme_offload=False, strict=False)
         offloaded = tuple(placement.offloaded_ranks)
     return placement, offloaded
+
+
+def _offloads_per_rank(stage, world):
+    """Where per-rank offload is applied: ZeRO-1/2 on 2+ data-parallel ranks."""
+    return stage in (1, 2) and world >= 2
 
 
 def apply_rank_offload(ds_config, offloaded_ranks, dp_rank):
