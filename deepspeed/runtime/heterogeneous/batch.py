@@ -126,7 +126,7 @@ def initial_plan(settings, train_batch_size, gas, world_size, zero_stage, device
     return plan_micro_batches(time_models_from_scores(scores), train_batch_size=train_batch_size,
                               gradient_accumulation_steps=gas, strategy=config.load_balancing_strategy,
                               manual=config.micro_batch_sizes, device_names=names,
-                              max_micro_batch=max_micro_batch, allow_per_rank_gas=zero_stage <= 1)
+                              max_micro_batch=max_micro_batch, allow_per_rank_gas=zero_stage <= 1).with_prior_times()
 
 
 def configure_heterogeneous_batch(ds_config, state):

@@ -33,6 +33,9 @@ class Plan:
     """gas_i * (a_i + b_i * mbs_i) per rank, in the time models' unit."""
     notes: Tuple[str, ...] = ()
     """Remarks for the log: memory limits a fixed plan exceeds, per-rank accumulation in use."""
+    time_unit: str = "s"
+    """``"s"`` when the time models were measured; ``""`` when they are priors (equal shares or
+    datasheet scores before profiling), whose times only compare ranks and carry no unit."""
 
     def __post_init__(self):
         for name in ("micro_batch_sizes", "gradient_accumulation_steps", "predicted_rank_times", "notes"):
@@ -62,6 +65,16 @@ class Plan:
         """The slowest rank's predicted time for one optimizer step."""
         return max(self.predicted_rank_times)
 
+    def format_step_time(self):
+        """The predicted step time for the log: seconds, or a relative time marked as such."""
+        if self.time_unit:
+            return f"{self.predicted_step_time:.4g} {self.time_unit}"
+        return f"{self.predicted_step_time:.4g} (relative: not measured)"
+
+    def with_prior_times(self):
+        """This plan, its times marked as relative (the time models were priors, not measured)."""
+        return Plan(**{**self.to_dict(), "time_unit": ""})
+
     @cached_property  # read at every backward, and per gradient tensor under torch-style backward
     def loss_weights(self):
         """w_i = W * mbs_i * gas_i / train_batch_size (W * mbs_i / sum(mbs) when gas is equal).
@@ -81,7 +94,7 @@ class Plan:
     @classmethod
     def from_dict(cls, values):
         expected = {f.name for f in fields(cls)}
-        missing, unknown = expected - set(values) - {"notes"}, set(values) - expected
+        missing, unknown = expected - set(values) - {"notes", "time_unit"}, set(values) - expected
         if missing or unknown:
             raise ValueError(f"Plan.from_dict: missing keys {sorted(missing)}, unknown keys {sorted(unknown)}")
         return cls(**values)
@@ -92,7 +105,8 @@ class Plan:
         if len(names) != self.world_size:
             raise ValueError(f"format_table: {len(names)} device names for {self.world_size} ranks")
         batch = self.train_batch_size
-        header = ("rank", "device", "mbs", "gas", "samples/step", "pred. time", "share")
+        header = ("rank", "device", "mbs", "gas", "samples/step", f"pred. time{' (s)' if self.time_unit else ''}",
+                  "share")
         rows = [(str(rank), names[rank], str(m), str(g), str(m * g), f"{t:.4g}", f"{100 * m * g / batch:.1f}%")
                 for rank, (m, g, t) in enumerate(zip(self.micro_batch_sizes, self.gradient_accumulation_steps,
                                                      self.predicted_rank_times))]
@@ -101,6 +115,6 @@ class Plan:
                            for column, (cell, width) in enumerate(zip(row, widths))) for row in [header] + rows]
         mean_time = math.fsum(self.predicted_rank_times) / self.world_size
         lines.append(f"strategy {self.strategy}, train_batch_size {self.train_batch_size}, predicted step time "
-                     f"{self.predicted_step_time:.4g}, balance (mean/max rank time) "
+                     f"{self.format_step_time()}, balance (mean/max rank time) "
                      f"{100 * mean_time / self.predicted_step_time:.1f}%")
         return "\n".join(lines + [f"note: {note}" for note in self.notes])

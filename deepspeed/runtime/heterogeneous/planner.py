@@ -179,7 +179,7 @@ def schedule_heterogeneous_tasks(devices, train_batch_size, gradient_accumulatio
     if unknown:
         scores = [1.0] * len(devices)
     plan = plan_micro_batches(time_models_from_scores(scores), train_batch_size, gradient_accumulation_steps,
-                              "compute_aware", device_names=names)
+                              "compute_aware", device_names=names).with_prior_times()
     if unknown:
         plan = Plan(**{**plan.to_dict(), "notes": [f"ranks {unknown} have no known speed: equal shares until "
                                                    f"profiling measures them"]})

@@ -96,6 +96,19 @@ def rank_errors(history, models, fits):
     return errors
 
 
+def mean_errors(errors, history, counts):
+    """Per rank, the relative standard error of its mean time over ``counts[r]`` of its micro-steps.
+
+    ``errors`` are those of the level over all the micro-steps the fit used (``rank_errors``): n
+    draws of the noise. A mean over fewer of them is noisier by ``sqrt(n / count)``; the start-up
+    plan's steps after the warm-up are often a single step, one draw, and read with the level's
+    error a hiccup in that step passed for a difference in speed (issue 11).
+    """
+    steps = fit_steps(history)
+    return [error * math.sqrt(len(_rank_points(steps, rank)) / count)
+            for rank, (error, count) in enumerate(zip(errors, counts))]
+
+
 def measured_rates(history):
     """Per rank, the measured forward+backward seconds per sample over the fitted steps: the speed
     ratio the measurements support without any split into fixed and per-sample cost.
@@ -167,8 +180,10 @@ class ProfilingDecision:
 def trusted_plan(history, startup_plan, gradient_accumulation_steps, limits, allow_per_rank_gas):
     """The measured best plan when the measurements support it, else a safer one.
 
-    - Noise gate: when no two ranks' predicted times under the start-up plan differ beyond the
-      noise (``significant_difference``), the start-up plan (uniform, or the datasheet's) stays:
+    - Noise gate: when no two ranks' times under the start-up plan differ beyond the noise
+      (``significant_difference``; measured times where profiling ran that plan after the
+      warm-up, read with the noise of that many micro-steps, ``mean_errors``; else the models'
+      predictions), the start-up plan (uniform, or the datasheet's) stays:
       a rank that mostly waits in collectives measures little compute, and a split of noise is
       no better than the split already in force, only riskier.
     - Absurd-split guard: a plan that gives a rank more than ``SHARE_LIMIT`` times what the
@@ -197,6 +212,7 @@ def trusted_plan(history, startup_plan, gradient_accumulation_steps, limits, all
     if measured:
         at_startup = [math.fsum(math.fsum(s[1] for s in step[rank]["samples"]) + step[rank]["step_overhead"]
                                 for step in measured) / len(measured) for rank in range(startup_plan.world_size)]
+        errors = mean_errors(errors, history, [len(measured) * g for g in startup_plan.gradient_accumulation_steps])
     over = [rank for rank, (m, cap) in enumerate(zip(startup_plan.micro_batch_sizes, limits or []))
             if cap is not None and m > cap]
     if over:  # memory decides, whatever the speeds

@@ -401,7 +401,7 @@ class HeterogeneousRuntime:
         self.log_plan(reason, plan, change=(
             f"micro-batches {list(old.micro_batch_sizes)} -> {list(plan.micro_batch_sizes)}, gas "
             f"{list(old.gradient_accumulation_steps)} -> {list(plan.gradient_accumulation_steps)}, predicted step "
-            f"time {old.predicted_step_time:.4g} s -> {plan.predicted_step_time:.4g} s"))
+            f"time {old.format_step_time()} -> {plan.format_step_time()}"))
 
     def close(self):
         self.meter.stop()

@@ -12,7 +12,7 @@ from deepspeed.runtime.heterogeneous.runtime import HeterogeneousRuntime
 from deepspeed.runtime.heterogeneous.state import HeterogeneousState
 from deepspeed.runtime.heterogeneous.config import load_heterogeneous_settings
 
-START = Plan((4, 4), (1, 1), 8, "compute_aware", (2.0, 4.0))
+START = Plan((4, 4), (1, 1), 8, "compute_aware", (2.0, 4.0), time_unit="")  # priors: no unit
 PROFILED = Plan((6, 2), (1, 1), 8, "compute_aware", (3.0, 2.5))
 
 
@@ -46,7 +46,10 @@ def test_rank0_prints_the_start_up_plan_and_each_change_as_one_block(monkeypatch
     runtime.switch_to(PROFILED, "plan after profiling step 1")
     change = capsys.readouterr().out.splitlines()
     assert change[0] == "[deepspeed-hetero] plan after profiling step 1 (strategy compute_aware):"
-    assert change[1] == "  micro-batches [4, 4] -> [6, 2], gas [1, 1] -> [1, 1], predicted step time 4 s -> 3 s"
+    # The start-up plan's times come from priors and compare ranks only: no unit (it printed "4 s").
+    assert change[1] == ("  micro-batches [4, 4] -> [6, 2], gas [1, 1] -> [1, 1], predicted step time 4 (relative: "
+                         "not measured) -> 3 s")
+    assert change[2].split() == ["rank", "device", "mbs", "gas", "samples/step", "pred.", "time", "(s)", "share"]
     assert change[3].split()[:3] == ["0", "fast-gpu", "6"]
     assert sum(line.startswith("[deepspeed-hetero]") for line in change) == 1
     assert runtime.plan is PROFILED

@@ -235,8 +235,12 @@ def reference(step_indices, size):
 def test_speed_change_is_followed_within_two_checks_and_training_stays_exact():
     change, steps = 9, 24
     cases = [
-        # Rank 1 slows from 1.0 to 0.3 at step 9.
-        dict(speeds=[1.0, 1.0], schedule=[{"step": change, "speeds": [1.0, 0.3]}], steps=steps),
+        # Rank 0 runs at 0.4 of rank 1's speed; at step 9 it is the fast one and rank 1 drops to 0.3.
+        # Whatever profiling chose (work moved to rank 1, or [8, 8] kept), following the change
+        # moves work to rank 0. Equal ranks at start-up made the test depend on profiling keeping
+        # [8, 8]: with 3 profiling steps, a noise-driven plan close to the one the change calls for
+        # left nothing to follow (issue 11; test_plan_trust covers the gate on equal ranks).
+        dict(speeds=[0.4, 1.0], schedule=[{"step": change, "speeds": [1.0, 0.3]}], steps=steps),
         # Constant speeds over a longer run (11 checks): no rebalance however noisy the timings.
         dict(speeds=[1.0, 0.5], schedule=None, steps=2 * steps),
     ]
