@@ -76,7 +76,9 @@ def _rank_points(steps, rank, optimizer_share=True):
 def rank_errors(history, models, fits):
     """Per rank, the relative standard error of its measured level (``relative_standard_error``).
 
-    The residuals are taken against the planner's model (the fit plus the optimizer share). When a
+    The residuals are taken against the least-squares line through the rank's micro-steps (with
+    the optimizer share) where it leaves a degree of freedom (``_scatter_about_line``), else
+    against the planner's model (the fit plus the optimizer share). When a
     line through two sizes leaves no degree of freedom (the default 3 profiling steps with gas 1),
     the residuals are those of the optimizer share plus a time proportional to the samples: that
     counts any fixed cost of the forward+backward as noise, so it errs on the side of keeping the
@@ -86,6 +88,10 @@ def rank_errors(history, models, fits):
     errors = []
     for rank, (model, fit) in enumerate(zip(models, fits)):
         points = _rank_points(steps, rank)
+        error = _scatter_about_line(points)
+        if error is not None:
+            errors.append(error)
+            continue
         error = relative_standard_error(model, points, 2 if fit.a > 0 else 1)
         if math.isinf(error) and len(points) >= 2:
             compute = _rank_points(steps, rank, optimizer_share=False)
@@ -96,17 +102,29 @@ def rank_errors(history, models, fits):
     return errors
 
 
-def mean_errors(errors, history, counts):
-    """Per rank, the relative standard error of its mean time over ``counts[r]`` of its micro-steps.
+def _scatter_about_line(points):
+    """The relative standard error of the level of the least-squares line ``a + b * mbs`` through
+    ``points``, unconstrained (a < 0 or b <= 0 allowed); None when the line leaves no degree of
+    freedom (fewer than 3 points, or one size) or predicts no positive time at a measured size.
 
-    ``errors`` are those of the level over all the micro-steps the fit used (``rank_errors``): n
-    draws of the noise. A mean over fewer of them is noisier by ``sqrt(n / count)``; the start-up
-    plan's steps after the warm-up are often a single step, one draw, and read with the level's
-    error a hiccup in that step passed for a difference in speed (issue 11).
+    The noise is the measurements' scatter about the line that describes them best, not about the
+    planner's model: where a rank's time hardly grows with its samples (a fixed cost dominates, as
+    on a throttled rank whose per-micro-step overhead is slowed too), the fit falls back to
+    proportional time for planning (``fit_time_model``, ``plausible_time_model``), and read
+    against that model 2 samples taking as long as 8 counted as 300% noise: the gate then kept
+    [8, 8] for a rank at a quarter of the other's speed (issue 11, ``bench_profiling_gate.py``).
     """
-    steps = fit_steps(history)
-    return [error * math.sqrt(len(_rank_points(steps, rank)) / count)
-            for rank, (error, count) in enumerate(zip(errors, counts))]
+    if len(points) < 3 or len({m for m, _ in points}) < 2:
+        return None
+    sizes, times = [float(m) for m, _ in points], [float(t) for _, t in points]
+    mean_size, mean_time = math.fsum(sizes) / len(sizes), math.fsum(times) / len(times)
+    slope = (math.fsum((m - mean_size) * (t - mean_time) for m, t in zip(sizes, times)) /
+             math.fsum((m - mean_size)**2 for m in sizes))
+    predicted = [mean_time + slope * (m - mean_size) for m in sizes]
+    if min(predicted) <= 0:
+        return None
+    squares = math.fsum((t / p - 1.0)**2 for t, p in zip(times, predicted))
+    return math.sqrt(squares / (len(points) - 2)) / math.sqrt(len(points))
 
 
 def measured_rates(history):
@@ -180,10 +198,8 @@ class ProfilingDecision:
 def trusted_plan(history, startup_plan, gradient_accumulation_steps, limits, allow_per_rank_gas):
     """The measured best plan when the measurements support it, else a safer one.
 
-    - Noise gate: when no two ranks' times under the start-up plan differ beyond the noise
-      (``significant_difference``; measured times where profiling ran that plan after the
-      warm-up, read with the noise of that many micro-steps, ``mean_errors``; else the models'
-      predictions), the start-up plan (uniform, or the datasheet's) stays:
+    - Noise gate: when no two ranks' predicted times under the start-up plan differ beyond the
+      noise (``significant_difference``), the start-up plan (uniform, or the datasheet's) stays:
       a rank that mostly waits in collectives measures little compute, and a split of noise is
       no better than the split already in force, only riskier.
     - Absurd-split guard: a plan that gives a rank more than ``SHARE_LIMIT`` times what the
@@ -212,7 +228,6 @@ def trusted_plan(history, startup_plan, gradient_accumulation_steps, limits, all
     if measured:
         at_startup = [math.fsum(math.fsum(s[1] for s in step[rank]["samples"]) + step[rank]["step_overhead"]
                                 for step in measured) / len(measured) for rank in range(startup_plan.world_size)]
-        errors = mean_errors(errors, history, [len(measured) * g for g in startup_plan.gradient_accumulation_steps])
     over = [rank for rank, (m, cap) in enumerate(zip(startup_plan.micro_batch_sizes, limits or []))
             if cap is not None and m > cap]
     if over:  # memory decides, whatever the speeds
