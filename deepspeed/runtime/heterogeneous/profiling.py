@@ -79,7 +79,7 @@ def rank_errors(history, models, fits):
     The residuals are taken against the least-squares line through the rank's micro-steps (with
     the optimizer share) where it leaves a degree of freedom (``_scatter_about_line``), else
     against the planner's model (the fit plus the optimizer share). When a
-    line through two sizes leaves no degree of freedom (the default 3 profiling steps with gas 1),
+    line through two sizes leaves no degree of freedom (3 profiling steps with gas 1),
     the residuals are those of the optimizer share plus a time proportional to the samples: that
     counts any fixed cost of the forward+backward as noise, so it errs on the side of keeping the
     plan. ``math.inf`` where a rank has a single micro-step: its noise is unknown.
