@@ -46,6 +46,11 @@ enabled = False
 
 _timing = False  # the clock runs: a heterogeneous config was built in this process
 listener = None  # called as listener(func, args, kwargs) before each collective; None: none
+before_collective = None
+"""Called with no arguments before each outermost collective starts, outside the clock (its time
+counts as the rank's own): time dilation stretches the compute that preceded the collective
+there (``emulation.Emulator``), so that a peer waits at the collective as it would for a slower
+device."""
 _synchronize = None  # the device's synchronize() while collectives are timed on an async device
 
 
@@ -120,6 +125,8 @@ def timed_call(func, *args, **kwargs):
         listener(func, args, kwargs)
         if not _timing:
             return func(*args, **kwargs)
+    if before_collective is not None and _clock.depth == 0:
+        before_collective()
     sync = _synchronize if _clock.depth == 0 else None
     if sync is not None:
         sync()  # the compute queued before the collective is the rank's own, not collective time

@@ -52,6 +52,10 @@ class EmulatedLimits:
         """Dilation sleeps in proportion to each micro-step's compute, so it must be timed."""
         return self.emulator is not None and self.emulator.mode == "dilation"
 
+    def begin_compute(self):
+        if self.emulator is not None:
+            self.emulator.begin_compute()
+
     def after_compute(self, seconds):
         if self.emulator is not None:
             self.emulator.after_compute(seconds)

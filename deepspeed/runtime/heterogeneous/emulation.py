@@ -8,8 +8,12 @@ device's speed, by one of two means:
   ``cpu.cfs_quota_us``) that grants ``speed`` of the CPU time it would otherwise use. Everything
   the process does is throttled (compute, optimizer, communication threads), like a slower host.
   Needs root and a writable cpu controller; the cgroup is removed when the process exits.
-- ``dilation``: after each forward+backward, the rank sleeps ``(1/speed - 1)`` times the compute
-  time it measured. Portable, but only compute is slowed.
+- ``dilation``: the rank sleeps ``(1/speed - 1)`` times the forward+backward compute it measured,
+  each part where it ends: before every collective inside the micro-step (the compute since the
+  last one) and at the micro-step's end (the rest). A peer then waits at each collective as it
+  would for a slower device; one sleep at the end would let the collectives inside backward
+  (ZeRO-2 buckets, ZeRO-3's reduce-scatter and gathers) run at full speed and the peers wait
+  twice, at them and after. Portable, but only compute is slowed.
 
 ``auto`` picks cgroup where the machine allows it, else dilation. The balancing code never reads
 these settings: it sees only the (slowed) times it measures.
@@ -27,7 +31,12 @@ import time
 
 from deepspeed.utils import logger
 
+from . import comm_clock
 from .cgroups import ProcessCgroup, find_hierarchy
+
+
+def _own_mark():
+    return time.perf_counter(), comm_clock.seconds_in_collectives()
 
 # A short period keeps the throttling smooth at the scale of one micro-step (tens of ms): with the
 # default 100 ms a rank would run at full speed for its quota, then stall for the rest.
@@ -190,6 +199,7 @@ class Emulator:
         self._requested = mode
         self._threads = threads or torch.get_num_threads()
         self._cgroup = None
+        self._since = None  # dilation: (time, seconds in collectives) where the unstretched compute began
         self.set_speed(speed)
 
     def set_speed(self, speed):
@@ -211,12 +221,41 @@ class Emulator:
                                        "use 'dilation' or 'auto'") from exc
         self.mode = "dilation"
 
-    def after_compute(self, seconds):
-        """Called after each forward+backward with its measured duration."""
-        if self.mode == "dilation" and seconds > 0:
-            time.sleep(seconds * (1.0 / self.speed - 1.0))
+    def begin_compute(self):
+        """A forward+backward starts: dilation stretches its compute from here on."""
+        if self.mode != "dilation":
+            return
+        self._since = _own_mark()
+        comm_clock.before_collective = self._dilate
+
+    def after_compute(self, seconds=None):
+        """A forward+backward ended: stretch its compute since the last collective (``seconds``, the
+        whole micro-step's, is used only when ``begin_compute`` was not called)."""
+        if self.mode != "dilation":
+            return
+        if self._since is None:
+            if seconds and seconds > 0:
+                time.sleep(seconds * (1.0 / self.speed - 1.0))
+            return
+        self._dilate()
+        self._since = None
+        if comm_clock.before_collective == self._dilate:
+            comm_clock.before_collective = None
+
+    def _dilate(self):
+        """Sleep (1/speed - 1) times the compute since the last mark (time in collectives left out)."""
+        if self._since is None:
+            return
+        began, in_collectives = self._since
+        compute = time.perf_counter() - began - (comm_clock.seconds_in_collectives() - in_collectives)
+        if compute > 0:
+            time.sleep(compute * (1.0 / self.speed - 1.0))
+        self._since = _own_mark()
 
     def close(self):
+        if comm_clock.before_collective == self._dilate:
+            comm_clock.before_collective = None
+        self._since = None
         if self._cgroup is not None:
             self._cgroup.close()
             self._cgroup = None

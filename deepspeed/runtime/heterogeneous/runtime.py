@@ -143,6 +143,7 @@ class HeterogeneousRuntime:
         # On an asynchronous device, collectives are timed to completion while micro-steps are
         # timed; nothing on the CPU accelerator (comm_clock.synchronize_collectives).
         comm_clock.synchronize_collectives(self.times_each_micro_step)
+        self.limits.begin_compute()  # time dilation stretches compute before each collective from here
 
     def backward_begin(self):
         """engine.backward() starts: the forward part of the micro-step ends here (recorded only;

@@ -84,3 +84,41 @@ def test_an_asynchronous_device_is_synchronised_around_collectives_only_while_mi
         assert cpu.calls == []
     finally:
         comm_clock.synchronize_collectives(False)
+
+
+def _dilated_rank_before_a_collective(rank, world_size):
+    """Rank 1 at speed 0.25 by time dilation: 40 ms of compute, an all-reduce, 20 ms more. Returns
+    the time each rank spent inside the all-reduce and in rank 1's closing sleep."""
+    import time
+
+    from deepspeed import comm as dist
+    from deepspeed.runtime.heterogeneous import comm_clock
+    from deepspeed.runtime.heterogeneous.emulation import Emulator
+
+    comm_clock.enable()
+    emulator = Emulator(1.0 if rank == 0 else 0.25, mode="dilation")
+    dist.barrier()
+    emulator.begin_compute()
+    time.sleep(0.04)  # the micro-step's compute up to its first collective
+    before = comm_clock.seconds_in_collectives()
+    dist.all_reduce(torch.ones(8))
+    waited = comm_clock.seconds_in_collectives() - before
+    time.sleep(0.02)
+    closing = time.perf_counter()
+    emulator.after_compute()
+    closing = time.perf_counter() - closing
+    emulator.close()
+    return emulator.mode, waited, closing, comm_clock.before_collective is None
+
+
+@pytest.mark.multiprocess
+def test_time_dilation_stretches_the_compute_before_each_collective():
+    """A slow device reaches a collective late by its own slowness: the fast rank must wait there
+    (3 x 40 ms = 120 ms), not after the micro-step; the closing sleep stretches only the 20 ms after
+    the collective (60 ms, not 180)."""
+    (mode0, waited0, _, cleared0), (mode1, _, closing1, cleared1) = run_ranks(_dilated_rank_before_a_collective,
+                                                                               world_size=2, timeout=120)
+    assert mode0 == "none" and mode1 == "dilation"
+    assert waited0 >= 0.1, f"the fast rank waited {waited0:.3f} s at the collective, expected about 0.12"
+    assert 0.055 <= closing1 < 0.15, f"the closing sleep was {closing1:.3f} s, expected about 0.06"
+    assert cleared0 and cleared1, "the dilation hook must not outlive the micro-step"
