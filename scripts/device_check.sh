@@ -9,9 +9,10 @@
 #      against the torch reference on the device;
 #   3. every test that needs an accelerator (tests skipped on CPU), plus the native-op, device and
 #      scaler unit tests, on the device;
-#   4. a short single-GPU training of the small GPT with the fork on: profiling steps, fp16 with the
+#   4. the collective clock's synchronisation on an asynchronous device (one rank);
+#   5. a short single-GPU training of the small GPT with the fork on: profiling steps, fp16 with the
 #      adaptive loss scaler, the heterogeneous profiler's report (memory peaks from the device);
-#   5. summary.json and summary.txt in OUT_DIR: one line per stage, passed/failed, with its log.
+#   6. summary.json and summary.txt in OUT_DIR: one line per stage, passed/failed, with its log.
 # It assumes the repository's venv (make install) or an environment with torch and the assembled
 # tree installed; set PYTHON to use another interpreter.
 set -uo pipefail
@@ -67,6 +68,45 @@ EOF
 stage accelerator_tests 300 "$python" -m pytest -q -rs --timeout=240 \
   tests/unit/heterogeneous/test_fused_unscale.py tests/unit/heterogeneous/test_native.py \
   tests/unit/heterogeneous/test_devices.py tests/unit/heterogeneous/test_adaptive_scaler.py
+
+# Issue 14 item 7: on an asynchronous device a collective returns once enqueued, so the fork
+# synchronises the device around collectives while micro-steps are timed. One rank (one GPU):
+# compute queued before a collective must be counted outside the collective clock, and the
+# collective's own time inside it.
+stage comm_clock_sync 120 env MASTER_ADDR=127.0.0.1 MASTER_PORT=29517 RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 \
+  "$python" - <<'EOF'
+import time
+import torch
+import deepspeed
+from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.heterogeneous import comm_clock
+acc = get_accelerator()
+deepspeed.init_distributed(dist_backend=acc.communication_backend_name())
+device = acc.current_device_name()
+a, x = torch.randn(8192, 8192, device=device), torch.ones(1 << 22, device=device)
+def compute():
+    for _ in range(20):
+        a @ a
+comm_clock.enable()
+dist.all_reduce(x)
+acc.synchronize()
+began = time.perf_counter(); compute(); acc.synchronize(); alone = time.perf_counter() - began
+for on in (False, True):
+    assert comm_clock.synchronize_collectives(on) == on, "a CUDA device must count as asynchronous"
+    acc.synchronize()
+    began = time.perf_counter()
+    compute()
+    before = comm_clock.seconds_in_collectives()
+    dist.all_reduce(x)
+    inside = comm_clock.seconds_in_collectives() - before
+    acc.synchronize()
+    total = time.perf_counter() - began
+    print(f"synchronise {on}: compute alone {alone:.4f} s, step {total:.4f} s, inside the clock {inside:.4f} s")
+comm_clock.synchronize_collectives(False)
+# Synchronised: the queued compute finished before the clock started.
+assert inside < 0.2 * total and total - inside >= 0.8 * alone, (alone, total, inside)
+EOF
 
 cat >"$out/ds_config.json" <<'EOF'
 {
