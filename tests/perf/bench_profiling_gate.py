@@ -70,12 +70,11 @@ def _strict_reading_moves(history, startup):
     of the micro-steps they came from (sqrt(n / count) times each rank's level error)."""
     from deepspeed.runtime.heterogeneous.plan import Plan
     from deepspeed.runtime.heterogeneous.profiling import (fit_steps, measured_time_models, rank_errors, ran_plan,
-                                                           significant_difference)
+                                                           significant_difference, startup_plan_times)
     startup = Plan.from_dict(startup)
     models, fits = measured_time_models(history, 1)
     measured = [step for step in history[1:] if ran_plan(step, startup)]
-    times = [math.fsum(math.fsum(s[1] for s in step[rank]["samples"]) + step[rank]["step_overhead"]
-                       for step in measured) / len(measured) for rank in range(2)]
+    times = startup_plan_times(history, startup)
     fitted = [sum(len(step[rank]["samples"]) for step in fit_steps(history)) for rank in range(2)]
     errors = [error * math.sqrt(n / len(measured)) for error, n in zip(rank_errors(history, models, fits), fitted)]
     return significant_difference(models, errors, startup, times=times) is not None

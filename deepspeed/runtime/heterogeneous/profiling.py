@@ -19,7 +19,7 @@ from typing import Optional
 
 from .memory import fit_activation_model, max_micro_batch
 from .planner import Plan, TimeModel, fit_time_model, plan_micro_batches, plausible_time_model
-from .time_model import relative_standard_error
+from .time_model import least_squares_line, relative_standard_error
 
 NOISE_STANDARD_ERRORS = 2.0
 """How many standard errors two ranks' measured speeds must differ by before work moves (about 95%)."""
@@ -117,10 +117,8 @@ def _scatter_about_line(points):
     if len(points) < 3 or len({m for m, _ in points}) < 2:
         return None
     sizes, times = [float(m) for m, _ in points], [float(t) for _, t in points]
-    mean_size, mean_time = math.fsum(sizes) / len(sizes), math.fsum(times) / len(times)
-    slope = (math.fsum((m - mean_size) * (t - mean_time) for m, t in zip(sizes, times)) /
-             math.fsum((m - mean_size)**2 for m in sizes))
-    predicted = [mean_time + slope * (m - mean_size) for m in sizes]
+    intercept, slope = least_squares_line(sizes, times)
+    predicted = [intercept + slope * m for m in sizes]
     if min(predicted) <= 0:
         return None
     squares = math.fsum((t / p - 1.0)**2 for t, p in zip(times, predicted))
@@ -223,11 +221,7 @@ def trusted_plan(history, startup_plan, gradient_accumulation_steps, limits, all
     # are some: measured where the question is asked, at sizes every rank has run before. A fit
     # through the profiled sizes also carries the first step at each new size, which pays one-off
     # allocations and can make a rank look slower per sample than it is.
-    measured = [step for step in history[1:] if ran_plan(step, startup_plan)]
-    at_startup = None
-    if measured:
-        at_startup = [math.fsum(math.fsum(s[1] for s in step[rank]["samples"]) + step[rank]["step_overhead"]
-                                for step in measured) / len(measured) for rank in range(startup_plan.world_size)]
+    at_startup = startup_plan_times(history, startup_plan)
     over = [rank for rank, (m, cap) in enumerate(zip(startup_plan.micro_batch_sizes, limits or []))
             if cap is not None and m > cap]
     if over:  # memory decides, whatever the speeds
@@ -252,6 +246,16 @@ def trusted_plan(history, startup_plan, gradient_accumulation_steps, limits, all
                                  f"gives rank(s) {absurd} more than {SHARE_LIMIT:g}x the samples of the measured "
                                  f"speed ratio, so the plan of that ratio is used", best)
     return ProfilingDecision(best, models, note, best)
+
+
+def startup_plan_times(history, startup_plan):
+    """Per rank, the mean step time (micro-steps plus optimizer step) over the profiling steps after
+    the warm-up that ran ``startup_plan``; None when none did."""
+    measured = [step for step in history[1:] if ran_plan(step, startup_plan)]
+    if not measured:
+        return None
+    return [math.fsum(math.fsum(s[1] for s in step[rank]["samples"]) + step[rank]["step_overhead"]
+                      for step in measured) / len(measured) for rank in range(startup_plan.world_size)]
 
 
 def _spread_text(models, plan, times=None):

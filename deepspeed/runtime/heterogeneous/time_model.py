@@ -37,6 +37,15 @@ class TimeModel:
         return self.a + self.b * micro_batch_size
 
 
+def least_squares_line(sizes, times):
+    """``(intercept, slope)`` of the unconstrained least-squares line through ``(sizes[i], times[i])``;
+    needs two or more distinct sizes."""
+    mean_size, mean_time = math.fsum(sizes) / len(sizes), math.fsum(times) / len(times)
+    spread = math.fsum((m - mean_size)**2 for m in sizes)
+    slope = math.fsum((m - mean_size) * (t - mean_time) for m, t in zip(sizes, times)) / spread
+    return mean_time - slope * mean_size, slope
+
+
 def fit_time_model(samples):
     """Least-squares fit of ``time = a + b * mbs`` to measured micro-steps.
 
@@ -62,10 +71,7 @@ def fit_time_model(samples):
     through_origin = TimeModel(0.0, math.fsum(m * t for m, t in zip(sizes, times)) / math.fsum(m * m for m in sizes))
     if len(set(sizes)) < 2:
         return through_origin
-    mean_size, mean_time = math.fsum(sizes) / len(sizes), math.fsum(times) / len(times)
-    spread = math.fsum((m - mean_size)**2 for m in sizes)
-    slope = math.fsum((m - mean_size) * (t - mean_time) for m, t in zip(sizes, times)) / spread
-    intercept = mean_time - slope * mean_size
+    intercept, slope = least_squares_line(sizes, times)
     if slope <= 0 or intercept < 0:
         return through_origin
     return TimeModel(intercept, slope)
