@@ -61,12 +61,14 @@ def model_state_bytes(num_parameters,
         optimizer_bytes: optimizer state bytes per parameter (Adam: 8).
         master_bytes: fp32 master copy per parameter under fp16/bf16 (4), else 0 (ZeRO 1-3 count 4
             whatever it says: they always update an fp32 copy of their partition).
-        optimizer_offloaded: optimizer states and master weights live on the host.
+        optimizer_offloaded: optimizer states and master weights live on the host: True, or the part of
+            them that does (a ZeRO-3 ``offload_optimizer.ratio``).
         share: this rank's share of the ZeRO-1/2 partitioned state (``partitions.py``); None: 1/N.
     """
     parts = model_state_parts(num_parameters, zero_stage, data_parallel_size, param_bytes, optimizer_bytes,
                               master_bytes, share)
-    return int(math.ceil(parts.parameters + parts.gradients + (0 if optimizer_offloaded else parts.optimizer)))
+    kept = 1.0 - min(1.0, max(0.0, float(optimizer_offloaded)))
+    return int(math.ceil(parts.parameters + parts.gradients + kept * parts.optimizer))
 
 
 class ModelStateParts(NamedTuple):
@@ -100,16 +102,68 @@ def _model_state_inputs(parameters, half, optimizer, optimizer_offloaded):
         "param_bytes": 2 if half else 4,
         "optimizer_bytes": optimizer_state_bytes(optimizer),
         "master_bytes": 4 if half else 0,
-        "optimizer_offloaded": bool(optimizer_offloaded),
+        "optimizer_offloaded": float(optimizer_offloaded),
     }
+
+
+def zero3_sub_groups(group_numels, world, sub_group_size):
+    """Each ZeRO-3 optimizer sub-group's fraction of a rank's partitioned state, formed as upstream
+    forms them (``DeepSpeedZeroOptimizer_Stage3._create_fp16_sub_groups``): per parameter group, a
+    rank's partitions (ceil(numel / world) elements each) in order, a sub-group closing once it
+    holds ``sub_group_size`` elements or at the group's last parameter. ``group_numels``: per
+    parameter group, the trainable parameters' full sizes. None for a model without parameters."""
+    sizes = []
+    for numels in group_numels:
+        parts = [-(-int(n) // max(1, int(world))) for n in numels]
+        if not parts:
+            continue
+        if sub_group_size is None or sub_group_size >= sum(parts):
+            sizes.append(sum(parts))
+            continue
+        held = 0
+        for index, part in enumerate(parts):
+            held += part
+            if held >= sub_group_size or index == len(parts) - 1:
+                sizes.append(held)
+                held = 0
+    total = sum(sizes)
+    return tuple(size / total for size in sizes) if total else None
+
+
+def model_sub_groups(ds_config, model, optimizer=None):
+    """``zero3_sub_groups`` of ``model`` under a ``DeepSpeedConfig``: the client optimizer's
+    parameter groups (an instance), else one group of the model's parameters."""
+    groups = optimizer.param_groups if isinstance(optimizer, torch.optim.Optimizer) else [{
+        "params": list(model.parameters())
+    }]
+    numels = [[getattr(p, "ds_numel", p.numel()) for p in group["params"] if p.requires_grad] for group in groups]
+    return zero3_sub_groups(numels, int(ds_config.world_size), ds_config.zero_config.sub_group_size)
+
+
+def offloaded_fraction(zero_config, sub_groups=None):
+    """The part of a rank's optimizer state ``zero_optimization.offload_optimizer`` moves off the
+    device: 0, 1, or under ZeRO-3's ``ratio`` < 1 the last sub-groups' part (``sub_groups``: each
+    one's fraction, ``zero3_sub_groups``), upstream keeping the first ``int((1 - ratio) * n)`` on the
+    device; the ratio itself when the sub-groups are unknown."""
+    offload = zero_config.offload_optimizer
+    if offload is None or str(getattr(offload.device, "value", offload.device)) not in ("cpu", "nvme"):
+        return 0.0
+    ratio = float(offload.ratio)
+    if int(zero_config.stage) != 3 or ratio >= 1.0:
+        return 1.0
+    if not sub_groups:
+        return ratio
+    return float(sum(sub_groups[int((1 - ratio) * len(sub_groups)):]))
 
 
 def engine_model_state_inputs(engine):
     """What ``model_state_bytes`` needs to know of ``engine`` besides the ZeRO stage and the
     data-parallel size (the autotuner re-evaluates other stages and sizes from these)."""
     optimizer = engine.basic_optimizer if engine.basic_optimizer is not None else engine.optimizer
+    numels = getattr(engine.optimizer, "fp16_partitioned_groups_flat_numel", None)  # ZeRO-3's sub-groups
+    sub_groups = [n / sum(numels) for n in numels] if numels and sum(numels) else None
     return _model_state_inputs(engine.module.parameters(), engine.fp16_enabled() or engine.bfloat16_enabled(),
-                               optimizer, engine.zero_use_cpu_optimizer())
+                               optimizer, offloaded_fraction(engine._config.zero_config, sub_groups))
 
 
 def config_model_state_bytes(ds_config, model, optimizer=None):
@@ -120,7 +174,8 @@ def config_model_state_bytes(ds_config, model, optimizer=None):
     if not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = getattr(ds_config, "optimizer_name", None) or "unknown"
     offload = ds_config.zero_config.offload_optimizer
-    offloaded = offload is not None and str(getattr(offload.device, "value", offload.device)) in ("cpu", "nvme")
+    zero = ds_config.zero_config
+    offloaded = offloaded_fraction(zero, model_sub_groups(ds_config, model, optimizer) if int(zero.stage) == 3 else None)
     half = ds_config.float16_config.enabled or ds_config.bfloat16_config.enabled
     inputs = _model_state_inputs(model.parameters(), half, optimizer, offloaded)
     return model_state_bytes(zero_stage=int(ds_config.zero_optimization_stage or 0),

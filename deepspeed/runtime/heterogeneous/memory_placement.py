@@ -7,7 +7,7 @@ engine would do."""
 
 import math
 
-from .memory_pool import HeterogeneousMemoryPool, ModelStateSpec, known_speeds
+from .memory_pool import HeterogeneousMemoryPool, ModelStateSpec, known_speeds, zero3_offload_ratio
 from .partitions import check_shares
 
 
@@ -18,11 +18,15 @@ def place_engine_state(state, ds_config, model, optimizer=None):
     With ``heterogeneous_memory.enabled`` the pool decides the shares and which ranks offload their
     optimizer state, and is returned to be kept on the state; otherwise only explicit shares apply.
     Every rank decides alike from what every rank has (the config, the gathered devices, the
-    model); the ZeRO optimizer still compares the layout's digest. ZeRO-1/2 ranks that do not fit
-    offload to the host when ``heterogeneous_offload.cpu_offload`` allows it (``apply_rank_offload``);
-    per-rank NVMe and ZeRO-3 offload are not applied, so those placements are decided without
-    offload. The placement is not strict: what cannot be placed is logged, and the memory checks
-    that follow (and the device) have the last word."""
+    model); the ZeRO optimizer still compares the layout's digest. Ranks that do not fit offload
+    their optimizer state to the host when ``heterogeneous_offload.cpu_offload`` allows it
+    (``apply_rank_offload``): all of it in ZeRO-1/2, the fewest whole sub-groups in ZeRO-3. Per-rank
+    NVMe offload is not applied, so those placements are decided without it. The placement is not
+    strict: what cannot be placed is logged, and the memory checks that follow (and the device)
+    have the last word.
+
+    The third item maps each offloading data-parallel rank to the ``offload_optimizer.ratio`` it
+    gets (1.0: all of its optimizer state)."""
     from deepspeed.utils import logger
     memory = state.settings.memory
     setting = memory.zero_partitions
@@ -30,7 +34,7 @@ def place_engine_state(state, ds_config, model, optimizer=None):
     world = int(ds_config.world_size)
     if not memory.enabled:
         explicit = stage in (1, 2) and world >= 2 and setting not in ("auto", "even")
-        return None, check_shares(setting, world) if explicit else None, ()
+        return None, check_shares(setting, world) if explicit else None, {}
     pool = HeterogeneousMemoryPool.from_state(state, world)
     offload = state.settings.offload
     placement, offloaded = engine_placement(pool, ModelStateSpec.for_engine(ds_config, model, optimizer), setting,
@@ -42,7 +46,7 @@ def place_engine_state(state, ds_config, model, optimizer=None):
         if unapplied:
             logger.warning(f"deepspeed-hetero memory pool: zero_optimization.heterogeneous_offload."
                            f"{' and '.join(unapplied)} is not applied per rank here (per-rank offload drives ZeRO "
-                           "stage 1-2 to the host on 2+ ranks); set zero_optimization.offload_optimizer to offload "
+                           "stages 1-3 to the host on 2+ ranks); set zero_optimization.offload_optimizer to offload "
                            "on every rank")
         for problem in placement.problems:
             logger.warning(f"deepspeed-hetero memory pool: {problem}")
@@ -50,16 +54,21 @@ def place_engine_state(state, ds_config, model, optimizer=None):
 
 
 def engine_placement(pool, spec, zero_partitions, cpu_offload):
-    """``(placement, offloaded ranks)``: the pool's placement of ``spec`` as an engine applies it.
+    """``(placement, {offloading rank: offload_optimizer.ratio})``: the pool's placement of ``spec``
+    as an engine applies it.
 
-    Per-rank offload drives ZeRO-1/2 on 2+ ranks to the host (``cpu_offload``), and only when the
-    config does not offload every rank already; NVMe and ZeRO-3 placements are decided without
-    offload. Once a rank offloads, the shares are even: upstream's offloaded ZeRO-1/2 path keeps
-    equal slices (``partitions.zero_partition_layout``), so explicit uneven shares are refused."""
+    Per-rank offload drives ZeRO stages 1-3 on 2+ ranks to the host (``cpu_offload``), and only when
+    the config does not offload every rank already; NVMe placements are decided without offload.
+    ZeRO-3 offloads whole sub-groups (``ModelStateSpec.sub_groups``; all of them where the optimizer
+    cannot be DeepSpeedCPUAdam). Once a ZeRO-1/2 rank offloads, the shares are even: upstream's
+    offloaded ZeRO-1/2 path keeps equal slices (``partitions.zero_partition_layout``), so explicit
+    uneven shares are refused."""
     per_rank = cpu_offload and _offloads_per_rank(spec.zero_stage, pool.world_size) and spec.optimizer_device is None
     placement = pool.place(spec, zero_partitions=zero_partitions, cpu_offload=per_rank, nvme_offload=False,
                            strict=False)
     offloaded = tuple(placement.offloaded_ranks) if per_rank else ()
+    if spec.zero_stage == 3:
+        return placement, {rank: _zero3_upstream_ratio(placement.ranks[rank], spec) for rank in offloaded}
     if offloaded and zero_partitions not in ("auto", "even"):
         raise ValueError(f"heterogeneous_memory.zero_partitions {list(zero_partitions)} gives the ranks uneven "
                          f"shares, but data-parallel rank(s) {list(offloaded)} must offload their optimizer state "
@@ -69,38 +78,65 @@ def engine_placement(pool, spec, zero_partitions, cpu_offload):
     if offloaded and placement.partition_shares is not None:
         placement = pool.place(spec, zero_partitions="even", cpu_offload=True, nvme_offload=False, strict=False)
         offloaded = tuple(placement.offloaded_ranks)
-    return placement, offloaded
+    return placement, {rank: 1.0 for rank in offloaded}
+
+
+def _zero3_upstream_ratio(rank, spec):
+    """The ``offload_optimizer.ratio`` that offloads what the pool chose for a ZeRO-3 rank: its
+    number of sub-groups where known, else the fraction itself (upstream rounds it to sub-groups,
+    keeping ``int((1 - ratio) * n)`` of them on the device)."""
+    if rank.offload_fraction >= 1.0 or rank.offload_sub_groups is None:
+        return min(1.0, rank.offload_fraction)
+    return zero3_offload_ratio(rank.offload_sub_groups, len(spec.sub_groups))
 
 
 def _offloads_per_rank(stage, world):
-    """Where per-rank offload is applied: ZeRO-1/2 on 2+ data-parallel ranks."""
-    return stage in (1, 2) and world >= 2
+    """Where per-rank offload is applied: ZeRO stages 1-3 on 2+ data-parallel ranks."""
+    return stage in (1, 2, 3) and world >= 2
 
 
-def apply_rank_offload(ds_config, offloaded_ranks, dp_rank):
-    """Move the optimizer state of the ranks the pool offloads (``offloaded_ranks``) to the host.
+def apply_rank_offload(ds_config, offload, dp_rank, optimizer=None):
+    """Move the optimizer state of the ranks the pool offloads to the host; ``offload`` maps each
+    offloading data-parallel rank to its ``offload_optimizer.ratio`` (``engine_placement``).
 
     The one edit of upstream's validated config after start-up (the model, and so what fits, is
     known only as the engine starts): ``zero_optimization.offload_optimizer`` on the offloading
-    ranks, and ``contiguous_gradients`` on every rank, which upstream forces on an offloading rank
-    and which chooses between bucketed and per-tensor gradient reductions: anything that shapes a
-    collective stays the same on all ranks. Refuses the adaptive loss scaler, which the offloaded
+    ranks (ZeRO-3: with the rank's ratio over sub-groups), and in ZeRO-1/2 ``contiguous_gradients``
+    on every rank, which upstream forces on an offloading rank and which chooses between bucketed
+    and per-tensor gradient reductions: anything that shapes a collective stays the same on all
+    ranks. Every rank refuses alike what would fail on the offloading ranks alone (and leave the
+    others waiting in a collective): a client optimizer other than DeepSpeedCPUAdam while
+    ``zero_force_ds_cpu_optimizer`` holds, and the adaptive loss scaler, which the offloaded
     ZeRO-1/2 path cannot feed."""
-    if not offloaded_ranks:
+    if not offload:
         return
+    import torch
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
     from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadOptimizerConfig, OffloadDeviceEnum
+    ranks = sorted(offload)
+    key = "zero_optimization.heterogeneous_offload.cpu_offload"
+    if (isinstance(optimizer, torch.optim.Optimizer) and not isinstance(optimizer, DeepSpeedCPUAdam)
+            and ds_config.zero_force_ds_cpu_optimizer):
+        raise ValueError(f"heterogeneous_memory offloads the optimizer state of data-parallel rank(s) {ranks} to the "
+                         f"host ({key}), and the client's optimizer ({type(optimizer).__name__}) is not "
+                         "DeepSpeedCPUAdam, which ZeRO-Offload requires unless zero_force_ds_cpu_optimizer is false. "
+                         "Pass a deepspeed.ops.adam.DeepSpeedCPUAdam, set an optimizer in the config, set "
+                         "\"zero_force_ds_cpu_optimizer\": false, or give the ranks room "
+                         f"({key}: false)")
+    stage = int(ds_config.zero_optimization_stage or 0)
     fp16 = ds_config.float16_config
-    if fp16.enabled and fp16.auto_scale_threshold is not None:
-        raise ValueError(f"heterogeneous_memory offloads the optimizer state of data-parallel rank(s) "
-                         f"{list(offloaded_ranks)} to the host (zero_optimization.heterogeneous_offload.cpu_offload), "
-                         f"but fp16.auto_scale_threshold ({fp16.auto_scale_threshold}) selects the adaptive loss "
-                         "scaler, which ZeRO stage 1-2 cannot feed from an offloaded optimizer. Use bf16 or fp32 "
-                         "(heterogeneous_config.mixed_precision_support), remove fp16.auto_scale_threshold, or give "
-                         "the ranks room (heterogeneous_offload.cpu_offload: false)")
+    if stage in (1, 2) and fp16.enabled and fp16.auto_scale_threshold is not None:
+        raise ValueError(f"heterogeneous_memory offloads the optimizer state of data-parallel rank(s) {ranks} to the "
+                         f"host ({key}), but fp16.auto_scale_threshold ({fp16.auto_scale_threshold}) selects the "
+                         "adaptive loss scaler, which ZeRO stage 1-2 cannot feed from an offloaded optimizer. Use bf16 "
+                         "or fp32 (heterogeneous_config.mixed_precision_support), ZeRO stage 3, remove "
+                         f"fp16.auto_scale_threshold, or give the ranks room ({key}: false)")
     zero = ds_config.zero_config
-    zero.contiguous_gradients = True
-    if dp_rank in offloaded_ranks:
-        zero.offload_optimizer = DeepSpeedZeroOffloadOptimizerConfig(device=OffloadDeviceEnum.cpu)
+    if stage in (1, 2):
+        zero.contiguous_gradients = True
+    if dp_rank in offload:
+        ratio = float(offload[dp_rank]) if stage == 3 else 1.0
+        zero.offload_optimizer = DeepSpeedZeroOffloadOptimizerConfig(device=OffloadDeviceEnum.cpu, ratio=ratio)
 
 
 def config_placement_lines(param_dict, settings, rows, num_parameters=None):

@@ -84,6 +84,8 @@ class RankPlacement:
     """"device", "host" or "nvme": where the offloaded part of the optimizer state lives."""
     offload_fraction: float = 0.0
     """Part of the optimizer state off the device: 0, 1, or a ZeRO-3 ratio."""
+    offload_sub_groups: Optional[int] = None
+    """ZeRO-3 with known sub-groups: how many of them (the last ones) are offloaded."""
     slack_bytes: float = 0.0
     """What rounding the shares to millionths may add over a budget they were cut to fit."""
 
@@ -229,7 +231,7 @@ class HeterogeneousMemoryPool:
             if not over or not may_offload:
                 break
             if stage == 3:
-                offloaded.update({r.rank: _zero3_ratio(r) for r in over})
+                offloaded.update({r.rank: _zero3_ratio(r, model_state) for r in over})
             elif fixed is None:
                 # One rank at a time, the one with the least memory first: re-sharing after each
                 # lets the others keep their state on the device.
@@ -276,12 +278,13 @@ class HeterogeneousMemoryPool:
         for rank, share in enumerate(shares):
             parts = model_state.parts(world, share if model_state.zero_stage in (1, 2) else None)
             fraction = 1.0 if forced else offloaded.get(rank, 0.0)
+            sub_groups = _offloaded_sub_groups(model_state.sub_groups, fraction) if model_state.zero_stage == 3 else None
             ranks.append(RankPlacement(
                 rank=rank, host=self.hosts[rank], name=self.device_names[rank], capacity_bytes=self.capacities[rank],
                 budget_bytes=self.budgets[rank], share=share, parameter_bytes=parts.parameters,
                 gradient_bytes=parts.gradients, optimizer_bytes=parts.optimizer, activation_bytes=activations[rank],
                 optimizer_location=(NVME if forced == "nvme" else HOST) if fraction > 0 else DEVICE,
-                offload_fraction=fraction, slack_bytes=slack))
+                offload_fraction=fraction, offload_sub_groups=sub_groups, slack_bytes=slack))
         return ranks
 
     def _host_placement(self, ranks, nvme_offload):
@@ -359,12 +362,47 @@ def _dense_hosts(hosts, world):
     return [order.index(h) for h in hosts]
 
 
-def _zero3_ratio(rank):
-    """The smallest ratio (in hundredths) of a ZeRO-3 rank's optimizer state to offload so it fits."""
+def _zero3_ratio(rank, model_state):
+    """The smallest part of a ZeRO-3 rank's optimizer state to offload so it fits: whole sub-groups,
+    the last ones first, as upstream's ``offload_optimizer.ratio`` moves them (``sub_groups``
+    known), else hundredths; all of it where partial offload is not possible."""
     needed = rank.device_bytes - rank.budget_bytes
-    if rank.optimizer_bytes <= 0:
+    if rank.optimizer_bytes <= 0 or not model_state.partial_offload:
         return 1.0
-    return min(1.0, math.ceil(needed / rank.optimizer_bytes * 100) / 100)
+    wanted = needed / rank.optimizer_bytes
+    if model_state.sub_groups is None:
+        return min(1.0, math.ceil(wanted * 100) / 100)
+    held = 0.0
+    for fraction in reversed(model_state.sub_groups):
+        held += fraction
+        if held >= wanted - 1e-12:
+            return min(1.0, held)
+    return 1.0
+
+
+def _offloaded_sub_groups(sub_groups, fraction):
+    """How many of the last ``sub_groups`` make up ``fraction`` (None: sub-groups unknown)."""
+    if sub_groups is None:
+        return None
+    if fraction >= 1.0 - 1e-12:
+        return len(sub_groups)
+    held, count = 0.0, 0
+    for part in reversed(sub_groups):
+        if held >= fraction - 1e-9:
+            break
+        held += part
+        count += 1
+    return count
+
+
+def zero3_offload_ratio(sub_groups_offloaded, sub_groups):
+    """The ``offload_optimizer.ratio`` that makes upstream offload exactly the last
+    ``sub_groups_offloaded`` of ``sub_groups`` sub-groups. Upstream keeps the first
+    ``int((1 - ratio) * n)`` on the device; a ratio half a sub-group short of k/n keeps that product
+    clear of the integer below it whatever the floating-point rounding. 1.0: all of them."""
+    if sub_groups_offloaded >= sub_groups:
+        return 1.0
+    return (sub_groups_offloaded - 0.5) / sub_groups
 
 
 # -- the engine's and the env report's pools ------------------------------------------------------

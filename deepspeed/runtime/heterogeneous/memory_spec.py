@@ -4,10 +4,10 @@ counts model state (``memory.model_state_bytes``): the trainable parameters, the
 bytes per parameter of weights, gradients, optimizer state and master copy, and whether upstream's
 ``offload_optimizer`` already moves every rank's optimizer off the device."""
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, replace
+from typing import Optional, Tuple
 
-from .memory import _model_state_inputs, model_state_bytes, model_state_parts
+from .memory import _model_state_inputs, model_state_bytes, model_state_parts, model_sub_groups
 
 
 @dataclass(frozen=True)
@@ -24,12 +24,22 @@ class ModelStateSpec:
     """The fp32 master copy under fp16/bf16 (4); ZeRO 1-3 count 4 whatever it says."""
     optimizer_device: Optional[str] = None
     """Upstream's ``offload_optimizer.device`` ("cpu"/"nvme"), which offloads every rank."""
+    sub_groups: Optional[Tuple[float, ...]] = None
+    """ZeRO-3: each optimizer sub-group's fraction of a rank's partitioned state, in upstream's
+    order (``zero3_sub_groups``); a rank offloads whole sub-groups, the last ones first. None:
+    unknown (a config without a model), the ratio is then counted in hundredths."""
+    partial_offload: bool = True
+    """ZeRO-3: whether a rank may offload part of its sub-groups (upstream's ``offload_optimizer.ratio``
+    below 1 steps the offloaded ones with ``DeepSpeedCPUAdam``, which only an Adam-type optimizer
+    gets); False: a rank that must offload offloads all of its optimizer state."""
 
     def __post_init__(self):
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage {self.zero_stage!r} must be 0, 1, 2 or 3")
         if self.num_parameters < 0:
             raise ValueError(f"num_parameters {self.num_parameters!r} must be >= 0")
+        if self.sub_groups is not None and (not self.sub_groups or abs(sum(self.sub_groups) - 1.0) > 1e-6):
+            raise ValueError(f"sub_groups {self.sub_groups!r} must be fractions of the partition that sum to 1")
 
     def _inputs(self):
         return dict(param_bytes=self.param_bytes, optimizer_bytes=self.optimizer_bytes,
@@ -47,28 +57,50 @@ class ModelStateSpec:
         """The state of ``model`` under a ``DeepSpeedConfig``, counted as the planner counts it
         (``memory.config_model_state_bytes``): the client's optimizer instance, else the config's."""
         import torch
-        if not isinstance(optimizer, torch.optim.Optimizer):
+        client = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+        if client is None:
             optimizer = getattr(ds_config, "optimizer_name", None) or "unknown"
         offload = ds_config.zero_config.offload_optimizer
         half = ds_config.float16_config.enabled or ds_config.bfloat16_config.enabled
-        return cls._from_inputs(_model_state_inputs(model.parameters(), half, optimizer, False),
-                                int(ds_config.zero_optimization_stage or 0), _offload_device(offload))
+        stage = int(ds_config.zero_optimization_stage or 0)
+        spec = cls._from_inputs(_model_state_inputs(model.parameters(), half, optimizer, False), stage,
+                                _offload_device(offload))
+        if stage != 3:
+            return spec
+        return replace(spec, sub_groups=model_sub_groups(ds_config, model, client),
+                       partial_offload=cpu_adam_optimizer(ds_config, client))
 
     @classmethod
     def for_config_dict(cls, param_dict, num_parameters, half):
         """The state of a model of ``num_parameters`` under a ds_config dict (no engine, no model)."""
-        from deepspeed.runtime.config import get_optimizer_name
+        from types import SimpleNamespace
+        from deepspeed.runtime.config import get_optimizer_name, get_optimizer_params
         from deepspeed.runtime.zero.config import get_zero_config
         zero = get_zero_config(param_dict)
+        name = get_optimizer_name(param_dict)
+        optimizer = SimpleNamespace(optimizer_name=name, optimizer_params=get_optimizer_params(param_dict))
         return cls(num_parameters=int(num_parameters), zero_stage=int(zero.stage), param_bytes=2 if half else 4,
-                   optimizer_bytes=_optimizer_bytes(get_optimizer_name(param_dict) or "unknown"),
-                   master_bytes=4 if half else 0, optimizer_device=_offload_device(zero.offload_optimizer))
+                   optimizer_bytes=_optimizer_bytes(name or "unknown"), master_bytes=4 if half else 0,
+                   optimizer_device=_offload_device(zero.offload_optimizer),
+                   partial_offload=cpu_adam_optimizer(optimizer))
 
     @classmethod
     def _from_inputs(cls, inputs, zero_stage, optimizer_device):
         return cls(num_parameters=int(inputs["num_parameters"]), zero_stage=zero_stage,
                    param_bytes=inputs["param_bytes"], optimizer_bytes=inputs["optimizer_bytes"],
                    master_bytes=inputs["master_bytes"], optimizer_device=optimizer_device)
+
+
+def cpu_adam_optimizer(ds_config, optimizer=None):
+    """Whether an offloading rank's optimizer will be ``DeepSpeedCPUAdam``, which upstream's ZeRO-3
+    partial offload (``offload_optimizer.ratio`` < 1) requires: a client's instance of it, or an
+    Adam/AdamW from the config (``optimizer_name``, ``optimizer_params``) without ``torch_adam``."""
+    if optimizer is not None:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        return isinstance(optimizer, DeepSpeedCPUAdam)
+    name = str(getattr(ds_config, "optimizer_name", None) or "").lower()
+    params = getattr(ds_config, "optimizer_params", None) or {}
+    return name in ("adam", "adamw") and not params.get("torch_adam", False)
 
 
 def _optimizer_bytes(name):

@@ -59,8 +59,11 @@ class HeterogeneousState:
     """The ``HeterogeneousMemoryPool`` that placed this engine's state (``memory_pool.placement``;
     None unless heterogeneous_memory.enabled); the profiler and reports read it."""
     offloaded_ranks: tuple = ()
-    """The data-parallel ranks whose ZeRO-1/2 optimizer state the pool put on the host
-    (``zero_optimization.heterogeneous_offload.cpu_offload``); the same on every rank."""
+    """The data-parallel ranks whose ZeRO optimizer state (ZeRO-3: some of its sub-groups) the pool
+    put on the host (``zero_optimization.heterogeneous_offload.cpu_offload``); the same on every rank."""
+    offload_ratios: tuple = ()
+    """Per data-parallel rank, the ``offload_optimizer.ratio`` the pool gave it (0: none; 1: all of its
+    optimizer state; ZeRO-3 between: the last sub-groups); empty when no rank offloads."""
     autotuning_window: Optional[object] = field(default=None, repr=False)
     """The autotuning metric window's progress (``autotuning.heterogeneous.experiments``), also
     with the fork off; None until the first step of an autotuning experiment."""
@@ -146,13 +149,18 @@ class HeterogeneousState:
             from .batch import cap_startup_plan
             from .memory_placement import apply_rank_offload, place_engine_state
             from .partitions import describe_shares
-            self.memory_pool, self.partition_shares, self.offloaded_ranks = place_engine_state(
-                self, ds_config, model, optimizer)
-            apply_rank_offload(ds_config, self.offloaded_ranks, self.dp_rank)
+            self.memory_pool, self.partition_shares, offload = place_engine_state(self, ds_config, model, optimizer)
+            apply_rank_offload(ds_config, offload, self.dp_rank, optimizer)
+            self.offloaded_ranks = tuple(sorted(offload))
+            if offload:
+                world = int(ds_config.world_size)
+                self.offload_ratios = tuple(float(offload.get(rank, 0.0)) for rank in range(world))
             if self.offloaded_ranks and self.dp_rank == 0:
+                parts = ", ".join(f"{rank}: {'all' if ratio >= 1 else f'ratio {ratio:g}'}"
+                                  for rank, ratio in sorted(offload.items()))
                 logger.warning(f"deepspeed-hetero: data-parallel rank(s) {list(self.offloaded_ranks)} keep their "
-                               "ZeRO optimizer state on the host (heterogeneous_offload.cpu_offload); the other "
-                               "ranks keep theirs on the device")
+                               f"ZeRO optimizer state on the host ({parts}; heterogeneous_offload.cpu_offload); "
+                               "the other ranks keep theirs on the device")
             if self.partition_shares is not None and self.dp_rank == 0:
                 logger.warning(f"deepspeed-hetero: ZeRO-{ds_config.zero_optimization_stage} optimizer-state shares "
                                f"per data-parallel rank {describe_shares(self.partition_shares)} "

@@ -235,7 +235,8 @@ def test_engine_model_state_bytes_is_the_one_count_of_an_engine():
     engine = SimpleNamespace(module=module, fp16_enabled=lambda: False, bfloat16_enabled=lambda: True,
                              basic_optimizer=None, optimizer=optimizer, zero_use_cpu_optimizer=lambda: False,
                              zero_optimization_stage=lambda: 2,
-                             _config=SimpleNamespace(heterogeneous=SimpleNamespace(partition_share=None)))
+                             _config=SimpleNamespace(heterogeneous=SimpleNamespace(partition_share=None),
+                                                     zero_config=SimpleNamespace(stage=2, offload_optimizer=None)))
     inputs = engine_model_state_inputs(engine)
     assert inputs == {"num_parameters": 100, "param_bytes": 2, "optimizer_bytes": 8, "master_bytes": 4,
                       "optimizer_offloaded": False}

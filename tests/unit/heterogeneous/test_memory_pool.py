@@ -147,6 +147,67 @@ def test_zero3_offloads_the_smallest_ratio_that_fits():
     assert pool.placement.ranks[0].offload_fraction == 0
 
 
+def test_zero3_sub_groups_are_formed_as_upstream_forms_them():
+    from deepspeed.runtime.heterogeneous.memory import zero3_sub_groups
+    # World 2: partitions of 10, 3, 8 and 1 elements (odd sizes round up). A sub-group closes once
+    # it holds 10 elements or at its parameter group's last parameter.
+    assert zero3_sub_groups([[20, 5, 16, 1]], 2, 10) == (10 / 22, 11 / 22, 1 / 22)
+    # Per parameter group; a group within sub_group_size is one sub-group; frozen groups vanish.
+    assert zero3_sub_groups([[20, 5], [], [16, 1]], 2, 100) == (13 / 22, 9 / 22)
+    assert zero3_sub_groups([[4, 4, 4, 4]], 1, 1) == (0.25, 0.25, 0.25, 0.25)
+    assert zero3_sub_groups([[]], 2, 10) is None
+
+
+@pytest.mark.parametrize("sub_groups", range(1, 65))
+def test_zero3_offload_ratio_makes_upstream_offload_exactly_that_many_sub_groups(sub_groups):
+    from deepspeed.runtime.heterogeneous.memory_pool import zero3_offload_ratio
+    for offloaded in range(1, sub_groups + 1):
+        ratio = zero3_offload_ratio(offloaded, sub_groups)
+        assert 0 < ratio <= 1
+        # stage3.py: sub-group i goes to the CPU when i >= int((1 - ratio) * n); ratio 1.0 offloads all
+        on_device = int((1 - ratio) * sub_groups)
+        assert sub_groups - on_device == offloaded, (offloaded, ratio)
+
+
+def test_zero3_offloads_the_fewest_whole_sub_groups_that_fit_the_last_first():
+    quarters = (0.4, 0.1, 0.3, 0.2)  # upstream offloads the last sub-groups first
+    spec = ModelStateSpec(zero_stage=3, sub_groups=quarters, **BF16_4B)
+    pool = HeterogeneousMemoryPool([80 * GIB, 20 * GIB], hbm_utilization_threshold=1.0)
+    hundredths = HeterogeneousMemoryPool([80 * GIB, 20 * GIB], hbm_utilization_threshold=1.0).place(
+        ModelStateSpec(zero_stage=3, **BF16_4B)).ranks[1].offload_fraction
+    rank = pool.place(spec).ranks[1]
+    held = 0.0
+    for count, part in enumerate(reversed(quarters), start=1):
+        held += part
+        if held >= hundredths - 0.01:
+            break
+    assert (rank.offload_sub_groups, rank.offload_fraction) == (count, pytest.approx(held)) and rank.fits
+    assert 0 < count < 4
+    # Without DeepSpeedCPUAdam upstream's ratio must be 1: all of it.
+    whole = pool.place(ModelStateSpec(zero_stage=3, sub_groups=quarters, partial_offload=False, **BF16_4B)).ranks[1]
+    assert (whole.offload_fraction, whole.offload_sub_groups) == (1.0, 4)
+    with pytest.raises(ValueError, match="sub_groups"):
+        ModelStateSpec(zero_stage=3, sub_groups=(0.5, 0.2), **BF16_4B)
+
+
+def test_the_offloaded_part_follows_upstreams_sub_group_rule():
+    from types import SimpleNamespace
+    from deepspeed.runtime.heterogeneous.memory import offloaded_fraction
+    from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadOptimizerConfig
+
+    def zero(stage, ratio=None, device="cpu"):
+        offload = None if ratio is None else DeepSpeedZeroOffloadOptimizerConfig(device=device, ratio=ratio)
+        return SimpleNamespace(stage=stage, offload_optimizer=offload)
+
+    quarters = (0.4, 0.1, 0.3, 0.2)
+    assert offloaded_fraction(zero(3)) == 0.0
+    assert offloaded_fraction(zero(3, 1.0), quarters) == 1.0
+    assert offloaded_fraction(zero(2, 0.3), quarters) == 1.0  # the ratio is ZeRO-3's alone
+    assert offloaded_fraction(zero(3, 0.375), quarters) == pytest.approx(0.5)  # int(0.625 * 4) = 2 kept
+    assert offloaded_fraction(zero(3, 0.3)) == 0.3  # sub-groups unknown
+    assert offloaded_fraction(zero(3, 0.5, device="none")) == 0.0
+
+
 def test_each_nodes_offload_must_fit_its_host_budget():
     spec = ModelStateSpec(zero_stage=1, **BF16_1B)
     # Even ZeRO-1 shares: 2 + 2 + 3 GB per rank, over an 8 GB device's 6.8 GB budget. Node 0's two
@@ -309,3 +370,18 @@ def test_the_engine_places_its_state_through_the_pool_and_the_profiler_reads_tha
         assert result["runtime_state_bytes"] == result["placed_bytes"], result
     assert first["placed_bytes"] > second["placed_bytes"]
     assert first["memory_balance"] is not None
+
+
+def test_a_client_optimizer_zero_offload_would_refuse_is_refused_on_every_rank():
+    """Upstream refuses ZeRO-Offload with a client optimizer other than DeepSpeedCPUAdam, on the
+    offloading rank alone, while the others go on to a collective and wait: the fork refuses it on
+    every rank, whichever rank offloads."""
+    from types import SimpleNamespace
+    from deepspeed.runtime.heterogeneous.memory_placement import apply_rank_offload
+
+    config = SimpleNamespace(zero_force_ds_cpu_optimizer=True)
+    client = torch.optim.Adam(torch.nn.Linear(2, 2).parameters())
+    for rank in (0, 1):
+        with pytest.raises(ValueError, match=r"rank\(s\) \[1\].*client's optimizer \(Adam\).*zero_force_ds_cpu_optimizer"):
+            apply_rank_offload(config, {1: 0.375}, rank, client)
+    apply_rank_offload(config, {}, 0, client)  # nothing offloads: nothing to refuse

@@ -102,6 +102,92 @@ def test_the_rank_without_room_offloads_and_both_train_exactly_with_the_same_col
                 torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=lambda m: f"{case}: {m}")
 
 
+# -- ZeRO-3: a per-rank ratio over sub-groups -------------------------------------------------------
+
+
+def _zero3_memory_gb(wanted):
+    """Rank 0 with plenty of room; rank 1 with room for its ZeRO-3 shard once ``wanted`` of its
+    optimizer state (moments and fp32 master copy) is off the device. The pool places model state
+    only: what the sub-groups it offloads free beyond ``wanted`` holds the activations (3% wanted,
+    more than the last sub-group's 1.5%: the last two go, 49%, leaving 2.9 KiB for the ~2.6 KiB the
+    runtime counts for rank 1's activations with gas 2)."""
+    from deepspeed.runtime.heterogeneous.devices import BYTES_PER_GB
+    from test_exactness import make_model
+
+    shard = sum(p.numel() for p in make_model().parameters()) / 2
+    on_device = 4 * shard + 4 * shard  # fp32 parameters and gradients of the shard
+    return [1.0, (on_device + (1 - wanted) * 12 * shard) / BYTES_PER_GB]
+
+
+def _train_zero3(rank, world_size, optimizer, gas, clipping):
+    """ZeRO-3 on 2 ranks, four sub-groups (one per parameter: sub_group_size 1), rank 1 short of
+    3% of its optimizer state. ``optimizer`` "cpu_adam": the client's DeepSpeedCPUAdam, so rank 1
+    may offload part of its sub-groups; "torch_adam": the config's torch Adam, which upstream's
+    partial offload cannot drive, so rank 1 offloads all of them."""
+    import deepspeed
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from deepspeed.runtime.heterogeneous.collective_log import recording
+    from test_exactness import LR, ds_config, make_model, train_slices
+
+    config = ds_config(3, gas, SIZES, clipping)
+    config["heterogeneous_config"]["emulation"] = {"memory_gb": _zero3_memory_gb(0.03), "mode": "dilation"}
+    config["heterogeneous_memory"] = {"enabled": True, "hbm_utilization_threshold": 1.0}
+    config["zero_optimization"].update(sub_group_size=1, heterogeneous_offload={"cpu_offload": True})
+    model = make_model()
+    client = None
+    if optimizer == "cpu_adam":
+        del config["optimizer"]
+        client = DeepSpeedCPUAdam(model.parameters(), lr=LR, weight_decay=0.0)
+    with recording() as entries:
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), optimizer=client,
+                                               config=config)
+        train_slices(engine, rank, SIZES, gas, config["train_batch_size"])
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+            params = [p.detach().clone() for p in engine.module.parameters()]
+    state = engine._config.heterogeneous
+    placement = state.memory_pool.placement.ranks
+    opt = engine.optimizer
+    return {"params": params, "entries": list(entries), "offloaded": list(state.offloaded_ranks),
+            "ratios": list(state.offload_ratios), "sub_groups": len(opt.fp16_groups),
+            "offload": (bool(opt.offload_optimizer), float(getattr(opt, "partial_offload", 0.0))),
+            "placed": [(r.offload_fraction, r.offload_sub_groups) for r in placement],
+            "optimizer": type(opt.optimizer).__name__}
+
+
+ZERO3_CASES = [
+    dict(optimizer="cpu_adam", gas=1, clipping=0.05),
+    dict(optimizer="cpu_adam", gas=2, clipping=0.0),
+    dict(optimizer="torch_adam", gas=1, clipping=0.05),
+]
+
+
+@pytest.mark.multiprocess
+def test_zero3_rank_without_room_offloads_whole_sub_groups_and_both_train_exactly_with_the_same_collectives():
+    from test_exactness import make_model, reference_parameters
+
+    parts = [-(-p.numel() // 2) for p in make_model().parameters()]
+    last_two = (parts[2] + parts[3]) / sum(parts)  # the last two sub-groups: upstream offloads from the end
+    results = run_subcases(_train_zero3, ZERO3_CASES, world_size=2, timeout=600)
+    for case, (first, second) in zip(ZERO3_CASES, results):
+        partial = case["optimizer"] == "cpu_adam"
+        assert first["offloaded"] == second["offloaded"] == [1], case
+        assert first["sub_groups"] == second["sub_groups"] == 4, case  # the pool counts them as upstream forms them
+        if partial:  # 3% wanted: the last two sub-groups (the last alone is a bias, 1.5%)
+            assert second["placed"][1] == (pytest.approx(last_two), 2), (case, second["placed"])
+            assert first["ratios"] == second["ratios"] == [0.0, 0.375], case
+            assert second["offload"] == (True, 0.375), case
+        else:  # upstream's partial offload needs DeepSpeedCPUAdam: all of rank 1's state goes
+            assert second["placed"][1] == (1.0, 4), (case, second["placed"])
+            assert first["ratios"] == second["ratios"] == [0.0, 1.0], case
+            assert second["offload"] == (True, 1.0), case
+        assert first["offload"][0] is False and first["placed"][0] == (0.0, 0), case
+        assert_same_collectives([first["entries"], second["entries"]], what=str(case))
+        expected = reference_parameters(sum(SIZES) * case["gas"], case["clipping"])
+        for result in (first, second):
+            for got, want in zip(result["params"], expected):
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=lambda m: f"{case}: {m}")
+
+
 SAVE_AT = 3
 
 
