@@ -7,7 +7,8 @@ engine would do."""
 
 import math
 
-from .memory_pool import HeterogeneousMemoryPool, ModelStateSpec, known_speeds, zero3_offload_ratio
+from .memory_pool import HeterogeneousMemoryPool, ModelStateSpec, known_speeds
+from .memory_spec import zero3_offload_ratio
 from .partitions import check_shares
 
 

@@ -52,7 +52,7 @@ from .devices import DeviceDescription
 from .memory import RankCannotFitError
 from .memory_pool_report import DEVICE, MemoryReport
 from .memory_pool_report import format_size as _size
-from .memory_spec import ModelStateSpec
+from .memory_spec import ModelStateSpec, offloaded_sub_groups, zero3_offload_fraction
 from .partitions import check_shares, choose_partition_shares, is_even
 
 DEFAULT_UTILIZATION = HeterogeneousMemoryConfig.model_fields["hbm_utilization_threshold"].default
@@ -231,7 +231,7 @@ class HeterogeneousMemoryPool:
             if not over or not may_offload:
                 break
             if stage == 3:
-                offloaded.update({r.rank: _zero3_ratio(r, model_state) for r in over})
+                offloaded.update({r.rank: zero3_offload_fraction(r, model_state) for r in over})
             elif fixed is None:
                 # One rank at a time, the one with the least memory first: re-sharing after each
                 # lets the others keep their state on the device.
@@ -278,7 +278,7 @@ class HeterogeneousMemoryPool:
         for rank, share in enumerate(shares):
             parts = model_state.parts(world, share if model_state.zero_stage in (1, 2) else None)
             fraction = 1.0 if forced else offloaded.get(rank, 0.0)
-            sub_groups = _offloaded_sub_groups(model_state.sub_groups, fraction) if model_state.zero_stage == 3 else None
+            sub_groups = offloaded_sub_groups(model_state.sub_groups, fraction) if model_state.zero_stage == 3 else None
             ranks.append(RankPlacement(
                 rank=rank, host=self.hosts[rank], name=self.device_names[rank], capacity_bytes=self.capacities[rank],
                 budget_bytes=self.budgets[rank], share=share, parameter_bytes=parts.parameters,
@@ -360,49 +360,6 @@ def _dense_hosts(hosts, world):
         raise ValueError(f"HeterogeneousMemoryPool: hosts {hosts} must name the node of each of the {world} ranks")
     order = list(dict.fromkeys(hosts))
     return [order.index(h) for h in hosts]
-
-
-def _zero3_ratio(rank, model_state):
-    """The smallest part of a ZeRO-3 rank's optimizer state to offload so it fits: whole sub-groups,
-    the last ones first, as upstream's ``offload_optimizer.ratio`` moves them (``sub_groups``
-    known), else hundredths; all of it where partial offload is not possible."""
-    needed = rank.device_bytes - rank.budget_bytes
-    if rank.optimizer_bytes <= 0 or not model_state.partial_offload:
-        return 1.0
-    wanted = needed / rank.optimizer_bytes
-    if model_state.sub_groups is None:
-        return min(1.0, math.ceil(wanted * 100) / 100)
-    held = 0.0
-    for fraction in reversed(model_state.sub_groups):
-        held += fraction
-        if held >= wanted - 1e-12:
-            return min(1.0, held)
-    return 1.0
-
-
-def _offloaded_sub_groups(sub_groups, fraction):
-    """How many of the last ``sub_groups`` make up ``fraction`` (None: sub-groups unknown)."""
-    if sub_groups is None:
-        return None
-    if fraction >= 1.0 - 1e-12:
-        return len(sub_groups)
-    held, count = 0.0, 0
-    for part in reversed(sub_groups):
-        if held >= fraction - 1e-9:
-            break
-        held += part
-        count += 1
-    return count
-
-
-def zero3_offload_ratio(sub_groups_offloaded, sub_groups):
-    """The ``offload_optimizer.ratio`` that makes upstream offload exactly the last
-    ``sub_groups_offloaded`` of ``sub_groups`` sub-groups. Upstream keeps the first
-    ``int((1 - ratio) * n)`` on the device; a ratio half a sub-group short of k/n keeps that product
-    clear of the integer below it whatever the floating-point rounding. 1.0: all of them."""
-    if sub_groups_offloaded >= sub_groups:
-        return 1.0
-    return (sub_groups_offloaded - 0.5) / sub_groups
 
 
 # -- the engine's and the env report's pools ------------------------------------------------------

@@ -1,9 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """``ModelStateSpec``: what the memory pool (``memory_pool.py``) places, counted as the planner
 counts model state (``memory.model_state_bytes``): the trainable parameters, the ZeRO stage, the
-bytes per parameter of weights, gradients, optimizer state and master copy, and whether upstream's
-``offload_optimizer`` already moves every rank's optimizer off the device."""
+bytes per parameter of weights, gradients, optimizer state and master copy, whether upstream's
+``offload_optimizer`` already moves every rank's optimizer off the device, and ZeRO-3's optimizer
+sub-groups, which a rank offloads whole (``zero3_offload_fraction``, ``zero3_offload_ratio``)."""
 
+import math
 from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
@@ -101,6 +103,50 @@ def cpu_adam_optimizer(ds_config, optimizer=None):
     name = str(getattr(ds_config, "optimizer_name", None) or "").lower()
     params = getattr(ds_config, "optimizer_params", None) or {}
     return name in ("adam", "adamw") and not params.get("torch_adam", False)
+
+
+def zero3_offload_fraction(rank, model_state):
+    """The smallest part of a ZeRO-3 rank's optimizer state to offload so that the rank (a
+    ``RankPlacement``) fits: whole sub-groups,
+    the last ones first, as upstream's ``offload_optimizer.ratio`` moves them (``sub_groups``
+    known), else hundredths; all of it where partial offload is not possible."""
+    needed = rank.device_bytes - rank.budget_bytes
+    if rank.optimizer_bytes <= 0 or not model_state.partial_offload:
+        return 1.0
+    wanted = needed / rank.optimizer_bytes
+    if model_state.sub_groups is None:
+        return min(1.0, math.ceil(wanted * 100) / 100)
+    held = 0.0
+    for fraction in reversed(model_state.sub_groups):
+        held += fraction
+        if held >= wanted - 1e-12:
+            return min(1.0, held)
+    return 1.0
+
+
+def offloaded_sub_groups(sub_groups, fraction):
+    """How many of the last ``sub_groups`` make up ``fraction`` (None: sub-groups unknown)."""
+    if sub_groups is None:
+        return None
+    if fraction >= 1.0 - 1e-12:
+        return len(sub_groups)
+    held, count = 0.0, 0
+    for part in reversed(sub_groups):
+        if held >= fraction - 1e-9:
+            break
+        held += part
+        count += 1
+    return count
+
+
+def zero3_offload_ratio(sub_groups_offloaded, sub_groups):
+    """The ``offload_optimizer.ratio`` that makes upstream offload exactly the last
+    ``sub_groups_offloaded`` of ``sub_groups`` sub-groups. Upstream keeps the first
+    ``int((1 - ratio) * n)`` on the device; a ratio half a sub-group short of k/n keeps that product
+    clear of the integer below it whatever the floating-point rounding. 1.0: all of them."""
+    if sub_groups_offloaded >= sub_groups:
+        return 1.0
+    return (sub_groups_offloaded - 0.5) / sub_groups
 
 
 def _optimizer_bytes(name):

@@ -160,7 +160,7 @@ def test_zero3_sub_groups_are_formed_as_upstream_forms_them():
 
 @pytest.mark.parametrize("sub_groups", range(1, 65))
 def test_zero3_offload_ratio_makes_upstream_offload_exactly_that_many_sub_groups(sub_groups):
-    from deepspeed.runtime.heterogeneous.memory_pool import zero3_offload_ratio
+    from deepspeed.runtime.heterogeneous.memory_spec import zero3_offload_ratio
     for offloaded in range(1, sub_groups + 1):
         ratio = zero3_offload_ratio(offloaded, sub_groups)
         assert 0 < ratio <= 1
