@@ -33,9 +33,9 @@ Every rank ends with the same scale: the optimizers reduce the max-abs with MAX 
 data-parallel (and model-parallel) groups in the same collective as the overflow flag
 (``overflow_and_max_abs`` below builds the tensor they reduce).
 
-ZeRO-1/2 with ``offload_optimizer`` checks overflow on the host while copying the gradients and
-never measures their max-abs, so the scaler would run blind: ``check_adaptive_scaler_supported``
-refuses that configuration.
+ZeRO-1/2 with ``offload_optimizer`` keeps no gradient partition on the device: its ranks measure
+the fp32 partitions on the host (``zero_partition_gradients``), so ranks with and without offload
+reduce the same ``[overflow, max-abs]``.
 """
 
 import copy
@@ -189,29 +189,6 @@ class AdaptiveLossScaler(DynamicLossScaler):
                 "margin": self.margin, "recovery_steps": self._recovery_steps}
 
 
-def check_adaptive_scaler_supported(zero_stage: int, cpu_offload: bool, auto_scale_threshold) -> None:
-    """Refuse the adaptive scaler where the optimizer cannot feed it.
-
-    Args:
-        zero_stage: ``zero_optimization.stage``.
-        cpu_offload: whether ``zero_optimization.offload_optimizer`` moves the optimizer off the
-            accelerator (device cpu or nvme).
-        auto_scale_threshold: ``fp16.auto_scale_threshold``; None when unset (or fp16 is off).
-
-    Raises ``ValueError`` for ZeRO-1/2 with the optimizer offloaded: that path checks overflow on the
-    host while copying the gradients and never measures their max-abs, so the scaler would never
-    raise its scale, only halve it at each overflow. ZeRO-3 offload is fine: its gradient
-    partitions pass through the flat buffer that its overflow check measures.
-    """
-    if auto_scale_threshold is None or zero_stage not in (1, 2) or not cpu_offload:
-        return
-    raise ValueError(f"fp16.auto_scale_threshold ({auto_scale_threshold}) selects the adaptive loss scaler, which ZeRO "
-                     f"stage {zero_stage} cannot run with zero_optimization.offload_optimizer: the offloaded optimizer "
-                     f"checks overflow on the host without measuring the gradient max-abs the scaler needs. Either "
-                     f"remove fp16.auto_scale_threshold to use upstream's dynamic loss scaler, or drop "
-                     f"zero_optimization.offload_optimizer (or set its device to none)")
-
-
 def validate_auto_scale_threshold(threshold, loss_scale):
     """``fp16.auto_scale_threshold`` (None: upstream's dynamic scaler) against the fp16 block."""
     if threshold is None:
@@ -246,6 +223,16 @@ def zero_check_overflow(scaler, grads, dp_group, model_parallel_all_reduce, stre
     dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=dp_group)
     model_parallel_all_reduce(tensor=reduced, op=dist.ReduceOp.MAX)
     return scaler.observe(reduced)
+
+
+def zero_partition_gradients(optimizer):
+    """This rank's ZeRO-1/2 gradient partition at the step, for ``zero_check_overflow``: with the
+    optimizer offloaded, the fp32 partitions' gradients on the host (the offloaded path copies each
+    reduced gradient there and keeps none on the device; fp16/bf16 values are exact in fp32, so
+    the flag and the max-abs are those the device path would measure), else ``averaged_gradients``."""
+    if optimizer.cpu_offload:
+        return [partition.grad for partition in optimizer.single_partition_of_fp32_groups]
+    return [grad for index in range(len(optimizer.bit16_groups)) for grad in optimizer.averaged_gradients[index]]
 
 
 def overflow_and_max_abs(grads):

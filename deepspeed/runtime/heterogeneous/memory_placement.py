@@ -107,8 +107,7 @@ def apply_rank_offload(ds_config, offload, dp_rank, optimizer=None):
     and per-tensor gradient reductions: anything that shapes a collective stays the same on all
     ranks. Every rank refuses alike what would fail on the offloading ranks alone (and leave the
     others waiting in a collective): a client optimizer other than DeepSpeedCPUAdam while
-    ``zero_force_ds_cpu_optimizer`` holds, and the adaptive loss scaler, which the offloaded
-    ZeRO-1/2 path cannot feed."""
+    ``zero_force_ds_cpu_optimizer`` holds."""
     if not offload:
         return
     import torch
@@ -125,13 +124,6 @@ def apply_rank_offload(ds_config, offload, dp_rank, optimizer=None):
                          "\"zero_force_ds_cpu_optimizer\": false, or give the ranks room "
                          f"({key}: false)")
     stage = int(ds_config.zero_optimization_stage or 0)
-    fp16 = ds_config.float16_config
-    if stage in (1, 2) and fp16.enabled and fp16.auto_scale_threshold is not None:
-        raise ValueError(f"heterogeneous_memory offloads the optimizer state of data-parallel rank(s) {ranks} to the "
-                         f"host ({key}), but fp16.auto_scale_threshold ({fp16.auto_scale_threshold}) selects the "
-                         "adaptive loss scaler, which ZeRO stage 1-2 cannot feed from an offloaded optimizer. Use bf16 "
-                         "or fp32 (heterogeneous_config.mixed_precision_support), ZeRO stage 3, remove "
-                         f"fp16.auto_scale_threshold, or give the ranks room ({key}: false)")
     zero = ds_config.zero_config
     if stage in (1, 2):
         zero.contiguous_gradients = True

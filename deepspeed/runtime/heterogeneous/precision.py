@@ -83,41 +83,20 @@ def _block(param_dict, *keys):
     return keys[0], {}
 
 
-def _optimizer_offloaded(param_dict):
-    """ZeRO-1/2 with the optimizer on the host: the adaptive scaler does not run there."""
-    zero = param_dict.get("zero_optimization") or {}
-    offload = zero.get("offload_optimizer") or {}
-    return (int(zero.get("stage", 0)) in (1, 2)
-            and (offload.get("device") in ("cpu", "nvme") or zero.get("cpu_offload") is True))
-
-
 def choose_precision_for_config(mode, devices, param_dict):
     """Choose the precision for ``mode`` and write it into ``param_dict``'s fp16/bf16 blocks (new
     dicts: the caller's nested blocks are not modified), before upstream parses them.
 
     fp16 gets the adaptive loss scaler (``auto_scale_threshold``) unless the config sets a static
-    scale or the threshold itself, or offloads the ZeRO-1/2 optimizer (where only upstream's
-    dynamic scaler runs). Returns the PrecisionChoice, or None for mode 'config'."""
+    scale or the threshold itself. Returns the PrecisionChoice, or None for mode 'config'."""
     fp16_key, fp16 = _block(param_dict, "fp16")
     bf16_key, bf16 = _block(param_dict, "bf16", "bfloat16")
     choice = choose_precision(mode, devices or [], fp16.get("enabled") is True, bf16.get("enabled") is True)
     if choice is None:
         return None
     fp16 = {**fp16, "enabled": choice.dtype == "fp16"}
-    if (choice.dtype == "fp16" and fp16.get("loss_scale", 0) == 0 and fp16.get("auto_scale_threshold") is None
-            and not _optimizer_offloaded(param_dict)):
+    if choice.dtype == "fp16" and fp16.get("loss_scale", 0) == 0 and fp16.get("auto_scale_threshold") is None:
         fp16["auto_scale_threshold"] = DEFAULT_AUTO_SCALE_THRESHOLD
     param_dict[fp16_key] = fp16
     param_dict[bf16_key] = {**bf16, "enabled": choice.dtype == "bf16"}
     return choice
-
-
-def check_adaptive_scaler_config(ds_config):
-    """Refuse ``fp16.auto_scale_threshold`` where the adaptive scaler cannot run (ZeRO-1/2 with the
-    optimizer offloaded: the overflow check runs on the host during the gradient copy)."""
-    from deepspeed.runtime.fp16.adaptive_scaler import check_adaptive_scaler_supported
-    fp16 = ds_config.float16_config
-    offload = ds_config.zero_config.offload_optimizer
-    check_adaptive_scaler_supported(int(ds_config.zero_optimization_stage or 0),
-                                    offload is not None and offload.device in ("cpu", "nvme"),
-                                    fp16.auto_scale_threshold if fp16.enabled else None)

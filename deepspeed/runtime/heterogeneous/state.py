@@ -170,8 +170,6 @@ class HeterogeneousState:
     def configure(self, ds_config):
         """Upstream's batch arithmetic, replaced: set this rank's batch fields from the start-up plan.
         Returns False (and does nothing) when the fork is off."""
-        from .precision import check_adaptive_scaler_config
-        check_adaptive_scaler_config(ds_config)
         if not self.enabled:
             return False
         from . import comm_clock

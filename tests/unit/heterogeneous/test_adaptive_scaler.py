@@ -10,7 +10,7 @@ import torch
 
 from deepspeed.runtime.fp16.adaptive_scaler import (FP16_MAX, HISTORY, MARGIN_DECAY_WINDOWS, MARGIN_RECOVERY_STEPS,
                                                     MAX_SCALE, OVERFLOW_BURST_STEPS, AdaptiveLossScaler,
-                                                    check_adaptive_scaler_supported, next_power_of_two_scale)
+                                                    next_power_of_two_scale)
 from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler, DynamicLossScaler
 from deepspeed.runtime.precision_config import DeepSpeedFP16Config
 from harness import run_subcases
@@ -202,20 +202,6 @@ def test_an_intermittent_unseen_factor_keeps_one_halving():
     assert off <= 0.01 * (LONG_RUN - WARM_UP), off
 
 
-def test_adaptive_scaler_is_refused_with_zero_1_2_optimizer_offload():
-    for stage in (1, 2):
-        keys = r"fp16.auto_scale_threshold.*zero_optimization.offload_optimizer"
-        with pytest.raises(ValueError, match=keys) as error:
-            check_adaptive_scaler_supported(stage, True, 0.95)
-        # The message says how to get a working configuration either way.
-        assert "remove fp16.auto_scale_threshold" in str(error.value) and "drop" in str(error.value)
-    # Everything else is fine: no threshold, no offload, ZeRO-0, or ZeRO-3 (whose offloaded
-    # gradients still pass through the buffer its overflow check measures).
-    for stage, offload, threshold in [(1, True, None), (2, True, None), (1, False, 0.95), (2, False, 0.95),
-                                      (0, False, 0.95), (3, True, 0.95), (3, False, 0.95)]:
-        check_adaptive_scaler_supported(stage, offload, threshold)
-
-
 # -- in training: ZeRO 1-3, fp16, two ranks ------------------------------------------------------
 
 WIDTH = 32
@@ -241,8 +227,9 @@ def reference_first_step_max_abs():
     return max(p.grad.abs().max().item() for p in model.parameters())
 
 
-def fp16_config(stage):
-    return {"train_batch_size": 8, "gradient_clipping": 0.0, "zero_optimization": {"stage": stage},
+def fp16_config(stage, offload=False):
+    zero = {"stage": stage, **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
+    return {"train_batch_size": 8, "gradient_clipping": 0.0, "zero_optimization": zero,
             "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
             "fp16": {"enabled": True, "auto_scale_threshold": THRESHOLD, "initial_scale_power": 16}}
 
@@ -262,7 +249,7 @@ def adaptive_scaler_of(engine):
     return getattr(engine.optimizer, "adaptive_scaler", None) or engine.optimizer.loss_scaler
 
 
-def train_fp16(rank, world_size, stage, checkpoint_dir):
+def train_fp16(rank, world_size, stage, checkpoint_dir, offload=False):
     import deepspeed
 
     allow_fp16_on_cpu()
@@ -272,7 +259,8 @@ def train_fp16(rank, world_size, stage, checkpoint_dir):
             return [p.detach().float().clone() for p in engine.module.parameters()]
 
     model = make_model()
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=fp16_config(stage))
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=fp16_config(stage, offload))
     scaler = adaptive_scaler_of(engine)
     assert isinstance(scaler, AdaptiveLossScaler)
     scales, skipped = [], []
@@ -289,7 +277,8 @@ def train_fp16(rank, world_size, stage, checkpoint_dir):
     engine.save_checkpoint(checkpoint_dir, tag="adaptive")
     summary = scaler.state_summary()
     model = make_model()
-    fresh, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=fp16_config(stage))
+    fresh, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=fp16_config(stage, offload))
     fresh.load_checkpoint(checkpoint_dir, tag="adaptive")
     return {"scales": scales, "skipped": skipped, "summary": summary,
             "restored": adaptive_scaler_of(fresh).state_summary()}
@@ -297,7 +286,9 @@ def train_fp16(rank, world_size, stage, checkpoint_dir):
 
 @pytest.mark.multiprocess
 def test_adaptive_scaler_in_zero_stages(tmp_path):
+    # ZeRO-1/2 with the optimizer offloaded measure the fp32 gradient partitions on the host.
     cases = [dict(stage=stage, checkpoint_dir=str(tmp_path / f"z{stage}")) for stage in (0, 1, 2, 3)]
+    cases += [dict(stage=stage, checkpoint_dir=str(tmp_path / f"z{stage}-offload"), offload=True) for stage in (1, 2)]
     target = THRESHOLD * FP16_MAX / reference_first_step_max_abs()
     for case, (first, second) in zip(cases, run_subcases(train_fp16, cases, world_size=2, timeout=600)):
         assert first["scales"] == second["scales"], case  # one scale for all ranks
@@ -308,3 +299,69 @@ def test_adaptive_scaler_in_zero_stages(tmp_path):
         assert first["skipped"] == second["skipped"] == [False, False, True, False, False], case
         assert first["scales"][2] == first["scales"][1] / 2, case  # the overflow halved the scale
         assert first["summary"] == first["restored"], case  # checkpoints keep the history
+
+
+# -- one rank offloaded, one not: the same [overflow, max-abs] on both ----------------------------
+
+
+def _mixed_config(stage, rank_1_offloads):
+    """The fork on, fp16 with the adaptive scaler, ZeRO ``stage``; rank 1's emulated memory holds its
+    even shard only with its optimizer state on the host (``rank_1_offloads``), or all of it."""
+    from deepspeed.runtime.heterogeneous.devices import BYTES_PER_GB
+
+    params = sum(p.numel() for p in make_model().parameters())
+    on_device = 2 * params + 2 * params / (2 if stage == 2 else 1)  # fp16 weights and gradients
+    even = on_device + 12 * params / 2  # Adam's moments and the fp32 master copy of an even shard
+    memory = [1.0, (on_device + 0.9 * (even - on_device) if rank_1_offloads else 1.0 * BYTES_PER_GB) / BYTES_PER_GB]
+    config = fp16_config(stage)
+    config["zero_optimization"]["heterogeneous_offload"] = {"cpu_offload": True}
+    config["heterogeneous_config"] = {"enabled": True, "load_balancing_strategy": "manual", "micro_batch_sizes": [4, 4],
+                                      "emulation": {"memory_gb": memory, "mode": "dilation"}}
+    config["heterogeneous_memory"] = {"enabled": True, "zero_partitions": "even", "hbm_utilization_threshold": 1.0}
+    return config
+
+
+def train_fp16_mixed(rank, world_size, stage, rank_1_offloads):
+    import deepspeed
+    from deepspeed.runtime.heterogeneous.collective_log import recording
+
+    allow_fp16_on_cpu()
+    model = make_model()
+    scales = []
+    with recording() as entries:
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                               config=_mixed_config(stage, rank_1_offloads))
+        for index, (inputs, targets) in enumerate(batches(5)):
+            mine = slice(rank * 4, rank * 4 + 4)
+            loss = torch.nn.functional.mse_loss(engine(inputs[mine].half()).float(), targets[mine])
+            if index == 2 and rank == 0:
+                loss = loss * float("inf")  # the rank on the device overflows: the offloaded one skips too
+            engine.backward(loss)
+            engine.step()
+            scales.append(adaptive_scaler_of(engine).cur_scale)
+    master = torch.cat([p.detach().float().cpu().flatten() for p in engine.optimizer.single_partition_of_fp32_groups])
+    return {"scales": scales, "entries": list(entries), "offloaded": list(engine._config.heterogeneous.offloaded_ranks),
+            "master": master, "params": [p.detach().float().clone() for p in engine.module.parameters()]}
+
+
+@pytest.mark.multiprocess
+def test_adaptive_scaler_with_one_rank_offloaded_keeps_one_scale_and_one_collective_sequence():
+    from deepspeed.runtime.heterogeneous.collective_log import assert_same_collectives
+
+    cases = [dict(stage=stage, rank_1_offloads=offloads) for stage in (1, 2) for offloads in (True, False)]
+    results = run_subcases(train_fp16_mixed, cases, world_size=2, timeout=600)
+    target = THRESHOLD * FP16_MAX / reference_first_step_max_abs()
+    for (case, (first, second)), (_, (device_first, device_second)) in zip(
+            list(zip(cases, results))[::2], list(zip(cases, results))[1::2]):
+        assert first["offloaded"] == second["offloaded"] == [1], case
+        assert device_first["offloaded"] == device_second["offloaded"] == [], case
+        assert_same_collectives([first["entries"], second["entries"]], what=str(case))
+        # One scale on both ranks, measured: the power of two just under the threshold after the
+        # first step, halved by rank 0's overflow; the same as with both ranks on the device.
+        assert first["scales"] == second["scales"] == device_first["scales"], case
+        assert target / 2 * 0.99 < first["scales"][0] <= target * 1.01, (case, first["scales"], target)
+        assert first["scales"][2] == first["scales"][1] / 2, case
+        # The same training: rank 1's fp32 master partition, on the host, equals the device run's.
+        torch.testing.assert_close(second["master"], device_second["master"], rtol=0, atol=1e-6)
+        for got, want in zip(first["params"], device_first["params"]):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-3)

@@ -86,20 +86,17 @@ def test_the_choice_is_written_into_the_config_before_upstream_parses_it():
     assert param_dict["fp16"] == {"enabled": True, "initial_scale_power": 12, "auto_scale_threshold": 0.95}
     assert param_dict["bfloat16"] == {"enabled": False} and "bf16" not in param_dict  # the key the user wrote
     assert user["fp16"] == {"enabled": False, "initial_scale_power": 12}  # the user's blocks are not modified
-    # ZeRO-1/2 with the optimizer offloaded keeps upstream's dynamic scaler (the adaptive one cannot run there).
+    # ZeRO-1/2 with the optimizer offloaded gets it too (its ranks measure their partitions on the host).
     offloaded = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     choose_precision_for_config("adaptive", [A100(0), V100(1)], offloaded)
-    assert offloaded["fp16"] == {"enabled": True}
+    assert offloaded["fp16"] == {"enabled": True, "auto_scale_threshold": 0.95}
     assert choose_precision_for_config("config", [A100(0)], {}) is None
 
 
-def test_the_adaptive_scaler_is_refused_where_it_cannot_run():
+def test_the_adaptive_scaler_is_accepted_with_every_zero_stage_and_optimizer_offload():
     from deepspeed.runtime.config import DeepSpeedConfig
 
     base = {"train_batch_size": 2, "fp16": {"enabled": True, "auto_scale_threshold": 0.9}}
-    for stage in (1, 2):
-        config = {**base, "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}}}
-        with pytest.raises(ValueError, match="fp16.auto_scale_threshold .* zero_optimization.offload_optimizer"):
-            DeepSpeedConfig(config)
-    for zero in ({"stage": 2}, {"stage": 3, "offload_optimizer": {"device": "cpu"}}):
+    for zero in ({"stage": 1, "offload_optimizer": {"device": "cpu"}}, {"stage": 2},
+                 {"stage": 2, "offload_optimizer": {"device": "cpu"}}, {"stage": 3, "offload_optimizer": {"device": "cpu"}}):
         assert DeepSpeedConfig({**base, "zero_optimization": zero}).float16_config.auto_scale_threshold == 0.9
