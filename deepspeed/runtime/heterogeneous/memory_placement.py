@@ -7,27 +7,28 @@ engine would do."""
 
 import math
 
-from .memory_pool import HeterogeneousMemoryPool, ModelStateSpec, known_speeds
+from .memory_pool import NVME, HeterogeneousMemoryPool, ModelStateSpec, known_speeds
 from .memory_spec import zero3_offload_ratio
 from .partitions import check_shares
 
 
 def place_engine_state(state, ds_config, model, optimizer=None):
-    """``(pool or None, partition shares, offloaded ranks)`` as the engine starts
+    """``(pool or None, partition shares, offload)`` as the engine starts
     (``HeterogeneousState.engine_starting``).
 
     With ``heterogeneous_memory.enabled`` the pool decides the shares and which ranks offload their
     optimizer state, and is returned to be kept on the state; otherwise only explicit shares apply.
     Every rank decides alike from what every rank has (the config, the gathered devices, the
     model); the ZeRO optimizer still compares the layout's digest. Ranks that do not fit offload
-    their optimizer state to the host when ``heterogeneous_offload.cpu_offload`` allows it
-    (``apply_rank_offload``): all of it in ZeRO-1/2, the fewest whole sub-groups in ZeRO-3. Per-rank
-    NVMe offload is not applied, so those placements are decided without it. The placement is not
-    strict: what cannot be placed is logged, and the memory checks that follow (and the device)
-    have the last word.
+    their optimizer state when ``heterogeneous_offload`` allows it (``apply_rank_offload``): to the
+    host (``cpu_offload``), all of it in ZeRO-1/2, the fewest whole sub-groups in ZeRO-3; in ZeRO-3
+    all of it to NVMe (``nvme_offload``) where the node's host budget
+    (``heterogeneous_memory.cpu_memory_limit``) cannot take it, or where only NVMe is allowed. The
+    placement is not strict: what cannot be placed is logged, and the memory checks that follow
+    (and the device) have the last word.
 
-    The third item maps each offloading data-parallel rank to the ``offload_optimizer.ratio`` it
-    gets (1.0: all of its optimizer state)."""
+    ``offload`` maps each offloading data-parallel rank to ``(device, offload_optimizer.ratio)``:
+    "cpu" or "nvme", and 1.0 for all of its optimizer state."""
     from deepspeed.utils import logger
     memory = state.settings.memory
     setting = memory.zero_partitions
@@ -39,37 +40,41 @@ def place_engine_state(state, ds_config, model, optimizer=None):
     pool = HeterogeneousMemoryPool.from_state(state, world)
     offload = state.settings.offload
     placement, offloaded = engine_placement(pool, ModelStateSpec.for_engine(ds_config, model, optimizer), setting,
-                                            offload.cpu_offload)
+                                            offload.cpu_offload, offload.nvme_offload)
     if state.dp_rank == 0:
         cpu_unapplied = offload.cpu_offload and not _offloads_per_rank(stage, world)
-        unapplied = [key for key, wanted in (("nvme_offload", offload.nvme_offload), ("cpu_offload", cpu_unapplied))
+        nvme_unapplied = offload.nvme_offload and not (stage == 3 and _offloads_per_rank(stage, world))
+        unapplied = [key for key, wanted in (("nvme_offload", nvme_unapplied), ("cpu_offload", cpu_unapplied))
                      if wanted]
         if unapplied:
             logger.warning(f"deepspeed-hetero memory pool: zero_optimization.heterogeneous_offload."
                            f"{' and '.join(unapplied)} is not applied per rank here (per-rank offload drives ZeRO "
-                           "stages 1-3 to the host on 2+ ranks); set zero_optimization.offload_optimizer to offload "
-                           "on every rank")
+                           "stages 1-3 to the host and ZeRO-3 to NVMe, on 2+ ranks); set "
+                           "zero_optimization.offload_optimizer to offload on every rank")
         for problem in placement.problems:
             logger.warning(f"deepspeed-hetero memory pool: {problem}")
     return pool, placement.partition_shares, offloaded
 
 
-def engine_placement(pool, spec, zero_partitions, cpu_offload):
-    """``(placement, {offloading rank: offload_optimizer.ratio})``: the pool's placement of ``spec``
-    as an engine applies it.
+def engine_placement(pool, spec, zero_partitions, cpu_offload, nvme_offload=False):
+    """``(placement, {offloading rank: (device, offload_optimizer.ratio)})``: the pool's placement of
+    ``spec`` as an engine applies it.
 
-    Per-rank offload drives ZeRO stages 1-3 on 2+ ranks to the host (``cpu_offload``), and only when
-    the config does not offload every rank already; NVMe placements are decided without offload.
-    ZeRO-3 offloads whole sub-groups (``ModelStateSpec.sub_groups``; all of them where the optimizer
-    cannot be DeepSpeedCPUAdam). Once a ZeRO-1/2 rank offloads, the shares are even: upstream's
+    Per-rank offload drives ZeRO stages 1-3 on 2+ ranks to the host (``cpu_offload``) and ZeRO-3 to
+    NVMe (``nvme_offload``; upstream's ZeRO-1/2 have no NVMe offload), only when the config does not
+    offload every rank already. ZeRO-3 offloads whole sub-groups to the host
+    (``ModelStateSpec.sub_groups``; all of them where the optimizer cannot be DeepSpeedCPUAdam), all
+    of its optimizer state to NVMe. Once a ZeRO-1/2 rank offloads, the shares are even: upstream's
     offloaded ZeRO-1/2 path keeps equal slices (``partitions.zero_partition_layout``), so explicit
     uneven shares are refused."""
-    per_rank = cpu_offload and _offloads_per_rank(spec.zero_stage, pool.world_size) and spec.optimizer_device is None
-    placement = pool.place(spec, zero_partitions=zero_partitions, cpu_offload=per_rank, nvme_offload=False,
+    applies = _offloads_per_rank(spec.zero_stage, pool.world_size) and spec.optimizer_device is None
+    per_rank = cpu_offload and applies
+    nvme = nvme_offload and applies and spec.zero_stage == 3
+    placement = pool.place(spec, zero_partitions=zero_partitions, cpu_offload=per_rank, nvme_offload=nvme,
                            strict=False)
-    offloaded = tuple(placement.offloaded_ranks) if per_rank else ()
+    offloaded = tuple(placement.offloaded_ranks) if per_rank or nvme else ()
     if spec.zero_stage == 3:
-        return placement, {rank: _zero3_upstream_ratio(placement.ranks[rank], spec) for rank in offloaded}
+        return placement, {rank: _zero3_offload(placement.ranks[rank], spec) for rank in offloaded}
     if offloaded and zero_partitions not in ("auto", "even"):
         raise ValueError(f"heterogeneous_memory.zero_partitions {list(zero_partitions)} gives the ranks uneven "
                          f"shares, but data-parallel rank(s) {list(offloaded)} must offload their optimizer state "
@@ -79,16 +84,18 @@ def engine_placement(pool, spec, zero_partitions, cpu_offload):
     if offloaded and placement.partition_shares is not None:
         placement = pool.place(spec, zero_partitions="even", cpu_offload=True, nvme_offload=False, strict=False)
         offloaded = tuple(placement.offloaded_ranks)
-    return placement, {rank: 1.0 for rank in offloaded}
+    return placement, {rank: ("cpu", 1.0) for rank in offloaded}
 
 
-def _zero3_upstream_ratio(rank, spec):
-    """The ``offload_optimizer.ratio`` that offloads what the pool chose for a ZeRO-3 rank: its
-    number of sub-groups where known, else the fraction itself (upstream rounds it to sub-groups,
-    keeping ``int((1 - ratio) * n)`` of them on the device)."""
+def _zero3_offload(rank, spec):
+    """``(device, offload_optimizer.ratio)`` for what the pool chose for a ZeRO-3 rank: NVMe takes
+    all of it; the host its number of sub-groups where known, else the fraction itself (upstream
+    rounds it to sub-groups, keeping ``int((1 - ratio) * n)`` of them on the device)."""
+    if rank.optimizer_location == NVME:
+        return "nvme", 1.0
     if rank.offload_fraction >= 1.0 or rank.offload_sub_groups is None:
-        return min(1.0, rank.offload_fraction)
-    return zero3_offload_ratio(rank.offload_sub_groups, len(spec.sub_groups))
+        return "cpu", min(1.0, rank.offload_fraction)
+    return "cpu", zero3_offload_ratio(rank.offload_sub_groups, len(spec.sub_groups))
 
 
 def _offloads_per_rank(stage, world):
@@ -96,40 +103,74 @@ def _offloads_per_rank(stage, world):
     return stage in (1, 2, 3) and world >= 2
 
 
-def apply_rank_offload(ds_config, offload, dp_rank, optimizer=None):
-    """Move the optimizer state of the ranks the pool offloads to the host; ``offload`` maps each
-    offloading data-parallel rank to its ``offload_optimizer.ratio`` (``engine_placement``).
+def apply_rank_offload(ds_config, offload, dp_rank, optimizer=None, nvme_path=None):
+    """Move the optimizer state of the ranks the pool offloads off the device; ``offload`` maps
+    each offloading data-parallel rank to ``(device, ratio)`` (``engine_placement``), ``nvme_path``
+    is ``heterogeneous_offload.nvme_path``.
 
     The one edit of upstream's validated config after start-up (the model, and so what fits, is
     known only as the engine starts): ``zero_optimization.offload_optimizer`` on the offloading
-    ranks (ZeRO-3: with the rank's ratio over sub-groups), and in ZeRO-1/2 ``contiguous_gradients``
-    on every rank, which upstream forces on an offloading rank and which chooses between bucketed
-    and per-tensor gradient reductions: anything that shapes a collective stays the same on all
-    ranks. Every rank refuses alike what would fail on the offloading ranks alone (and leave the
-    others waiting in a collective): a client optimizer other than DeepSpeedCPUAdam while
-    ``zero_force_ds_cpu_optimizer`` holds."""
+    ranks (ZeRO-3: with the rank's ratio over sub-groups, or NVMe), and in ZeRO-1/2
+    ``contiguous_gradients`` on every rank, which upstream forces on an offloading rank and which
+    chooses between bucketed and per-tensor gradient reductions: anything that shapes a collective
+    stays the same on all ranks. Every rank refuses alike what would fail on the offloading ranks
+    alone (and leave the others waiting in a collective): a client optimizer other than
+    DeepSpeedCPUAdam while ``zero_force_ds_cpu_optimizer`` holds, and NVMe on a rank where the
+    async-io op cannot build (``check_nvme_ranks``, one all-gather on every rank)."""
     if not offload:
         return
     import torch
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadOptimizerConfig, OffloadDeviceEnum
     ranks = sorted(offload)
-    key = "zero_optimization.heterogeneous_offload.cpu_offload"
+    key = "zero_optimization.heterogeneous_offload"
     if (isinstance(optimizer, torch.optim.Optimizer) and not isinstance(optimizer, DeepSpeedCPUAdam)
             and ds_config.zero_force_ds_cpu_optimizer):
-        raise ValueError(f"heterogeneous_memory offloads the optimizer state of data-parallel rank(s) {ranks} to the "
-                         f"host ({key}), and the client's optimizer ({type(optimizer).__name__}) is not "
+        raise ValueError(f"heterogeneous_memory offloads the optimizer state of data-parallel rank(s) {ranks} "
+                         f"({key}), and the client's optimizer ({type(optimizer).__name__}) is not "
                          "DeepSpeedCPUAdam, which ZeRO-Offload requires unless zero_force_ds_cpu_optimizer is false. "
                          "Pass a deepspeed.ops.adam.DeepSpeedCPUAdam, set an optimizer in the config, set "
                          "\"zero_force_ds_cpu_optimizer\": false, or give the ranks room "
-                         f"({key}: false)")
+                         f"({key}.cpu_offload and nvme_offload: false)")
+    nvme_ranks = [rank for rank, (device, _) in sorted(offload.items()) if device == "nvme"]
+    if nvme_ranks:
+        check_nvme_ranks(nvme_ranks, dp_rank)
     stage = int(ds_config.zero_optimization_stage or 0)
     zero = ds_config.zero_config
     if stage in (1, 2):
         zero.contiguous_gradients = True
     if dp_rank in offload:
-        ratio = float(offload[dp_rank]) if stage == 3 else 1.0
-        zero.offload_optimizer = DeepSpeedZeroOffloadOptimizerConfig(device=OffloadDeviceEnum.cpu, ratio=ratio)
+        device, ratio = offload[dp_rank]
+        if device == "nvme":
+            zero.offload_optimizer = DeepSpeedZeroOffloadOptimizerConfig(device=OffloadDeviceEnum.nvme,
+                                                                         nvme_path=nvme_path)
+        else:
+            zero.offload_optimizer = DeepSpeedZeroOffloadOptimizerConfig(device=OffloadDeviceEnum.cpu,
+                                                                         ratio=float(ratio) if stage == 3 else 1.0)
+
+
+def check_nvme_ranks(nvme_ranks, dp_rank):
+    """Every rank learns whether the ranks placed on NVMe can build the async-io op (it needs
+    ``libaio``: Debian's ``libaio-dev``) before any of them tries: one all-gather of a flag over
+    the world, so a rank that cannot ends the job on every rank with an error naming it instead of
+    failing alone while its peers wait in a collective."""
+    import torch
+    from deepspeed import comm as dist
+    from deepspeed.accelerator import get_accelerator
+    able = 1
+    if dp_rank in nvme_ranks:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+        able = int(bool(AsyncIOBuilder().is_compatible(verbose=False)))
+    device = get_accelerator().current_device_name()
+    flags = [torch.zeros(1, dtype=torch.int32, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(flags, torch.tensor([able], dtype=torch.int32, device=device))
+    unable = [rank for rank, flag in enumerate(flags) if int(flag.item()) == 0]
+    if unable:
+        raise RuntimeError(f"heterogeneous_memory places the optimizer state of data-parallel rank(s) {nvme_ranks} on "
+                           f"NVMe (zero_optimization.heterogeneous_offload.nvme_offload), but global rank(s) {unable} "
+                           "cannot build DeepSpeed's async-io op, which needs libaio (Debian/Ubuntu: apt-get install "
+                           "libaio-dev; see `ds_report`). Install it there, raise heterogeneous_memory.cpu_memory_limit "
+                           "so the host takes the state, or turn nvme_offload off")
 
 
 def config_placement_lines(param_dict, settings, rows, num_parameters=None):
@@ -157,7 +198,8 @@ def config_placement_lines(param_dict, settings, rows, num_parameters=None):
     auto_allowed = memory.enabled or memory.zero_partitions != "auto"
     title = f"Memory Placement ({num_parameters:,} parameters, {'fp16/bf16' if half else 'fp32'}):"
     try:
-        engine_placement(pool, spec, memory.zero_partitions if auto_allowed else "even", settings.offload.cpu_offload)
+        engine_placement(pool, spec, memory.zero_partitions if auto_allowed else "even", settings.offload.cpu_offload,
+                         settings.offload.nvme_offload)
     except ValueError as exc:
         return [title, f"  refused: {exc}"]
     return [title] + ["  " + line for line in str(pool.report()).splitlines()]

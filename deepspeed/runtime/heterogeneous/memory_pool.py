@@ -239,7 +239,7 @@ class HeterogeneousMemoryPool:
                 offloaded[smallest.rank] = 1.0
             else:
                 offloaded.update({r.rank: 1.0 for r in over})
-        ranks, problems = self._host_placement(ranks, nvme_offload)
+        ranks, problems = self._host_placement(ranks, nvme_offload, cpu_offload, model_state)
         problems = [self._rank_problem(r, model_state, cpu_offload or nvme_offload) for r in ranks if not r.fits
                     ] + problems
         if strict and problems:
@@ -287,19 +287,29 @@ class HeterogeneousMemoryPool:
                 offload_fraction=fraction, offload_sub_groups=sub_groups, slack_bytes=slack))
         return ranks
 
-    def _host_placement(self, ranks, nvme_offload):
+    def _host_placement(self, ranks, nvme_offload, cpu_offload=True, model_state=None):
         """Keep each node's offloaded state within the host budget: the largest go to NVMe when
-        allowed; what still does not fit is a problem naming the node."""
+        allowed (all of them when only NVMe is allowed); what still does not fit is a problem naming
+        the node. A rank on NVMe has all of its optimizer state there (upstream's NVMe offload has
+        no ratio)."""
+        def to_nvme(rank):
+            whole = len(model_state.sub_groups) if model_state is not None and model_state.sub_groups else None
+            return replace(rank, optimizer_location=NVME, offload_fraction=1.0,
+                           offload_sub_groups=whole if rank.offload_sub_groups is not None else None)
+
+        ranks = list(ranks)
+        if nvme_offload and not cpu_offload:
+            ranks = [to_nvme(r) if r.host_bytes > 0 else r for r in ranks]
         if self.host_budget is None:
             return ranks, []
-        ranks, problems = list(ranks), []
+        problems = []
         for host in sorted(set(self.hosts)):
             on_host = sorted((r for r in ranks if r.host == host and r.host_bytes > 0), key=lambda r: -r.host_bytes)
             total = sum(r.host_bytes for r in on_host)
             for moved in on_host:
                 if total <= self.host_budget or not nvme_offload:
                     break
-                ranks[moved.rank] = replace(moved, optimizer_location=NVME)
+                ranks[moved.rank] = to_nvme(moved)
                 total -= moved.host_bytes
             if total > self.host_budget:
                 offloads = ", ".join(f"rank {r.rank}: {_size(r.host_bytes)}" for r in on_host

@@ -61,6 +61,9 @@ class HeterogeneousState:
     offloaded_ranks: tuple = ()
     """The data-parallel ranks whose ZeRO optimizer state (ZeRO-3: some of its sub-groups) the pool
     put on the host (``zero_optimization.heterogeneous_offload.cpu_offload``); the same on every rank."""
+    nvme_ranks: tuple = ()
+    """The data-parallel ranks whose ZeRO-3 optimizer state the pool put on NVMe (all of it;
+    ``heterogeneous_offload.nvme_offload``); also in ``offloaded_ranks``."""
     offload_ratios: tuple = ()
     """Per data-parallel rank, the ``offload_optimizer.ratio`` the pool gave it (0: none; 1: all of its
     optimizer state; ZeRO-3 between: the last sub-groups); empty when no rank offloads."""
@@ -150,16 +153,18 @@ class HeterogeneousState:
             from .memory_placement import apply_rank_offload, place_engine_state
             from .partitions import describe_shares
             self.memory_pool, self.partition_shares, offload = place_engine_state(self, ds_config, model, optimizer)
-            apply_rank_offload(ds_config, offload, self.dp_rank, optimizer)
+            apply_rank_offload(ds_config, offload, self.dp_rank, optimizer, self.settings.offload.nvme_path)
             self.offloaded_ranks = tuple(sorted(offload))
             if offload:
                 world = int(ds_config.world_size)
-                self.offload_ratios = tuple(float(offload.get(rank, 0.0)) for rank in range(world))
+                self.offload_ratios = tuple(float(offload[rank][1]) if rank in offload else 0.0
+                                            for rank in range(world))
+                self.nvme_ranks = tuple(rank for rank, (device, _) in sorted(offload.items()) if device == "nvme")
             if self.offloaded_ranks and self.dp_rank == 0:
-                parts = ", ".join(f"{rank}: {'all' if ratio >= 1 else f'ratio {ratio:g}'}"
-                                  for rank, ratio in sorted(offload.items()))
+                parts = ", ".join(f"{rank}: {'all' if ratio >= 1 else f'ratio {ratio:g}'}{' on NVMe' * (device == 'nvme')}"
+                                  for rank, (device, ratio) in sorted(offload.items()))
                 logger.warning(f"deepspeed-hetero: data-parallel rank(s) {list(self.offloaded_ranks)} keep their "
-                               f"ZeRO optimizer state on the host ({parts}; heterogeneous_offload.cpu_offload); "
+                               f"ZeRO optimizer state off the device ({parts}; zero_optimization.heterogeneous_offload); "
                                "the other ranks keep theirs on the device")
             if self.partition_shares is not None and self.dp_rank == 0:
                 logger.warning(f"deepspeed-hetero: ZeRO-{ds_config.zero_optimization_stage} optimizer-state shares "

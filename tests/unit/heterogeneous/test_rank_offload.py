@@ -12,6 +12,8 @@ comparison of the sequences fails.
 Memory is emulated by accounting (``emulation.mode: dilation``): on the CPU accelerator the host
 and the "device" are the same RAM, so a memory cgroup cannot tell them apart."""
 
+import os
+
 import pytest
 import torch
 
@@ -186,6 +188,81 @@ def test_zero3_rank_without_room_offloads_whole_sub_groups_and_both_train_exactl
         for result in (first, second):
             for got, want in zip(result["params"], expected):
                 torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=lambda m: f"{case}: {m}")
+
+
+# -- ZeRO-3: a rank on NVMe ------------------------------------------------------------------------
+
+HIDDEN = 32768  # each Linear's partition is 1 MiB of fp32: upstream swaps sub-groups of 1 MiB and more
+
+
+def _wide_model():
+    from test_exactness import WIDTH
+    torch.manual_seed(20261202)
+    return torch.nn.Sequential(torch.nn.Linear(WIDTH, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, WIDTH))
+
+
+def _async_io_builds():
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+    return bool(AsyncIOBuilder().is_compatible(verbose=False))
+
+
+def _train_zero3_nvme(rank, world_size, nvme_path):
+    """ZeRO-3 on 2 ranks, rank 1 short of half its optimizer state and its node's host budget
+    (``cpu_memory_limit``) too small to take it: all of rank 1's optimizer state goes to NVMe."""
+    import deepspeed
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from deepspeed.runtime.heterogeneous.collective_log import recording
+    from deepspeed.runtime.heterogeneous.devices import BYTES_PER_GB
+    from test_exactness import LR, ds_config, train_slices
+
+    model = _wide_model()
+    shard = sum(p.numel() for p in model.parameters()) / 2
+    config = ds_config(3, 1, SIZES, 0.0)
+    del config["optimizer"]
+    config["heterogeneous_config"]["emulation"] = {
+        "memory_gb": [1.0, (8 * shard + 0.5 * 12 * shard) / BYTES_PER_GB], "mode": "dilation"}
+    config["heterogeneous_memory"] = {"enabled": True, "hbm_utilization_threshold": 1.0, "cpu_memory_limit": "1MB"}
+    config["zero_optimization"].update(sub_group_size=1, heterogeneous_offload={
+        "cpu_offload": True, "nvme_offload": True, "nvme_path": nvme_path})
+    client = DeepSpeedCPUAdam(model.parameters(), lr=LR, weight_decay=0.0)
+    with recording() as entries:
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), optimizer=client,
+                                               config=config)
+        train_slices(engine, rank, SIZES, 1, config["train_batch_size"])
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+            params = [p.detach().clone() for p in engine.module.parameters()]
+    state = engine._config.heterogeneous
+    opt = engine.optimizer
+    swapped = opt.swap_optimizer and all(opt._swappable_optimizer_subgroup(i) for i in (0, 2))
+    return {"params": params, "entries": list(entries), "nvme": list(state.nvme_ranks),
+            "offloaded": list(state.offloaded_ranks), "swapped": bool(swapped),
+            "files": sorted(os.listdir(nvme_path)) if os.path.isdir(nvme_path) else [],
+            "placed": [(r.optimizer_location, r.offload_fraction) for r in state.memory_pool.placement.ranks]}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not _async_io_builds(), reason="DeepSpeed's async-io op needs libaio (apt-get install libaio-dev)")
+def test_zero3_rank_placed_on_nvme_swaps_its_optimizer_state_and_both_train_exactly(tmp_path):
+    from references import adam_mse_reference
+    from test_exactness import LR, global_batches
+
+    nvme_path = str(tmp_path / "nvme")
+    first, second = run_ranks(_train_zero3_nvme, world_size=2, timeout=900, args=(nvme_path,))
+    assert first["nvme"] == second["nvme"] == [1] and first["offloaded"] == [1], first
+    assert first["placed"] == [("device", 0.0), ("nvme", 1.0)], first["placed"]
+    # Rank 1 swaps its 1 MiB sub-groups through upstream's optimizer swapper; rank 0 keeps its own.
+    assert (first["swapped"], second["swapped"]) == (False, True)
+    assert first["files"] == ["zero_stage_3"], first["files"]
+    assert_same_collectives([first["entries"], second["entries"]], what="rank 1 on NVMe")
+    batches = global_batches(sum(SIZES))
+    inputs, targets = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+    steps = [list(range(k * sum(SIZES), (k + 1) * sum(SIZES))) for k in range(len(batches))]
+    expected = adam_mse_reference(_wide_model(), inputs, targets, steps, LR)
+    # 1M parameters: Adam turns summation-order bits of near-zero gradients into parts of an lr-1e-2
+    # step (6e-5 in 23 of 524,288 elements); a wrong or stale slice is off by whole steps.
+    for result in (first, second):
+        for got, want in zip(result["params"], expected):
+            torch.testing.assert_close(got, want.detach(), rtol=0, atol=2e-4)
 
 
 SAVE_AT = 3
