@@ -190,6 +190,64 @@ def test_zero3_rank_without_room_offloads_whole_sub_groups_and_both_train_exactl
                 torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=lambda m: f"{case}: {m}")
 
 
+# -- ZeRO-3 twin-flow (offload_optimizer.ratio) through a checkpoint -----------------------------------
+
+
+def _twin_flow(rank, world_size, mode, folder):
+    """ZeRO-3 with ``offload_optimizer: {device: cpu, ratio: 0.5}`` over four sub-groups on every
+    rank: the first two are stepped by upstream's ``backup_optimizer`` (torch's AdamW), the last two
+    by DeepSpeedCPUAdam. ``mode``: "through" (steps 1-5), "save" (steps 1-3, then a checkpoint) or
+    "resume" (that checkpoint, then steps 4-5)."""
+    import deepspeed
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from test_exactness import LR, ds_config, make_model, train_slices
+
+    config = ds_config(3, 1, SIZES, 0.0)
+    del config["optimizer"]
+    config["zero_optimization"].update(sub_group_size=1, offload_optimizer={"device": "cpu", "ratio": 0.5})
+    model = make_model()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
+                                           optimizer=DeepSpeedCPUAdam(model.parameters(), lr=LR, weight_decay=0.0))
+    opt = engine.optimizer
+    kept = int((1 - opt.partial_offload) * len(opt.fp16_groups))
+    # On a GPU the sub-groups kept on the device map to its name; on the CPU accelerator they map to
+    # 'cpu' like the offloaded ones, and upstream steps all of them with DeepSpeedCPUAdam. Name them
+    # as a device's, so that backup_optimizer steps them, as on a GPU (its AdamW runs on CPU tensors).
+    for index in range(kept):
+        opt.subgroup_to_device[index] = "device"
+    first = 0
+    if mode == "resume":
+        engine.load_checkpoint(folder, tag="twin")
+        first = SAVE_AT
+
+    def save(steps):
+        if mode == "save" and steps == SAVE_AT:
+            engine.save_checkpoint(folder, tag="twin")
+
+    train_slices(engine, rank, SIZES, 1, sum(SIZES), first=first, after_step=save)
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        params = [p.detach().clone() for p in engine.module.parameters()]
+    return {"params": params, "kept": kept, "backup_states": len(opt.backup_optimizer.state)}
+
+
+@pytest.mark.multiprocess
+def test_zero3_twin_flow_resumes_with_the_device_sub_groups_moments(tmp_path):
+    """Upstream saved only DeepSpeedCPUAdam's state: the backup optimizer's moments of the device
+    sub-groups restarted from zero on resume (zero3-twin-flow-checkpoint.patch)."""
+    from test_exactness import reference_parameters
+
+    folder = str(tmp_path / "twin")
+    cases = [dict(mode=mode, folder=folder) for mode in ("through", "save", "resume")]
+    through, _, resumed = run_subcases(_twin_flow, cases, world_size=2, timeout=600)
+    assert through[0]["kept"] == 2 and through[0]["backup_states"] == 2, through[0]
+    expected = reference_parameters(sum(SIZES), 0.0)
+    for result in through:  # twin-flow itself trains as one process would
+        for got, want in zip(result["params"], expected):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    for got, want in zip(resumed[0]["params"], through[0]["params"]):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-7, msg=lambda m: f"resumed != uninterrupted: {m}")
+
+
 # -- ZeRO-3: a rank on NVMe ------------------------------------------------------------------------
 
 HIDDEN = 32768  # each Linear's partition is 1 MiB of fp32: upstream swaps sub-groups of 1 MiB and more
