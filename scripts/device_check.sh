@@ -9,7 +9,8 @@
 #      against the torch reference on the device;
 #   3. every test that needs an accelerator (tests skipped on CPU), plus the native-op, device and
 #      scaler unit tests, on the device;
-#   4. the collective clock's synchronisation on an asynchronous device (one rank);
+#   4. the collective clock's synchronisation on an asynchronous device (one rank), and ZeRO-3
+#      twin-flow's resume with its device-side sub-groups (one rank);
 #   5. a short single-GPU training of the small GPT with the fork on: profiling steps, fp16 with the
 #      adaptive loss scaler, the heterogeneous profiler's report (memory peaks from the device);
 #   6. summary.json and summary.txt in OUT_DIR: one line per stage, passed/failed, with its log.
@@ -106,6 +107,49 @@ for on in (False, True):
 comm_clock.synchronize_collectives(False)
 # Synchronised: the queued compute finished before the clock started.
 assert inside < 0.2 * total and total - inside >= 0.8 * alone, (alone, total, inside)
+EOF
+
+# Issue 13: ZeRO-3 twin-flow (offload_optimizer.ratio 0.5 over four sub-groups) resumes exactly:
+# on a GPU the first two sub-groups stay on the device and backup_optimizer (torch's AdamW) steps
+# them; zero3-twin-flow-checkpoint.patch keeps their moments in the checkpoint. One rank.
+stage twin_flow_resume 300 env MASTER_ADDR=127.0.0.1 MASTER_PORT=29518 RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 \
+  "$python" - "$out/twin_flow" <<'EOF'
+import sys
+import torch
+import deepspeed
+from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+folder = sys.argv[1]
+config = {"train_batch_size": 8, "zero_optimization": {"stage": 3, "sub_group_size": 1,
+          "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}
+generator = torch.Generator().manual_seed(7)
+batches = [(torch.randn(8, 16, generator=generator), torch.randn(8, 16, generator=generator)) for _ in range(5)]
+
+
+def run(first, save_at=None, load=False):
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters(),
+                                      optimizer=DeepSpeedCPUAdam(model.parameters(), lr=1e-2, weight_decay=0.0))
+    devices = dict(engine.optimizer.subgroup_to_device)
+    assert sorted(devices.values()).count("cpu") == 2, devices  # two sub-groups stay on the device
+    if load:
+        engine.load_checkpoint(folder, tag="twin")
+    for step, (x, y) in enumerate(batches[first:], start=first + 1):
+        loss = torch.nn.functional.mse_loss(engine(x.to(engine.device)), y.to(engine.device))
+        engine.backward(loss)
+        engine.step()
+        if step == save_at:
+            engine.save_checkpoint(folder, tag="twin")
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        return [p.detach().float().cpu().clone() for p in engine.module.parameters()]
+
+
+through = run(0, save_at=3)
+resumed = run(3, load=True)
+diff = max((a - b).abs().max().item() for a, b in zip(through, resumed))
+print("resumed vs uninterrupted, largest difference:", diff)
+assert diff <= 1e-6, diff
 EOF
 
 cat >"$out/ds_config.json" <<'EOF'
