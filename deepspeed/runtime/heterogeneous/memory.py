@@ -173,7 +173,6 @@ def config_model_state_bytes(ds_config, model, optimizer=None):
     Adam-like default)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = getattr(ds_config, "optimizer_name", None) or "unknown"
-    offload = ds_config.zero_config.offload_optimizer
     zero = ds_config.zero_config
     offloaded = offloaded_fraction(zero, model_sub_groups(ds_config, model, optimizer) if int(zero.stage) == 3 else None)
     half = ds_config.float16_config.enabled or ds_config.bfloat16_config.enabled

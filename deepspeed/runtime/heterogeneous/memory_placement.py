@@ -121,15 +121,19 @@ def apply_rank_offload(ds_config, offload, dp_rank, optimizer=None, nvme_path=No
         return
     import torch
     from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from deepspeed.ops.lion import DeepSpeedCPULion
     from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadOptimizerConfig, OffloadDeviceEnum
     ranks = sorted(offload)
     key = "zero_optimization.heterogeneous_offload"
-    if (isinstance(optimizer, torch.optim.Optimizer) and not isinstance(optimizer, DeepSpeedCPUAdam)
+    if (optimizer is not None and not isinstance(optimizer, (DeepSpeedCPUAdam, DeepSpeedCPULion))
             and ds_config.zero_force_ds_cpu_optimizer):
+        # Upstream checks what a client callable builds only on the offloading rank, once built.
+        what = (type(optimizer).__name__ if isinstance(optimizer, torch.optim.Optimizer) else
+                "a callable, whose optimizer cannot be checked on every rank before it is built")
         raise ValueError(f"heterogeneous_memory offloads the optimizer state of data-parallel rank(s) {ranks} "
-                         f"({key}), and the client's optimizer ({type(optimizer).__name__}) is not "
-                         "DeepSpeedCPUAdam, which ZeRO-Offload requires unless zero_force_ds_cpu_optimizer is false. "
-                         "Pass a deepspeed.ops.adam.DeepSpeedCPUAdam, set an optimizer in the config, set "
+                         f"({key}), and the client's optimizer ({what}) is not DeepSpeedCPUAdam or "
+                         "DeepSpeedCPULion, which ZeRO-Offload requires unless zero_force_ds_cpu_optimizer is false. "
+                         "Pass a deepspeed.ops.adam.DeepSpeedCPUAdam instance, set an optimizer in the config, set "
                          "\"zero_force_ds_cpu_optimizer\": false, or give the ranks room "
                          f"({key}.cpu_offload and nvme_offload: false)")
     nvme_ranks = [rank for rank, (device, _) in sorted(offload.items()) if device == "nvme"]

@@ -27,11 +27,13 @@ The decision (``place``), in this order:
    ZeRO-3 partitions evenly, ZeRO-0 keeps everything whole.
 2. A rank whose state still does not fit its device offloads its optimizer state (and fp32 master
    copy): all of it in ZeRO-1/2, where the shares are then chosen again so that the offloading
-   rank carries the state its device no longer has to hold; in ZeRO-3 the smallest ratio that fits
-   (hundredths). Ranks with room keep their state on the device. Offload goes to the host when
-   ``cpu_offload`` allows it.
+   rank carries the state its device no longer has to hold; in ZeRO-3 the fewest whole sub-groups
+   that make it fit, the last first (``ModelStateSpec.sub_groups``; hundredths when they are
+   unknown; all of it where partial offload is not possible). Ranks with room keep their state on
+   the device. Offload goes to the host when ``cpu_offload`` allows it, else to NVMe.
 3. Per node, the offloaded state of its ranks must fit ``cpu_memory_limit``; what does not goes to
-   NVMe when ``nvme_offload`` allows it, the largest first.
+   NVMe when ``nvme_offload`` allows it, the largest first. A rank on NVMe has all of its optimizer
+   state there.
 What cannot be placed is an error (``MemoryPlacementError``) naming the rank or node and the
 numbers; ``strict=False`` records it in ``placement.problems`` instead.
 

@@ -60,7 +60,8 @@ class HeterogeneousState:
     None unless heterogeneous_memory.enabled); the profiler and reports read it."""
     offloaded_ranks: tuple = ()
     """The data-parallel ranks whose ZeRO optimizer state (ZeRO-3: some of its sub-groups) the pool
-    put on the host (``zero_optimization.heterogeneous_offload.cpu_offload``); the same on every rank."""
+    put off the device, on the host or NVMe (``zero_optimization.heterogeneous_offload``); the same
+    on every rank."""
     nvme_ranks: tuple = ()
     """The data-parallel ranks whose ZeRO-3 optimizer state the pool put on NVMe (all of it;
     ``heterogeneous_offload.nvme_offload``); also in ``offloaded_ranks``."""

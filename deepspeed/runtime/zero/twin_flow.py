@@ -8,8 +8,10 @@ step counts are lost, and a resumed run restarts them from zero. Both optimizers
 the same fp32 partition tensors, so the checkpoint can carry both in the one optimizer state dict
 upstream already writes: ``backup_state_into_saved`` lends the device sub-groups' state to the CPU
 optimizer for the time of its ``state_dict()``, ``backup_state_from_loaded`` gives it back after
-``load_state_dict``. The format is upstream's: pristine upstream loads such a checkpoint (the extra
-entries sit unused in its CPU optimizer's state), and a checkpoint without them loads as before.
+``load_state_dict``, whichever optimizer saved it (another ratio, another rank's placement). The
+format is upstream's: pristine upstream loads such a checkpoint (the extra entries sit unused in
+its CPU optimizer's state, a second copy of those moments on the partitions' device), and a
+checkpoint without them loads as before.
 """
 
 
@@ -40,8 +42,22 @@ def backup_state_lent_back(optimizer, lent):
 
 def backup_state_from_loaded(optimizer):
     """After ``optimizer.optimizer.load_state_dict()``: the device sub-groups' state goes to the
-    backup optimizer, which steps them (torch moved it to each partition's device and dtype)."""
-    for partition in _device_partitions(optimizer):
-        state = optimizer.optimizer.state.pop(partition, None)
-        if state is not None:
-            optimizer.backup_optimizer.state[partition] = state
+    backup optimizer, which steps them (torch moved it to each partition's device and dtype).
+
+    A checkpoint saved with another ratio (or by upstream, or without twin-flow) has a sub-group's
+    state from the other optimizer: DeepSpeedCPUAdam counts ``step`` as an int, torch's AdamW as a
+    one-element tensor and refuses an int. Each entry's ``step`` is turned into what the optimizer
+    that will step it keeps."""
+    import torch
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    device = set(map(id, _device_partitions(optimizer)))
+    cpu_adam = isinstance(optimizer.optimizer, DeepSpeedCPUAdam)
+    for partition in list(optimizer.optimizer.state):
+        state = optimizer.optimizer.state[partition]
+        step = state.get("step") if isinstance(state, dict) else None
+        if id(partition) in device:
+            optimizer.backup_optimizer.state[partition] = optimizer.optimizer.state.pop(partition)
+            if step is not None and not torch.is_tensor(step):
+                state["step"] = torch.tensor(float(step), dtype=torch.float32)
+        elif cpu_adam and torch.is_tensor(step):
+            state["step"] = int(step.item())

@@ -383,5 +383,8 @@ def test_a_client_optimizer_zero_offload_would_refuse_is_refused_on_every_rank()
     client = torch.optim.Adam(torch.nn.Linear(2, 2).parameters())
     for rank in (0, 1):
         with pytest.raises(ValueError, match=r"rank\(s\) \[1\].*client's optimizer \(Adam\).*zero_force_ds_cpu_optimizer"):
-            apply_rank_offload(config, {1: 0.375}, rank, client)
+            apply_rank_offload(config, {1: ("cpu", 0.375)}, rank, client)
+        # A callable builds its optimizer only inside upstream, on each rank: refused alike.
+        with pytest.raises(ValueError, match=r"client's optimizer \(a callable"):
+            apply_rank_offload(config, {1: ("nvme", 1.0)}, rank, lambda params: torch.optim.Adam(params))
     apply_rank_offload(config, {}, 0, client)  # nothing offloads: nothing to refuse

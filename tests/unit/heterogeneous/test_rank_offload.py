@@ -193,18 +193,18 @@ def test_zero3_rank_without_room_offloads_whole_sub_groups_and_both_train_exactl
 # -- ZeRO-3 twin-flow (offload_optimizer.ratio) through a checkpoint -----------------------------------
 
 
-def _twin_flow(rank, world_size, mode, folder):
-    """ZeRO-3 with ``offload_optimizer: {device: cpu, ratio: 0.5}`` over four sub-groups on every
-    rank: the first two are stepped by upstream's ``backup_optimizer`` (torch's AdamW), the last two
-    by DeepSpeedCPUAdam. ``mode``: "through" (steps 1-5), "save" (steps 1-3, then a checkpoint) or
-    "resume" (that checkpoint, then steps 4-5)."""
+def _twin_flow(rank, world_size, mode, folder, ratio=0.5):
+    """ZeRO-3 with ``offload_optimizer: {device: cpu, ratio}`` over four sub-groups on every rank: at
+    0.5 the first two are stepped by upstream's ``backup_optimizer`` (torch's AdamW), the last two by
+    DeepSpeedCPUAdam; at 1.0 all by DeepSpeedCPUAdam. ``mode``: "through" (steps 1-5), "save" (steps
+    1-3, then a checkpoint) or "resume" (that checkpoint, then steps 4-5)."""
     import deepspeed
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     from test_exactness import LR, ds_config, make_model, train_slices
 
     config = ds_config(3, 1, SIZES, 0.0)
     del config["optimizer"]
-    config["zero_optimization"].update(sub_group_size=1, offload_optimizer={"device": "cpu", "ratio": 0.5})
+    config["zero_optimization"].update(sub_group_size=1, offload_optimizer={"device": "cpu", "ratio": ratio})
     model = make_model()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
                                            optimizer=DeepSpeedCPUAdam(model.parameters(), lr=LR, weight_decay=0.0))
@@ -227,7 +227,8 @@ def _twin_flow(rank, world_size, mode, folder):
     train_slices(engine, rank, SIZES, 1, sum(SIZES), first=first, after_step=save)
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
         params = [p.detach().clone() for p in engine.module.parameters()]
-    return {"params": params, "kept": kept, "backup_states": len(opt.backup_optimizer.state)}
+    backup = getattr(opt, "backup_optimizer", None)
+    return {"params": params, "kept": kept, "backup_states": None if backup is None else len(backup.state)}
 
 
 @pytest.mark.multiprocess
@@ -236,16 +237,26 @@ def test_zero3_twin_flow_resumes_with_the_device_sub_groups_moments(tmp_path):
     sub-groups restarted from zero on resume (zero3-twin-flow-checkpoint.patch)."""
     from test_exactness import reference_parameters
 
-    folder = str(tmp_path / "twin")
-    cases = [dict(mode=mode, folder=folder) for mode in ("through", "save", "resume")]
-    through, _, resumed = run_subcases(_twin_flow, cases, world_size=2, timeout=600)
+    twin, whole = str(tmp_path / "twin"), str(tmp_path / "whole")
+    cases = [dict(mode="through", folder=twin), dict(mode="save", folder=twin), dict(mode="resume", folder=twin),
+             # Another ratio on resume: the moments go to the optimizer that now steps each sub-group
+             # (DeepSpeedCPUAdam counts steps as ints, AdamW as tensors).
+             dict(mode="resume", folder=twin, ratio=1.0), dict(mode="save", folder=whole, ratio=1.0),
+             dict(mode="resume", folder=whole)]
+    through, _, resumed, all_host, _, from_all_host = run_subcases(_twin_flow, cases, world_size=2, timeout=600)
     assert through[0]["kept"] == 2 and through[0]["backup_states"] == 2, through[0]
+    assert all_host[0]["kept"] == 0 and all_host[0]["backup_states"] is None, all_host[0]
+    assert from_all_host[0]["backup_states"] == 2, from_all_host[0]
     expected = reference_parameters(sum(SIZES), 0.0)
     for result in through:  # twin-flow itself trains as one process would
         for got, want in zip(result["params"], expected):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     for got, want in zip(resumed[0]["params"], through[0]["params"]):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-7, msg=lambda m: f"resumed != uninterrupted: {m}")
+    # AdamW and DeepSpeedCPUAdam round alike to ~1e-9 here; lost moments would be off by 1e-2.
+    for other in (all_host, from_all_host):
+        for got, want in zip(other[0]["params"], through[0]["params"]):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=lambda m: f"other ratio on resume: {m}")
 
 
 # -- ZeRO-3: a rank on NVMe ------------------------------------------------------------------------
