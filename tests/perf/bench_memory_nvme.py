@@ -127,7 +127,8 @@ def _train(rank, world_size, mode, nvme_path, rank_1_gb, limit_bytes, steps):
         own.close()
     if runtime is not None:
         runtime.close()
-    result = {"peak_bytes": peak, "current_bytes": current, "init_peak_bytes": init_peak, "step_s": times[1:], "nvme_ranks": list(getattr(state, "nvme_ranks", ())),
+    result = {"peak_bytes": peak, "current_bytes": current, "init_peak_bytes": init_peak, "step_s": times[1:],
+              "nvme_ranks": list(getattr(state, "nvme_ranks", ())),
               "swap_optimizer": bool(getattr(engine.optimizer, "swap_optimizer", False))}
     if rank == 0:
         result["params"] = flat

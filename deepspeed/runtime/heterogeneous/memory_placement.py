@@ -116,7 +116,7 @@ def apply_rank_offload(ds_config, offload, dp_rank, optimizer=None, nvme_path=No
     stays the same on all ranks. Every rank refuses alike what would fail on the offloading ranks
     alone (and leave the others waiting in a collective): a client optimizer other than
     DeepSpeedCPUAdam while ``zero_force_ds_cpu_optimizer`` holds, and NVMe on a rank where the
-    async-io op cannot build (``check_nvme_ranks``, one all-gather on every rank)."""
+    async-io op cannot build (``check_nvme_ranks``, one agreement on every rank)."""
     if not offload:
         return
     import torch
@@ -155,20 +155,16 @@ def apply_rank_offload(ds_config, offload, dp_rank, optimizer=None, nvme_path=No
 
 def check_nvme_ranks(nvme_ranks, dp_rank):
     """Every rank learns whether the ranks placed on NVMe can build the async-io op (it needs
-    ``libaio``: Debian's ``libaio-dev``) before any of them tries: one all-gather of a flag over
-    the world, so a rank that cannot ends the job on every rank with an error naming it instead of
-    failing alone while its peers wait in a collective."""
-    import torch
-    from deepspeed import comm as dist
-    from deepspeed.accelerator import get_accelerator
-    able = 1
+    ``libaio``: Debian's ``libaio-dev``) before any of them tries: one agreement over the world
+    (``agreement.gather_from_every_rank``), so a rank that cannot ends the job on every rank with
+    an error naming it instead of failing alone while its peers wait in a collective."""
+    from .agreement import Agreement
+    able = True
     if dp_rank in nvme_ranks:
         from deepspeed.ops.op_builder import AsyncIOBuilder
-        able = int(bool(AsyncIOBuilder().is_compatible(verbose=False)))
-    device = get_accelerator().current_device_name()
-    flags = [torch.zeros(1, dtype=torch.int32, device=device) for _ in range(dist.get_world_size())]
-    dist.all_gather(flags, torch.tensor([able], dtype=torch.int32, device=device))
-    unable = [rank for rank, flag in enumerate(flags) if int(flag.item()) == 0]
+        able = bool(AsyncIOBuilder().is_compatible(verbose=False))
+    flags = Agreement(f"data-parallel rank {dp_rank}").gather_from_every_rank(able, "whether the async-io op builds")
+    unable = [rank for rank, flag in enumerate(flags) if not flag]
     if unable:
         raise RuntimeError(f"heterogeneous_memory places the optimizer state of data-parallel rank(s) {nvme_ranks} on "
                            f"NVMe (zero_optimization.heterogeneous_offload.nvme_offload), but global rank(s) {unable} "

@@ -116,27 +116,24 @@ def zero3_offload_fraction(rank, model_state):
     wanted = needed / rank.optimizer_bytes
     if model_state.sub_groups is None:
         return min(1.0, math.ceil(wanted * 100) / 100)
-    held = 0.0
-    for fraction in reversed(model_state.sub_groups):
-        held += fraction
-        if held >= wanted - 1e-12:
-            return min(1.0, held)
-    return 1.0
+    return _last_sub_groups(model_state.sub_groups, wanted)[1]
 
 
 def offloaded_sub_groups(sub_groups, fraction):
     """How many of the last ``sub_groups`` make up ``fraction`` (None: sub-groups unknown)."""
     if sub_groups is None:
         return None
-    if fraction >= 1.0 - 1e-12:
-        return len(sub_groups)
-    held, count = 0.0, 0
-    for part in reversed(sub_groups):
-        if held >= fraction - 1e-9:
-            break
-        held += part
-        count += 1
-    return count
+    return 0 if fraction <= 0 else _last_sub_groups(sub_groups, fraction)[0]
+
+
+def _last_sub_groups(sub_groups, part):
+    """``(count, fraction)``: the fewest of the last ``sub_groups`` whose fractions reach ``part``."""
+    held = 0.0
+    for count, fraction in enumerate(reversed(sub_groups), start=1):
+        held += fraction
+        if held >= part - 1e-9:
+            return count, min(1.0, held)
+    return len(sub_groups), 1.0
 
 
 def zero3_offload_ratio(sub_groups_offloaded, sub_groups):

@@ -58,16 +58,11 @@ class HeterogeneousState:
     memory_pool: Optional[object] = field(default=None, repr=False)
     """The ``HeterogeneousMemoryPool`` that placed this engine's state (``memory_pool.placement``;
     None unless heterogeneous_memory.enabled); the profiler and reports read it."""
-    offloaded_ranks: tuple = ()
-    """The data-parallel ranks whose ZeRO optimizer state (ZeRO-3: some of its sub-groups) the pool
-    put off the device, on the host or NVMe (``zero_optimization.heterogeneous_offload``); the same
-    on every rank."""
-    nvme_ranks: tuple = ()
-    """The data-parallel ranks whose ZeRO-3 optimizer state the pool put on NVMe (all of it;
-    ``heterogeneous_offload.nvme_offload``); also in ``offloaded_ranks``."""
-    offload_ratios: tuple = ()
-    """Per data-parallel rank, the ``offload_optimizer.ratio`` the pool gave it (0: none; 1: all of its
-    optimizer state; ZeRO-3 between: the last sub-groups); empty when no rank offloads."""
+    rank_offload: tuple = ()
+    """Per data-parallel rank, where the pool put its ZeRO optimizer state and how much of it:
+    ``(device, offload_optimizer.ratio)``, device None (kept on the device), "cpu" or "nvme"
+    (``zero_optimization.heterogeneous_offload``); the same on every rank; empty when no rank
+    offloads. ``offloaded_ranks``, ``nvme_ranks`` and ``offload_ratios`` read it."""
     autotuning_window: Optional[object] = field(default=None, repr=False)
     """The autotuning metric window's progress (``autotuning.heterogeneous.experiments``), also
     with the fork off; None until the first step of an autotuning experiment."""
@@ -91,6 +86,23 @@ class HeterogeneousState:
     def partition_share(self):
         """This rank's share of the ZeRO-1/2 partitioned state; None: upstream's 1/N."""
         return None if self.partition_shares is None else self.partition_shares[self.dp_rank]
+
+    @property
+    def offloaded_ranks(self):
+        """The data-parallel ranks whose optimizer state (ZeRO-3: some of its sub-groups) is off the
+        device, on the host or NVMe."""
+        return tuple(rank for rank, (device, _) in enumerate(self.rank_offload) if device)
+
+    @property
+    def nvme_ranks(self):
+        """The data-parallel ranks whose ZeRO-3 optimizer state is on NVMe (all of it)."""
+        return tuple(rank for rank, (device, _) in enumerate(self.rank_offload) if device == "nvme")
+
+    @property
+    def offload_ratios(self):
+        """Per data-parallel rank, its ``offload_optimizer.ratio`` (0: none; 1: all of its optimizer
+        state; ZeRO-3 between: the last sub-groups); empty when no rank offloads."""
+        return tuple(ratio for _, ratio in self.rank_offload)
 
     @property
     def per_rank_zero_state(self):
@@ -155,12 +167,9 @@ class HeterogeneousState:
             from .partitions import describe_shares
             self.memory_pool, self.partition_shares, offload = place_engine_state(self, ds_config, model, optimizer)
             apply_rank_offload(ds_config, offload, self.dp_rank, optimizer, self.settings.offload.nvme_path)
-            self.offloaded_ranks = tuple(sorted(offload))
             if offload:
-                world = int(ds_config.world_size)
-                self.offload_ratios = tuple(float(offload[rank][1]) if rank in offload else 0.0
-                                            for rank in range(world))
-                self.nvme_ranks = tuple(rank for rank, (device, _) in sorted(offload.items()) if device == "nvme")
+                self.rank_offload = tuple((offload[rank][0], float(offload[rank][1])) if rank in offload else
+                                          (None, 0.0) for rank in range(int(ds_config.world_size)))
             if self.offloaded_ranks and self.dp_rank == 0:
                 parts = ", ".join(f"{rank}: {'all' if ratio >= 1 else f'ratio {ratio:g}'}{' on NVMe' * (device == 'nvme')}"
                                   for rank, (device, ratio) in sorted(offload.items()))
