@@ -7,6 +7,7 @@ engine would do."""
 
 import math
 
+from .memory_meter import EMULATED
 from .memory_pool import NVME, HeterogeneousMemoryPool, ModelStateSpec, known_speeds
 from .memory_spec import zero3_offload_ratio
 from .partitions import check_shares
@@ -39,8 +40,12 @@ def place_engine_state(state, ds_config, model, optimizer=None):
         return None, check_shares(setting, world) if explicit else None, {}
     pool = HeterogeneousMemoryPool.from_state(state, world)
     offload = state.settings.offload
-    placement, offloaded = engine_placement(pool, ModelStateSpec.for_engine(ds_config, model, optimizer), setting,
-                                            offload.cpu_offload, offload.nvme_offload)
+    baselines = gather_baselines(state, world)
+    # An emulated device (capacity by accounting alone) is not the host, whatever the accelerator.
+    spec = ModelStateSpec.for_engine(ds_config, model, optimizer,
+                                     emulated_device=state.memory_meter.source == EMULATED)
+    placement, offloaded = engine_placement(pool, spec, setting, offload.cpu_offload, offload.nvme_offload,
+                                            baseline_bytes=baselines)
     if state.dp_rank == 0:
         cpu_unapplied = offload.cpu_offload and not _offloads_per_rank(stage, world)
         nvme_unapplied = offload.nvme_offload and not (stage == 3 and _offloads_per_rank(stage, world))
@@ -56,7 +61,28 @@ def place_engine_state(state, ds_config, model, optimizer=None):
     return pool, placement.partition_shares, offloaded
 
 
-def engine_placement(pool, spec, zero_partitions, cpu_offload, nvme_offload=False):
+def gather_baselines(state, world):
+    """Per data-parallel rank, the bytes in use on its device as the engine starts (``memory_meter``,
+    started here and kept as ``state.memory_meter``), gathered so that every rank places alike; a
+    replica counts its fullest member."""
+    import torch.distributed as dist
+    from . import emulation
+    from .memory_meter import MemoryMeter
+    # An emulated capacity enforced by accounting alone is an empty device at the start.
+    emulated = state.settings.config.emulation is not None and bool(state.settings.config.emulation.memory_gb)
+    joined = emulation._memory_cgroup is not None and emulation._memory_cgroup.cgroup is not None
+    accounting = emulated and not joined
+    state.memory_meter = MemoryMeter(source=EMULATED if accounting else None)
+    mine = state.memory_meter.start()
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [mine] * world
+    from .agreement import Agreement
+    gathered = Agreement(f"data-parallel rank {state.dp_rank}").gather_from_every_rank(
+        (state.dp_rank, mine), "the memory in use as the engine starts")
+    return [max((b or 0 for r, b in gathered if r == rank), default=0) for rank in range(world)]
+
+
+def engine_placement(pool, spec, zero_partitions, cpu_offload, nvme_offload=False, baseline_bytes=None):
     """``(placement, {offloading rank: (device, offload_optimizer.ratio)})``: the pool's placement of
     ``spec`` as an engine applies it.
 
@@ -71,7 +97,7 @@ def engine_placement(pool, spec, zero_partitions, cpu_offload, nvme_offload=Fals
     per_rank = cpu_offload and applies
     nvme = nvme_offload and applies and spec.zero_stage == 3
     placement = pool.place(spec, zero_partitions=zero_partitions, cpu_offload=per_rank, nvme_offload=nvme,
-                           strict=False)
+                           strict=False, baseline_bytes=baseline_bytes)
     offloaded = tuple(placement.offloaded_ranks) if per_rank or nvme else ()
     if spec.zero_stage == 3:
         return placement, {rank: _zero3_offload(placement.ranks[rank], spec) for rank in offloaded}
@@ -82,7 +108,8 @@ def engine_placement(pool, spec, zero_partitions, cpu_offload, nvme_offload=Fals
                          "ZeRO-1/2 path keeps equal slices. Use zero_partitions \"auto\" (shares from memory, even "
                          "once a rank offloads) or \"even\", or turn cpu_offload off")
     if offloaded and placement.partition_shares is not None:
-        placement = pool.place(spec, zero_partitions="even", cpu_offload=True, nvme_offload=False, strict=False)
+        placement = pool.place(spec, zero_partitions="even", cpu_offload=True, nvme_offload=False, strict=False,
+                               baseline_bytes=baseline_bytes)
         offloaded = tuple(placement.offloaded_ranks)
     return placement, {rank: ("cpu", 1.0) for rank in offloaded}
 

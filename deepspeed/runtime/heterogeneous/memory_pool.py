@@ -90,6 +90,14 @@ class RankPlacement:
     """ZeRO-3 with known sub-groups: how many of them (the last ones) are offloaded."""
     slack_bytes: float = 0.0
     """What rounding the shares to millionths may add over a budget they were cut to fit."""
+    baseline_bytes: float = 0.0
+    """In use on the device when the engine started (``memory_meter``): the interpreter, the model."""
+    predicted_peak_bytes: Optional[int] = None
+    """The rank's predicted peak (``memory_peak``): baseline, model state, activations and
+    DeepSpeed's buffers at the busiest phase; None where the allocations are unknown."""
+    peak_phase: Optional[str] = None
+    measured_peak_bytes: Optional[int] = None
+    """The peak the rank measured (``memory_meter``), None until measured."""
 
     @property
     def offloaded_bytes(self):
@@ -100,7 +108,17 @@ class RankPlacement:
         return self.offloaded_bytes if self.optimizer_location == HOST else 0.0
 
     @property
+    def buffer_bytes(self):
+        """What the predicted peak holds beyond the baseline, the kept model state and activations."""
+        if self.predicted_peak_bytes is None:
+            return 0.0
+        return max(0.0, self.predicted_peak_bytes - self.baseline_bytes - self.parameter_bytes - self.gradient_bytes -
+                   self.optimizer_bytes + self.offloaded_bytes - (self.activation_bytes or 0.0))
+
+    @property
     def device_bytes(self):
+        if self.predicted_peak_bytes is not None:
+            return self.predicted_peak_bytes
         return math.ceil(self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes - self.offloaded_bytes +
                          (self.activation_bytes or 0.0))
 
@@ -174,6 +192,8 @@ class HeterogeneousMemoryPool:
         names = device_names or [d.name if d is not None else "-" for d in devices]
         self.device_names = [str(n) for n in names]
         self.placement = None
+        self._model_state = None
+        self._baselines = [0.0] * world
 
     @property
     def world_size(self):
@@ -201,7 +221,7 @@ class HeterogeneousMemoryPool:
     # -- the decision ----------------------------------------------------------------------------
 
     def place(self, model_state, zero_partitions="auto", activation_bytes=None, cpu_offload=True,
-              nvme_offload=False, strict=True):
+              nvme_offload=False, strict=True, baseline_bytes=None):
         """Place ``model_state`` (a ``ModelStateSpec``) on the ranks; returns the ``MemoryPlacement``
         (also kept as ``self.placement`` for ``report``).
 
@@ -210,12 +230,18 @@ class HeterogeneousMemoryPool:
             activation_bytes: per rank, the activation bytes of its micro-batch, or None (unknown:
                 the room left then still has to hold them).
             cpu_offload, nvme_offload: where a rank that does not fit may offload its optimizer state.
+            baseline_bytes: per rank, the bytes in use on its device before the engine allocates
+                (``memory_meter``); None: 0. Counted in the predicted peak.
             strict: raise ``MemoryPlacementError`` for what cannot be placed; False: record it.
         """
         world = self.world_size
         activations = list(activation_bytes) if activation_bytes is not None else [None] * world
         if len(activations) != world:
             raise ValueError(f"activation_bytes has {len(activations)} entries for {world} ranks")
+        baselines = [float(b or 0.0) for b in baseline_bytes] if baseline_bytes is not None else [0.0] * world
+        if len(baselines) != world:
+            raise ValueError(f"baseline_bytes has {len(baselines)} entries for {world} ranks")
+        self._baselines = baselines
         stage = model_state.zero_stage
         partitioned = stage in (1, 2) and world > 1
         if partitioned and zero_partitions not in ("auto", "even"):
@@ -224,7 +250,10 @@ class HeterogeneousMemoryPool:
             fixed = None
         else:
             fixed = tuple([1.0 / world] * world) if stage >= 1 else tuple([1.0] * world)
-        may_offload = (cpu_offload or nvme_offload) and stage >= 1 and model_state.optimizer_device is None
+        # Where the device is the host (the CPU accelerator), offloading moves nothing off it.
+        host_is_device = model_state.allocations is not None and model_state.allocations.host_is_device
+        may_offload = ((cpu_offload or nvme_offload) and stage >= 1 and model_state.optimizer_device is None
+                       and not host_is_device)
         offloaded = {}  # rank -> fraction of its optimizer state off the device
         while True:
             shares = fixed if fixed is not None else self._auto_shares(model_state, offloaded, activations)
@@ -252,6 +281,7 @@ class HeterogeneousMemoryPool:
         else:
             shares_out = None
         self.placement = MemoryPlacement(stage, tuple(ranks), shares_out, self.host_budget, tuple(problems))
+        self._model_state = model_state
         return self.placement
 
     def _auto_shares(self, model_state, offloaded, activations):
@@ -261,12 +291,13 @@ class HeterogeneousMemoryPool:
         if all(b is None for b in self.budgets):
             return choose_partition_shares(self.speeds)
         # What a rank holds whatever its share (share 0), and what all shares together hold.
-        held_whole = model_state.device_bytes(world, 0.0)
+        # Uneven shares: every rank flattens the largest owner's slice of a bucket; count it whole.
+        held_whole = model_state.device_bytes(world, 0.0, largest_share=1.0)
         state_bytes = model_state.device_bytes(world, 1.0) - held_whole
         gradient_bytes = model_state.parts(world, 1.0).gradients if model_state.zero_stage == 2 else 0.0
         rooms = []
         for rank, budget in enumerate(self.budgets):
-            room = None if budget is None else budget - held_whole - (activations[rank] or 0.0)
+            room = None if budget is None else budget - held_whole - (activations[rank] or 0.0) - self._baselines[rank]
             if room is not None and rank in offloaded:
                 room = None if gradient_bytes == 0 else room * state_bytes / gradient_bytes
             rooms.append(room)
@@ -281,12 +312,16 @@ class HeterogeneousMemoryPool:
             parts = model_state.parts(world, share if model_state.zero_stage in (1, 2) else None)
             fraction = 1.0 if forced else offloaded.get(rank, 0.0)
             sub_groups = offloaded_sub_groups(model_state.sub_groups, fraction) if model_state.zero_stage == 3 else None
+            peak = None if model_state.allocations is None else model_state.peak(
+                share, fraction, activations[rank], self._baselines[rank], largest_share=max(shares))
             ranks.append(RankPlacement(
                 rank=rank, host=self.hosts[rank], name=self.device_names[rank], capacity_bytes=self.capacities[rank],
                 budget_bytes=self.budgets[rank], share=share, parameter_bytes=parts.parameters,
                 gradient_bytes=parts.gradients, optimizer_bytes=parts.optimizer, activation_bytes=activations[rank],
                 optimizer_location=(NVME if forced == "nvme" else HOST) if fraction > 0 else DEVICE,
-                offload_fraction=fraction, offload_sub_groups=sub_groups, slack_bytes=slack))
+                offload_fraction=fraction, offload_sub_groups=sub_groups, slack_bytes=slack,
+                baseline_bytes=self._baselines[rank], predicted_peak_bytes=None if peak is None else peak.peak_bytes,
+                peak_phase=None if peak is None else peak.peak_phase))
         return ranks
 
     def _host_placement(self, ranks, nvme_offload, cpu_offload=True, model_state=None):
@@ -327,7 +362,9 @@ class HeterogeneousMemoryPool:
         label = f"data-parallel rank {rank.rank}" + ("" if rank.name == "-" else f" ({rank.name})")
         held = (f"parameters {_size(rank.parameter_bytes)} + gradients {_size(rank.gradient_bytes)} + optimizer "
                 f"state {_size(rank.optimizer_bytes - rank.offloaded_bytes)}" +
-                (f" + activations {_size(rank.activation_bytes)}" if rank.activation_bytes else ""))
+                (f" + activations {_size(rank.activation_bytes)}" if rank.activation_bytes else "") +
+                (f" + DeepSpeed's buffers {_size(rank.buffer_bytes)} + {_size(rank.baseline_bytes)} in use at the "
+                 f"engine's start, its predicted peak at {rank.peak_phase}" if rank.predicted_peak_bytes else ""))
         budget = (f"its budget {_size(rank.budget_bytes)} ({self.utilization:.0%} of {_size(rank.capacity_bytes)}, "
                   "heterogeneous_memory.hbm_utilization_threshold)")
         if model_state.zero_stage == 0:
@@ -341,6 +378,38 @@ class HeterogeneousMemoryPool:
         else:
             advice = "use a higher ZeRO stage or give the rank more memory"
         return f"{label} needs {_size(rank.device_bytes)} on its device ({held}), more than {budget}; {advice}"
+
+    def predicted_peak(self, rank, activation_bytes=0.0):
+        """``memory_peak.PeakPrediction`` of a placed rank with ``activation_bytes`` of activations,
+        or None before ``place`` or where the allocations are unknown."""
+        if self.placement is None or self._model_state is None or self._model_state.allocations is None:
+            return None
+        placed = self.placement.ranks[rank]
+        return self._model_state.peak(placed.share, placed.offload_fraction, activation_bytes, placed.baseline_bytes,
+                                      largest_share=max(r.share for r in self.placement.ranks))
+
+    def record_activations(self, rank, activation_bytes):
+        """Count a rank's measured activation bytes (its micro-batch's, ``memory.ActivationMeter``)
+        in its row and its predicted peak."""
+        if self.placement is None:
+            return
+        placed = self.placement.ranks[rank]
+        update = {"activation_bytes": float(activation_bytes)}
+        peak = self.predicted_peak(rank, activation_bytes)
+        if peak is not None:
+            update.update(predicted_peak_bytes=peak.peak_bytes, peak_phase=peak.peak_phase)
+        ranks = list(self.placement.ranks)
+        ranks[rank] = replace(placed, **update)
+        self.placement = replace(self.placement, ranks=tuple(ranks))
+
+    def record_measured_peaks(self, peaks):
+        """Record each rank's measured peak (bytes, None where unknown) in the placement the
+        report shows (``memory_meter``; gathered from every rank by the runtime)."""
+        if self.placement is None:
+            return
+        ranks = tuple(r if peak is None else replace(r, measured_peak_bytes=int(peak))
+                      for r, peak in zip(self.placement.ranks, peaks))
+        self.placement = replace(self.placement, ranks=ranks)
 
     # -- the report ------------------------------------------------------------------------------
 

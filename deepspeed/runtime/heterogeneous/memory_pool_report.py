@@ -40,11 +40,14 @@ class MemoryReport:
             rows = [(r, pool.hosts[r], pool.device_names[r], format_size(b)) for r, b in enumerate(pool.budgets)]
             return _table(header, rows) + "\nno model placed yet (HeterogeneousMemoryPool.place)"
         header = ("rank", "node", "device", "budget", "share", "parameters", "gradients", "optimizer state",
-                  "activations", "room left")
+                  "activations", "buffers", "at start", "predicted peak", "measured peak", "room left")
         rows = [(r.rank, r.host, r.name, format_size(r.budget_bytes), f"{r.share:.3f}",
                  f"{format_size(r.parameter_bytes)} device",
                  f"{format_size(r.gradient_bytes)} device", _optimizer_cell(r),
                  "unmeasured" if r.activation_bytes is None else f"{format_size(r.activation_bytes)} device",
+                 format_size(r.buffer_bytes), format_size(r.baseline_bytes),
+                 "-" if r.predicted_peak_bytes is None else f"{format_size(r.predicted_peak_bytes)} ({r.peak_phase})",
+                 "not yet" if r.measured_peak_bytes is None else _measured_cell(r),
                  _room_cell(r)) for r in placement.ranks]
         lines = [f"ZeRO stage {placement.zero_stage}, budgets {pool.utilization:.0%} of each device "
                  "(heterogeneous_memory.hbm_utilization_threshold)", _table(header, rows)]
@@ -69,7 +72,9 @@ def _rank_dict(rank):
                                 "offload_fraction": rank.offload_fraction},
             "activations": {"bytes": rank.activation_bytes, "location": DEVICE},
             "device_bytes": rank.device_bytes, "host_bytes": rank.host_bytes, "room_bytes": rank.room_bytes,
-            "fits": rank.fits}
+            "fits": rank.fits, "baseline_bytes": rank.baseline_bytes, "buffer_bytes": rank.buffer_bytes,
+            "predicted_peak_bytes": rank.predicted_peak_bytes, "peak_phase": rank.peak_phase,
+            "measured_peak_bytes": rank.measured_peak_bytes}
 
 
 def _optimizer_cell(rank):
@@ -79,6 +84,13 @@ def _optimizer_cell(rank):
         return f"{format_size(rank.optimizer_bytes)} {rank.optimizer_location}"
     return (f"{format_size(rank.optimizer_bytes - rank.offloaded_bytes)} device + {format_size(rank.offloaded_bytes)} "
             f"{rank.optimizer_location} ({rank.offload_fraction:.0%})")
+
+
+def _measured_cell(rank):
+    cell = format_size(rank.measured_peak_bytes)
+    if rank.predicted_peak_bytes:
+        cell += f" ({rank.measured_peak_bytes / rank.predicted_peak_bytes:.0%} of predicted)"
+    return cell
 
 
 def _room_cell(rank):

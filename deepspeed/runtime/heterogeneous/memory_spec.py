@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
 from .memory import _model_state_inputs, model_state_bytes, model_state_parts, model_sub_groups
+from .memory_peak import ZeroAllocations, predict_peak
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,8 @@ class ModelStateSpec:
     """ZeRO-3: whether a rank may offload part of its sub-groups (upstream's ``offload_optimizer.ratio``
     below 1 steps the offloaded ones with ``DeepSpeedCPUAdam``, which only an Adam-type optimizer
     gets); False: a rank that must offload offloads all of its optimizer state."""
+    allocations: Optional[ZeroAllocations] = None
+    """What sizes DeepSpeed's buffers (``memory_peak``); None: the model state alone is counted."""
 
     def __post_init__(self):
         if self.zero_stage not in (0, 1, 2, 3):
@@ -50,14 +53,27 @@ class ModelStateSpec:
     def parts(self, world, share):
         return model_state_parts(self.num_parameters, self.zero_stage, world, share=share, **self._inputs())
 
-    def device_bytes(self, world, share, offloaded=False):
+    def device_bytes(self, world, share, offloaded=False, largest_share=None):
+        """Bytes on the device: the predicted peak (``memory_peak``) when the allocations are known,
+        without baseline and activations, which differ per rank; else the model state."""
+        if self.allocations is not None:
+            return self.peak(share, offloaded, largest_share=largest_share).peak_bytes
         return model_state_bytes(self.num_parameters, self.zero_stage, world, share=share,
                                  optimizer_offloaded=offloaded or self.optimizer_device is not None, **self._inputs())
 
+    def peak(self, share, offloaded=0.0, activation_bytes=0.0, baseline_bytes=0.0, largest_share=None):
+        """``memory_peak.predict_peak`` of a rank (``allocations`` must be known)."""
+        offloaded = 1.0 if self.optimizer_device is not None else float(offloaded)
+        return predict_peak(self.allocations, share=share if self.zero_stage in (1, 2) else None, offloaded=offloaded,
+                            activation_bytes=activation_bytes or 0.0, baseline_bytes=baseline_bytes or 0.0,
+                            largest_share=largest_share if self.zero_stage in (1, 2) else None)
+
     @classmethod
-    def for_engine(cls, ds_config, model, optimizer=None):
+    def for_engine(cls, ds_config, model, optimizer=None, emulated_device=False):
         """The state of ``model`` under a ``DeepSpeedConfig``, counted as the planner counts it
-        (``memory.config_model_state_bytes``): the client's optimizer instance, else the config's."""
+        (``memory.config_model_state_bytes``): the client's optimizer instance, else the config's.
+        ``emulated_device``: the rank's capacity is emulated by accounting, a device apart from the
+        host even on the CPU accelerator."""
         import torch
         client = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
         if client is None:
@@ -67,6 +83,7 @@ class ModelStateSpec:
         stage = int(ds_config.zero_optimization_stage or 0)
         spec = cls._from_inputs(_model_state_inputs(model.parameters(), half, optimizer, False), stage,
                                 _offload_device(offload))
+        spec = replace(spec, allocations=engine_allocations(ds_config, model, client or optimizer, spec, emulated_device))
         if stage != 3:
             return spec
         return replace(spec, sub_groups=model_sub_groups(ds_config, model, client),
@@ -91,6 +108,45 @@ class ModelStateSpec:
         return cls(num_parameters=int(inputs["num_parameters"]), zero_stage=zero_stage,
                    param_bytes=inputs["param_bytes"], optimizer_bytes=inputs["optimizer_bytes"],
                    master_bytes=inputs["master_bytes"], optimizer_device=optimizer_device)
+
+
+def engine_allocations(ds_config, model, optimizer, spec, emulated_device=False):
+    """``ZeroAllocations`` of ``model`` under a ``DeepSpeedConfig`` on this rank's accelerator: the
+    bucket sizes and ZeRO-3 limits as upstream resolves them, the optimizer's temporaries (torch's
+    Adam family allocates them; DeepSpeed's fused and CPU Adam update in place), where the
+    parameters are and whether the device is host memory."""
+    from deepspeed.accelerator import get_accelerator
+    zero = ds_config.zero_config
+    params = [p for p in model.parameters() if p.requires_grad]
+    numels = [int(getattr(p, "ds_numel", p.numel())) for p in params]
+    device = get_accelerator().device_name()
+    on_host = device == "cpu" and not emulated_device
+    resident = device == "cpu" or all(p.device.type == device for p in params)
+    return ZeroAllocations(num_parameters=sum(numels), largest_parameter=max(numels, default=0),
+                           zero_stage=spec.zero_stage, world=int(ds_config.world_size), param_bytes=spec.param_bytes,
+                           optimizer_bytes=spec.optimizer_bytes,
+                           optimizer_temporaries=optimizer_temporaries(ds_config, optimizer),
+                           master_bytes=spec.master_bytes, reduce_bucket=int(zero.reduce_bucket_size),
+                           allgather_bucket=int(zero.allgather_bucket_size), overlap_comm=bool(zero.overlap_comm),
+                           contiguous_gradients=bool(zero.contiguous_gradients),
+                           max_live_parameters=int(zero.max_live_parameters),
+                           prefetch_bucket=int(zero.prefetch_bucket_size), sub_group_size=int(zero.sub_group_size),
+                           foreach=not on_host,
+                           host_is_device=on_host, parameters_resident=resident)
+
+
+def optimizer_temporaries(ds_config, optimizer):
+    """Tensors of the stepped tensor's size an optimizer's step allocates: torch's Adam/AdamW 2
+    (``exp_avg_sq.sqrt()`` and its division); a config Adam is DeepSpeed's fused or CPU Adam (in
+    place) unless ``torch_adam``; SGD and others 0."""
+    import torch
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return 2 if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) else 0
+    name = str(getattr(ds_config, "optimizer_name", None) or "").lower()
+    params = getattr(ds_config, "optimizer_params", None) or {}
+    if name in ("adam", "adamw"):
+        return 2 if params.get("torch_adam", False) else 0
+    return 0
 
 
 def cpu_adam_optimizer(ds_config, optimizer=None):

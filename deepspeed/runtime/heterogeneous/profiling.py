@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from .memory import fit_activation_model, max_micro_batch
+from .memory import RankCannotFitError, fit_activation_model, max_micro_batch
 from .planner import Plan, TimeModel, fit_time_model, plan_micro_batches, plausible_time_model
 from .time_model import least_squares_line, relative_standard_error
 
@@ -276,10 +276,36 @@ def memory_limits(history, capacities, device_names, utilization):
     for rank, capacity in enumerate(capacities):
         measured = [(m, b) for step in history for m, _, b in step[rank]["samples"] if b is not None]
         state = history[-1][rank]["state_bytes"] if history else 0
-        limits.append(None if capacity is None or not measured else max_micro_batch(
-            capacity, state, fit_activation_model(measured), utilization,
-            f"data-parallel rank {rank} ({device_names[rank]})"))
+        if capacity is None or not measured:
+            limits.append(None)
+            continue
+        label = f"data-parallel rank {rank} ({device_names[rank]})"
+        activations = fit_activation_model(measured)
+        limit = max_micro_batch(capacity, state, activations, utilization, label)
+        limits.append(min(limit, measured_peak_limit(history, rank, capacity, activations, utilization, label)))
     return limits
+
+
+def measured_peak_limit(history, rank, capacity, activations, utilization, label):
+    """The largest micro-batch a rank's *measured* peak allows: a rank whose peak (``peak_bytes``
+    of its last profiling step, at the largest micro-batch it ran) passed its budget gets as many
+    samples fewer as the excess takes, whatever the prediction said. No limit without a reading.
+    Raises RankCannotFitError with the bytes when not even one sample would fit."""
+    peak = history[-1][rank].get("peak_bytes") if history else None
+    ran = max((m for m, _, _ in history[-1][rank]["samples"]), default=0) if history else 0
+    budget = capacity * utilization
+    if peak is None or ran < 1 or peak <= budget:
+        return float("inf")
+    fewer = -(-(peak - budget) // activations.per_sample)
+    limit = int(ran - fewer)
+    if limit < 1:
+        raise RankCannotFitError(
+            f"{label} measured a memory peak of {peak / 2**30:.4g} GiB at {ran} sample(s) per micro-step, over its "
+            f"budget {budget / 2**30:.4g} GiB ({utilization:.0%} of {capacity / 2**30:.4g} GiB, "
+            f"heterogeneous_memory.hbm_utilization_threshold), and one sample still would not fit "
+            f"({activations.per_sample / 2**20:.3g} MiB of activations per sample); offload optimizer states, use a "
+            f"higher ZeRO stage, or give the rank more memory")
+    return limit
 
 
 def sizes_seen(history, world_size):

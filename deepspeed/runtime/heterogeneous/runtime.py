@@ -60,6 +60,7 @@ class HeterogeneousRuntime:
         self.timer = StepTimer()
         self.meter = ActivationMeter()
         self._state_bytes = None
+        self._activations_reported = False
         self.profiling = self.settings.load_balancing_strategy == "compute_aware" and self.settings.profile_steps > 0
         self.history = []  # per profiling step: every data-parallel rank's pooled measurements
         self.base_models = None  # the profiled fits alone: what an on-demand re-plan scales
@@ -131,7 +132,7 @@ class HeterogeneousRuntime:
         """Activation bytes are counted while profiling with known capacities, or on a rank whose
         emulated memory is enforced after profiling."""
         return ((self.profiling and self.capacities is not None) or self.limits.capacity_bytes is not None
-                or self.recording)
+                or self.recording or (self.state.memory_pool is not None and not self._activations_reported))
 
     def micro_step_begin(self, inputs=(), kwargs=None):
         self._fed = fed_size(self.plan, self.rank, inputs, kwargs, engine_loader=self.engine_loader,
@@ -158,10 +159,14 @@ class HeterogeneousRuntime:
         # The profiling steps measure what the plan must fit; the plan is enforced after.
         if activations is not None and not self.profiling:
             self.limits.check_memory(size, self.model_state_bytes(), activations)
+        if activations is not None and not self._activations_reported and self.state.memory_pool is not None:
+            self.state.memory_pool.record_activations(self.rank, activations)
+            self._activations_reported = True
         self.timer.end_micro_step(size, activations, on_compute=self.limits.after_compute, split=self.recording)
 
     def step_end(self):
         timing = self.timer.end_step()
+        self._report_memory()
         if self.recording:
             self._record(timing)
         self.limits.apply_speed_schedule(self.steps + 1)
@@ -177,8 +182,36 @@ class HeterogeneousRuntime:
     def model_state_bytes(self):
         """This rank's predicted model-state bytes (its ZeRO shard), computed once."""
         if self._state_bytes is None:
-            self._state_bytes = engine_model_state_bytes(self.engine, self.plan.world_size)
+            # The pool's predicted peak without activations (what was in use at the start and
+            # DeepSpeed's buffers included) when it placed this engine; activations are counted apart.
+            pool = self.state.memory_pool
+            peak = pool.predicted_peak(self.rank) if pool is not None else None
+            self._state_bytes = (peak.peak_bytes if peak is not None else
+                                 engine_model_state_bytes(self.engine, self.plan.world_size))
         return self._state_bytes
+
+    def measured_peak_bytes(self):
+        """This rank's measured memory peak (``memory_meter``), None where it cannot be read."""
+        meter = self.state.memory_meter
+        if meter is None:
+            from .memory_meter import MemoryMeter
+            meter = self.state.memory_meter = MemoryMeter()
+        return meter.peak_bytes()
+
+    def _report_memory(self):
+        """This rank's row of the memory pool's report, kept current without a collective: its
+        measured peak (its activations, measured at its first micro-step, are in its predicted peak
+        from then on). The other ranks' rows follow at every agreement that gathers them
+        (profiling, rebalancing)."""
+        pool = self.state.memory_pool
+        if pool is None:
+            return
+        pool.record_measured_peaks([self.measured_peak_bytes() if r == self.rank else None
+                                    for r in range(pool.world_size)])
+
+    def _record_measured_peaks(self, entries):
+        if self.state.memory_pool is not None:
+            self.state.memory_pool.record_measured_peaks([entry.get("peak_bytes") for entry in entries])
 
     # -- the heterogeneous profiler -----------------------------------------------------------
 
@@ -218,9 +251,11 @@ class HeterogeneousRuntime:
     def _profiling_step(self, timing):
         mine = {"dp_rank": self.rank, "samples": timing.samples, "step_overhead": timing.step_overhead,
                 "state_bytes": self.model_state_bytes() if self.capacities else 0,
+                "peak_bytes": self.measured_peak_bytes(),
                 "wall": max(timing.wall - self._agreement_s, 0.0)}
         began = time.perf_counter()
         self.history.append(self._pooled(mine, f"the measurements of step {self.steps} to agree on a plan"))
+        self._record_measured_peaks(self.history[-1])
         last = len(self.history) >= self.settings.profile_steps
         decision = self._decide_after_profiling(last) if dist.get_rank() == 0 else None
         box = self.agreement.broadcast_from_rank0(decision, "the new plan")
@@ -311,9 +346,10 @@ class HeterogeneousRuntime:
         mine = {"dp_rank": self.rank, "samples": [s for step in steps for s in step.samples],
                 "step_times": [step.time_per_micro_step for step in steps if step.time_per_micro_step is not None],
                 "step_overhead": sum(step.step_overhead for step in steps) / count,
-                "wall": sum(walls) / count, "walls": walls}
+                "wall": sum(walls) / count, "walls": walls, "peak_bytes": self.measured_peak_bytes()}
         began = time.perf_counter()
         everyone = self._pooled(mine, f"the measurements of step {self.steps} to agree on a plan")
+        self._record_measured_peaks(everyone)
         box = self._decide_rebalance(everyone, forced_models, on_demand) if dist.get_rank() == 0 else None
         box = self.agreement.broadcast_from_rank0(box, "the rebalancing decision")
         if "error" in box:

@@ -55,6 +55,8 @@ class HeterogeneousState:
     (``topology.discover_topology``, at config time); None when the fork is off."""
     partition_shares: Optional[tuple] = None
     """Each data-parallel rank's share of the ZeRO-1/2 partitioned state (None: equal slices)."""
+    memory_meter: Optional[object] = field(default=None, repr=False)
+    """This rank's ``MemoryMeter``, started as the engine starts (``memory_placement.gather_baselines``)."""
     memory_pool: Optional[object] = field(default=None, repr=False)
     """The ``HeterogeneousMemoryPool`` that placed this engine's state (``memory_pool.placement``;
     None unless heterogeneous_memory.enabled); the profiler and reports read it."""

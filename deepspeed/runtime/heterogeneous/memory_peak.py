@@ -1,0 +1,240 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What DeepSpeed 0.19.8 allocates on one rank, phase by phase, and the peak it reaches
+(docs/memory.md). Pure: byte arithmetic from sizes and settings, no tensors, no collectives.
+
+The model-state count of ``memory.model_state_parts`` (parameters, gradients, optimizer state and
+master copy of a rank's ZeRO share) is what a rank *keeps*. A rank dies at what it holds at its
+busiest moment, which adds the buffers upstream allocates around those states. Each phase below
+lists the allocations that are alive together at the moment the phase peaks, named after the
+upstream code that makes them:
+
+- ``initialize``: the flat copy of the parameters (ZeRO-1/2 ``bit16_groups_flat``, built with
+  ``torch.cat`` while the original tensors are still alive; the originals' memory is not given
+  back to the device: a caching allocator keeps it, and on the host the allocator keeps it too),
+  the fp32 partition (``single_partition_of_fp32_groups``, a clone even in fp32 training) and
+  ZeRO-3's flat partitions.
+- ``backward``: the gradients as autograd leaves them (ZeRO-0/1: every parameter's; ZeRO-2/3: the
+  partition, ``grads_in_partition``, plus the reduce bucket ``reduce_bucket_size`` elements, twice
+  with ``overlap_comm``, of which the model fills at most its own size), the all-reduce buffer of
+  ZeRO-0 (``buffered_allreduce_fallback`` flattens up to 5e8 elements), and the optimizer state
+  created at the first step, which is alive from then on.
+- ``step``: the fp32 gradient partition handed to the optimizer (ZeRO-1/2
+  ``single_grad_partition``, a new flat tensor) and the optimizer's temporaries: torch's Adam
+  computes ``exp_avg_sq.sqrt() / bias_correction`` as two new tensors of each parameter's size;
+  its single-tensor loop (host tensors) holds them for the largest tensor it steps, its ``foreach``
+  path (device tensors) for the whole group. ZeRO-1/2 step one flat partition, so there the
+  largest tensor is the partition.
+- ZeRO-3 gathers whole parameters for the forward and the backward; with upstream's defaults
+  (``stage3_max_live_parameters`` 1e9, ``stage3_prefetch_bucket_size`` 5e7) a model below those
+  sizes is fully gathered at once.
+
+``PeakPrediction.phases`` gives every allocation by name, so a report can say which one sets the
+peak. Activations come from the fork's activation meter (``memory.ActivationMeter``) and are
+added to the forward and backward phases.
+"""
+
+from dataclasses import dataclass, field, replace
+from typing import Dict, Optional, Tuple
+
+# Upstream defaults that size buffers (deepspeed/runtime/zero/config.py, engine.py).
+ALLREDUCE_BUCKET_ELEMENTS = 500_000_000  # engine.allreduce_gradients(bucket_size=MEMORY_OPT_ALLREDUCE_SIZE)
+ADAM_TEMPORARIES = 2  # exp_avg_sq.sqrt(), then its division: two tensors of the stepped tensor's size
+
+
+@dataclass(frozen=True)
+class ZeroAllocations:
+    """What sizes DeepSpeed's allocations on one rank, besides its share.
+
+    Args:
+        num_parameters: trainable parameters of the whole model (elements).
+        largest_parameter: elements of the largest trainable parameter.
+        zero_stage: 0-3.
+        world: data-parallel ranks.
+        param_bytes: bytes per element of parameters and gradients in the training dtype.
+        optimizer_bytes: optimizer state per element (Adam 8, SGD 0 or 4 with momentum).
+        optimizer_temporaries: tensors of the stepped tensor's size the optimizer's step allocates
+            (torch Adam 2; SGD 0; DeepSpeed's fused/CPU Adam 0: they update in place).
+        master_bytes: the fp32 master copy ZeRO-0 keeps under fp16/bf16 (4), else 0; ZeRO 1-3
+            always keep 4.
+        reduce_bucket: ``zero_optimization.reduce_bucket_size`` (elements).
+        allgather_bucket: ``zero_optimization.allgather_bucket_size`` (elements).
+        overlap_comm: ``zero_optimization.overlap_comm`` as upstream resolves it (ZeRO-3 on).
+        contiguous_gradients: ``zero_optimization.contiguous_gradients``.
+        max_live_parameters: ZeRO-3 ``stage3_max_live_parameters`` (elements).
+        prefetch_bucket: ZeRO-3 ``stage3_prefetch_bucket_size`` (elements).
+        sub_group_size: ZeRO-3 ``sub_group_size`` (elements): the optimizer steps one at a time.
+        foreach: whether the optimizer steps a group at once (device tensors) or tensor by tensor
+            (host tensors: torch chooses the single-tensor loop on the CPU).
+        host_is_device: the device is host memory (the CPU accelerator): state offloaded "to the
+            host" stays in the rank's memory.
+        parameters_resident: the module's parameters are already in the rank's memory when the
+            engine starts (counted in the baseline); else the engine moves them there.
+    """
+
+    num_parameters: int
+    largest_parameter: int
+    zero_stage: int
+    world: int = 1
+    param_bytes: int = 4
+    optimizer_bytes: int = 8
+    optimizer_temporaries: int = ADAM_TEMPORARIES
+    master_bytes: int = 0
+    reduce_bucket: int = 500_000_000
+    allgather_bucket: int = 500_000_000
+    overlap_comm: bool = False
+    contiguous_gradients: bool = True
+    max_live_parameters: int = 1_000_000_000
+    prefetch_bucket: int = 50_000_000
+    sub_group_size: int = 1_000_000_000
+    foreach: bool = False
+    host_is_device: bool = False
+    parameters_resident: bool = True
+
+    def __post_init__(self):
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage {self.zero_stage!r} must be 0, 1, 2 or 3")
+        if self.num_parameters < 0 or self.largest_parameter < 0 or self.world < 1:
+            raise ValueError(f"num_parameters {self.num_parameters}, largest_parameter {self.largest_parameter} "
+                             f"and world {self.world} must be >= 0, >= 0 and >= 1")
+
+
+@dataclass(frozen=True)
+class PeakPrediction:
+    """A rank's predicted bytes per phase (each a dict of named allocations) and its peak."""
+
+    phases: Dict[str, Dict[str, float]]
+    baseline_bytes: float = 0.0
+    """In use before the engine started (``memory_meter.current_bytes``); part of every phase."""
+    activation_bytes: float = 0.0
+
+    def phase_bytes(self, phase):
+        return self.baseline_bytes + sum(self.phases[phase].values())
+
+    @property
+    def peak_phase(self):
+        return max(self.phases, key=self.phase_bytes)
+
+    @property
+    def peak_bytes(self):
+        return int(self.phase_bytes(self.peak_phase))
+
+    @property
+    def buffer_bytes(self):
+        """What the peak phase holds beyond the kept model state and activations: DeepSpeed's
+        buffers and temporaries (what ``memory.model_state_bytes`` leaves out)."""
+        return sum(v for k, v in self.phases[self.peak_phase].items() if k not in _KEPT)
+
+    def describe(self):
+        allocations = ", ".join(f"{name} {_mib(size)}" for name, size in self.phases[self.peak_phase].items() if size)
+        return f"{_mib(self.peak_bytes)} at {self.peak_phase} ({_mib(self.baseline_bytes)} in use at start + " \
+               f"{allocations})"
+
+
+# Allocations that are model state kept between steps (the pool's parameters / gradients / optimizer).
+_KEPT = ("parameters", "gradients", "gradient partition", "fp32 partition", "optimizer state", "activations")
+
+
+def predict_peak(allocations, share=None, offloaded=0.0, activation_bytes=0.0, baseline_bytes=0.0,
+                 largest_share=None):
+    """The phases of one rank under ``allocations`` (``ZeroAllocations``) and its peak.
+
+    Args:
+        share: the rank's part of the partitioned ZeRO-1/2 state (None: 1/world); ZeRO-3 is even.
+        offloaded: part of the optimizer state (and master copy) off the device (ZeRO-Offload).
+        activation_bytes: what the forward saves for backward at the rank's micro-batch.
+        baseline_bytes: in use when the engine started.
+        largest_share: the largest rank's share (ZeRO-1/2; None: even shares, or this rank's when
+            larger): every rank flattens each owner's slice of a bucket to reduce it.
+    """
+    a = allocations
+    n, pb = float(a.num_parameters), float(a.param_bytes)
+    world = a.world
+    stage = a.zero_stage
+    part = (1.0 / world if share is None else float(share)) if stage in (1, 2) else (1.0 / world if stage == 3 else 1.0)
+    kept = 1.0 if a.host_is_device else 1.0 - min(1.0, max(0.0, float(offloaded)))
+    master = 4.0 if stage >= 1 else float(a.master_bytes)
+    moved_in = 0.0 if a.parameters_resident else n * pb  # the engine moves the module to the device
+
+    if stage == 0:
+        params = moved_in
+        optimizer = n * (a.optimizer_bytes + master)
+        grads = n * pb
+        stepped = n if a.foreach else float(a.largest_parameter)
+        temporaries = a.optimizer_temporaries * stepped * 4.0
+        allreduce = min(ALLREDUCE_BUCKET_ELEMENTS, n) * pb
+        phases = {
+            "initialize": {"parameters": params},
+            "forward": {"parameters": params, "optimizer state": optimizer, "activations": activation_bytes},
+            "backward": {"parameters": params, "optimizer state": optimizer, "activations": activation_bytes,
+                         "gradients": grads, "all-reduce buffer": allreduce},
+            "step": {"parameters": params, "optimizer state": optimizer, "gradients": grads,
+                     "optimizer temporaries": temporaries},
+        }
+        return PeakPrediction(phases, float(baseline_bytes), float(activation_bytes))
+
+    if stage in (1, 2):
+        flat = n * pb  # bit16_groups_flat; the originals' memory stays with the allocator
+        fp32_partition = part * n * master * kept
+        optimizer = part * n * a.optimizer_bytes * kept
+        bucket = min(a.reduce_bucket, n) * pb * (2 if a.overlap_comm else 1) if a.contiguous_gradients else 0.0
+        # ZeRO-2 reduces into its partition as buckets fill; ZeRO-1 at the accumulation boundary,
+        # through the same buckets (between boundaries its whole gradients take the bucket's bytes).
+        grads = {"gradient partition": part * n * pb, "gradient in flight": a.largest_parameter * pb}
+        grad_for_step = part * n * 4.0 * kept  # single_grad_partition (fp32)
+        stepped = part * n  # one flat partition
+        temporaries = a.optimizer_temporaries * stepped * 4.0 * kept
+        # average_tensor reduces each owner's slice of the bucket through allreduce_bucket, which
+        # flattens it first: one slice at a time on every rank, the largest owner's at the peak.
+        slice_copy = min(a.reduce_bucket, n) * pb * max(part, 1.0 / world, float(largest_share or 0.0))
+        # The updated partitions are all-gathered into the flat parameters in allgather_bucket_size
+        # pieces; a host backend (gloo) stages a piece's gathered output before copying it out.
+        staging = min(a.allgather_bucket, n) * pb if a.host_is_device else 0.0
+        params = {"parameters": flat + moved_in}
+        state = {"fp32 partition": fp32_partition, "optimizer state": optimizer}
+        if offloaded > 0:
+            # The cpu_offload path: the fp32 partition's gradient is kept (gradients are copied into
+            # it, no grads_in_partition, no flattening at the step), a bit16 copy of the partition
+            # for the parameters' way back, two gradient buffers of the largest parameter, and
+            # DeepSpeedCPUAdam, which updates in place. Only the host's part counts on a device.
+            host = 1.0 if a.host_is_device else 0.0
+            state.update({"fp32 gradient partition": part * n * 4.0 * host,
+                          "bit16 partition copy": part * n * pb * host,
+                          "offload gradient buffers": 2 * a.largest_parameter * pb})
+            grads = {"gradient in flight": a.largest_parameter * pb}
+            grad_for_step, temporaries = 0.0, 0.0
+        kept_grads = {k: v for k, v in grads.items() if k != "gradient in flight"}
+        phases = {
+            # initialize_optimizer_states hands the optimizer a zero gradient partition first.
+            "initialize": {**params, "fp32 partition": fp32_partition, "initial gradient partition": part * n * 4.0},
+            "forward": {**params, **state, "activations": activation_bytes},
+            "backward": {**params, **state, "activations": activation_bytes, **grads, "reduce bucket": bucket,
+                         "reduced slice copy": slice_copy},
+            "step": {**params, **state, **kept_grads, "fp32 gradient partition": grad_for_step,
+                     "optimizer temporaries": temporaries},
+            "all-gather": {**params, **state, **kept_grads, "all-gather staging": staging},
+        }
+        return PeakPrediction(phases, float(baseline_bytes), float(activation_bytes))
+
+    # ZeRO-3: partitioned parameters, whole ones gathered for forward and backward.
+    partition = n * pb / world
+    gathered = min(n, float(max(a.max_live_parameters, a.prefetch_bucket))) * pb
+    fp32_partition = n * master / world * kept
+    optimizer = n * a.optimizer_bytes / world * kept
+    grad_partition = n * 4.0 / world  # fp32 gradient partition the optimizer steps
+    bucket = min(a.reduce_bucket, n) * pb * (2 if a.overlap_comm else 1)
+    # ZeRO-3 steps each flat optimizer sub-group as one tensor.
+    stepped = min(n / world, float(a.sub_group_size))
+    temporaries = a.optimizer_temporaries * stepped * 4.0 * kept
+    state = {"parameters": partition + moved_in, "fp32 partition": fp32_partition, "optimizer state": optimizer}
+    phases = {
+        "initialize": {"parameters": partition + moved_in + n * pb, "fp32 partition": fp32_partition},
+        "forward": {**state, "gathered parameters": gathered, "activations": activation_bytes},
+        "backward": {**state, "gathered parameters": gathered, "activations": activation_bytes,
+                     "gradient partition": grad_partition, "reduce bucket": bucket},
+        "step": {**state, "gradient partition": grad_partition, "optimizer temporaries": temporaries},
+    }
+    return PeakPrediction(phases, float(baseline_bytes), float(activation_bytes))
+
+
+def _mib(size):
+    return f"{size / 2**20:.0f} MiB"

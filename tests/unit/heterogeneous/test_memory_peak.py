@@ -1,0 +1,143 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The memory model's arithmetic (``memory_peak``), its use by the pool, the reaction to a measured
+peak over budget (``profiling.measured_peak_limit``) and the meter's sources. Pure: no processes.
+Expected values are written out from the allocations each phase lists (docs/memory.md)."""
+
+import pytest
+
+from deepspeed.runtime.heterogeneous.memory import ActivationModel, RankCannotFitError
+from deepspeed.runtime.heterogeneous.memory_meter import CGROUP, EMULATED, PROCESS, MemoryMeter
+from deepspeed.runtime.heterogeneous.memory_peak import ZeroAllocations, predict_peak
+from deepspeed.runtime.heterogeneous.memory_pool import HeterogeneousMemoryPool
+from deepspeed.runtime.heterogeneous.memory_spec import ModelStateSpec
+from deepspeed.runtime.heterogeneous.profiling import measured_peak_limit
+
+MiB = 2**20
+N = 1_000_000  # parameters; 4 MB in fp32
+LARGEST = 100_000
+
+
+def allocations(stage, **changes):
+    settings = dict(num_parameters=N, largest_parameter=LARGEST, zero_stage=stage, world=2, param_bytes=4,
+                    optimizer_bytes=8, optimizer_temporaries=2, reduce_bucket=500_000_000,
+                    allgather_bucket=500_000_000, host_is_device=True)
+    settings.update(changes)
+    return ZeroAllocations(**settings)
+
+
+def test_zero2_phases_hold_the_buffers_upstream_allocates():
+    peak = predict_peak(allocations(2), share=0.25, baseline_bytes=10 * MiB)
+    # Kept: flat parameters 4e6, fp32 partition 0.25 * 4e6 = 1e6, Adam 0.25 * 8e6 = 2e6.
+    assert peak.phase_bytes("forward") == 10 * MiB + 4e6 + 1e6 + 2e6
+    # Backward: + gradient partition 1e6, one gradient in flight 4e5, the bucket (the whole model,
+    # under reduce_bucket_size: 4e6), the largest owner's slice flattened (0.5 of the bucket: 2e6).
+    assert peak.phase_bytes("backward") == 10 * MiB + 7e6 + 1e6 + 4e5 + 4e6 + 2e6
+    # Step: kept + gradient partition 1e6 + fp32 gradient partition 1e6 + Adam's two temporaries of
+    # the stepped partition 2 * 1e6.
+    assert peak.phase_bytes("step") == 10 * MiB + 7e6 + 1e6 + 1e6 + 2e6
+    # All-gather on a host backend: the gathered output staged, 4e6.
+    assert peak.phase_bytes("all-gather") == 10 * MiB + 7e6 + 1e6 + 4e6
+    assert peak.peak_phase == "backward" and peak.peak_bytes == int(10 * MiB + 14.4e6)
+    assert peak.buffer_bytes == pytest.approx(4e5 + 4e6 + 2e6)
+
+
+def test_buckets_and_the_device_change_what_is_held():
+    small = predict_peak(allocations(2, reduce_bucket=100_000, allgather_bucket=100_000), share=0.5)
+    # Bucket 4e5, slice 0.5 * 4e5; kept 4e6 + 2e6 + 4e6, gradient partition 2e6, in flight 4e5.
+    assert small.phase_bytes("backward") == 4e6 + 2e6 + 4e6 + 2e6 + 4e5 + 4e5 + 2e5
+    on_device = predict_peak(allocations(2, host_is_device=False), share=0.5)
+    assert on_device.phase_bytes("all-gather") == 4e6 + 2e6 + 4e6 + 2e6  # NCCL gathers in place
+    overlap = predict_peak(allocations(2, overlap_comm=True), share=0.5)
+    assert overlap.phase_bytes("backward") - predict_peak(allocations(2), share=0.5).phase_bytes("backward") == 4e6
+
+
+def test_zero0_sgd_and_offload():
+    sgd = predict_peak(allocations(0, optimizer_bytes=0, optimizer_temporaries=0))
+    # Parameters are resident (in the baseline); gradients 4e6 and the all-reduce buffer 4e6.
+    assert sgd.peak_bytes == 8e6 and sgd.peak_phase == "backward"
+    adam = predict_peak(allocations(0))
+    # + Adam's state 8e6; the step's temporaries are of the largest tensor only (host loop): 8e5.
+    assert adam.phase_bytes("backward") == 16e6 and adam.phase_bytes("step") == 8e6 + 4e6 + 8e5
+    # Offloaded to a host that is not the device: the fp32 partition and Adam's state leave it,
+    # two gradient buffers of the largest parameter come.
+    gpu = predict_peak(allocations(2, host_is_device=False), share=0.5, offloaded=1.0)
+    assert gpu.phase_bytes("forward") == 4e6 + 2 * 4e5
+    # On the CPU accelerator the host is the device: nothing leaves, the offload buffers add.
+    cpu = predict_peak(allocations(2), share=0.5, offloaded=1.0)
+    assert cpu.phase_bytes("forward") == 4e6 + 2e6 + 4e6 + 2e6 + 2e6 + 2 * 4e5
+
+
+def test_zero3_gathers_whole_parameters_and_steps_sub_groups():
+    peak = predict_peak(allocations(3, sub_group_size=200_000))
+    # Partition 2e6, fp32 partition 2e6, Adam 4e6; gathered 4e6; fp32 gradient partition 2e6;
+    # bucket 4e6.
+    assert peak.phase_bytes("backward") == 2e6 + 2e6 + 4e6 + 4e6 + 2e6 + 4e6
+    # Step: Adam's temporaries of one sub-group (2e5 elements): 2 * 8e5.
+    assert peak.phase_bytes("step") == 8e6 + 2e6 + 2 * 8e5
+    limited = predict_peak(allocations(3, max_live_parameters=100_000, prefetch_bucket=50_000))
+    assert limited.phase_bytes("forward") == 8e6 + 4e5
+
+
+def test_bad_allocations_are_refused():
+    with pytest.raises(ValueError, match="zero_stage 4"):
+        allocations(4)
+    with pytest.raises(ValueError, match="world 0"):
+        allocations(2, world=0)
+
+
+def test_the_pool_fits_the_predicted_peak_with_each_ranks_baseline():
+    spec = ModelStateSpec(num_parameters=N, zero_stage=2, allocations=allocations(2))
+    pool = HeterogeneousMemoryPool([100 * MiB, 100 * MiB], hbm_utilization_threshold=1.0)
+    placement = pool.place(spec, zero_partitions="even", baseline_bytes=[0, 90 * MiB], strict=False,
+                           cpu_offload=False)
+    first, second = placement.ranks
+    assert second.baseline_bytes == 90 * MiB
+    assert second.predicted_peak_bytes == first.predicted_peak_bytes + 90 * MiB
+    assert first.fits and not second.fits
+    assert "in use at the engine's start" in placement.problems[0]
+    # "auto" gives the rank with the larger baseline the smaller share, and it fits.
+    auto = pool.place(spec, zero_partitions="auto", baseline_bytes=[0, 80 * MiB])
+    # On the CPU accelerator the host is the device: offloading would only add buffers, so the
+    # pool does not offload there.
+    assert not pool.place(spec, zero_partitions="even", baseline_bytes=[0, 90 * MiB], strict=False).offloaded_ranks
+    auto = pool.place(spec, zero_partitions="auto", baseline_bytes=[0, 80 * MiB])
+    assert auto.partition_shares[1] < 0.5 and all(r.fits for r in auto.ranks)
+    report = pool.report().to_dict()["ranks"][1]
+    assert report["predicted_peak_bytes"] == auto.ranks[1].predicted_peak_bytes
+    assert report["measured_peak_bytes"] is None
+    pool.record_measured_peaks([None, 95 * MiB])
+    assert pool.report().to_dict()["ranks"][1]["measured_peak_bytes"] == 95 * MiB
+    assert "measured peak" in str(pool.report())
+    backward = pool.predicted_peak(0).phase_bytes("backward")
+    pool.record_activations(0, 3 * MiB)  # the forward and backward phases hold them
+    assert pool.placement.ranks[0].activation_bytes == 3 * MiB
+    assert pool.placement.ranks[0].predicted_peak_bytes == int(backward + 3 * MiB)
+
+
+def _history(peak, ran=8):
+    return [[{"samples": [(ran, 0.1, 1000)], "peak_bytes": peak}]]
+
+
+def test_a_measured_peak_over_budget_takes_samples_away():
+    per_sample = ActivationModel(base=0.0, per_sample=10 * MiB)
+    # Budget 80% of 1000 MiB = 800 MiB; measured 835 MiB at 8 samples: 3.5 samples over -> 4 fewer.
+    assert measured_peak_limit(_history(835 * MiB), 0, 1000 * MiB, per_sample, 0.8, "rank 0") == 4
+    assert measured_peak_limit(_history(790 * MiB), 0, 1000 * MiB, per_sample, 0.8, "rank 0") == float("inf")
+    assert measured_peak_limit(_history(None), 0, 1000 * MiB, per_sample, 0.8, "rank 0") == float("inf")
+    with pytest.raises(RankCannotFitError, match=r"rank 0 measured a memory peak of 0\.8789 GiB at 8 sample.*budget 0\.7812 GiB"):
+        measured_peak_limit(_history(900 * MiB), 0, 1000 * MiB, per_sample, 0.8, "rank 0")
+
+
+def test_the_meter_reads_the_source_that_limits_the_rank(tmp_path):
+    class Cpu:
+        def device_name(self):
+            return "cpu"
+
+    (tmp_path / "memory.usage_in_bytes").write_text("1234\n")
+    (tmp_path / "memory.max_usage_in_bytes").write_text("5678\n")
+    meter = MemoryMeter(Cpu(), cgroup_dir=tmp_path)
+    assert meter.source == CGROUP and meter.start() == 1234 and meter.peak_bytes() == 5678
+    emulated = MemoryMeter(Cpu(), cgroup_dir=tmp_path, source=EMULATED)
+    assert emulated.start() == 0 and emulated.peak_bytes() is None
+    process = MemoryMeter(Cpu(), source=PROCESS)
+    assert process.current_bytes() > 0 and process.peak_bytes() >= process.current_bytes()
