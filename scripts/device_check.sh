@@ -9,8 +9,9 @@
 #      against the torch reference on the device;
 #   3. every test that needs an accelerator (tests skipped on CPU), plus the native-op, device and
 #      scaler unit tests, on the device;
-#   4. the collective clock's synchronisation on an asynchronous device (one rank), and ZeRO-3
-#      twin-flow's resume with its device-side sub-groups (one rank);
+#   4. the collective clock's synchronisation on an asynchronous device (one rank), ZeRO-3
+#      twin-flow's resume with its device-side sub-groups (one rank), and the memory model's
+#      predicted peak against max_memory_reserved in ZeRO-2 and ZeRO-3 (one rank);
 #   5. a short single-GPU training of the small GPT with the fork on: profiling steps, fp16 with the
 #      adaptive loss scaler, the heterogeneous profiler's report (memory peaks from the device);
 #   6. summary.json and summary.txt in OUT_DIR: one line per stage, passed/failed, with its log.
@@ -150,6 +151,41 @@ resumed = run(3, load=True)
 diff = max((a - b).abs().max().item() for a, b in zip(through, resumed))
 print("resumed vs uninterrupted, largest difference:", diff)
 assert diff <= 1e-6, diff
+EOF
+
+# Issue 22: the memory model's predicted peak against what the caching allocator reserved
+# (max_memory_reserved), ZeRO-2 and ZeRO-3 on one GPU, a 28M-parameter MLP, fp32 Adam. Prints
+# the ratio per stage; fails when the device peak is more than 10% above the prediction.
+stage memory_peak 300 env MASTER_ADDR=127.0.0.1 MASTER_PORT=29519 RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 \
+  "$python" - <<'EOF'
+import torch
+import deepspeed
+from deepspeed.accelerator import get_accelerator
+
+ratios = {}
+for stage in (2, 3):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1536, 1536) for _ in range(12)])
+    config = {"train_batch_size": 8, "gradient_clipping": 0,
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+              "zero_optimization": {"stage": stage},
+              "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "uniform"},
+              "heterogeneous_memory": {"enabled": True, "zero_partitions": "even", "adaptive_chunking": False}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    device = get_accelerator().current_device_name()
+    for _ in range(3):
+        engine.backward(engine(torch.randn(8, 1536, device=device)).pow(2).mean())
+        engine.step()
+    state = engine._config.heterogeneous
+    placed = state.memory_pool.placement.ranks[0]
+    measured = get_accelerator().max_memory_reserved()
+    ratios[stage] = measured / placed.predicted_peak_bytes
+    print(f"ZeRO-{stage}: predicted {placed.predicted_peak_bytes / 2**20:.0f} MiB ({placed.peak_phase}), "
+          f"max_memory_reserved {measured / 2**20:.0f} MiB, ratio {ratios[stage]:.2f}")
+    print(state.memory_pool.report())
+    del engine
+    get_accelerator().empty_cache()
+assert all(r <= 1.10 for r in ratios.values()), ratios
 EOF
 
 cat >"$out/ds_config.json" <<'EOF'

@@ -141,7 +141,7 @@ def _rank(rank, world_size, row):
             _keep_max(phase_peaks, "step", _phase_peak(cgroup))
         measured = max(phase_peaks.values())
         placed = state.memory_pool.placement.ranks[state.dp_rank]
-        spec = state.memory_pool._model_state
+        spec = state.memory_pool.model_state
         peak = spec.peak(placed.share, placed.offload_fraction, placed.activation_bytes, placed.baseline_bytes)
         return {"predicted": placed.predicted_peak_bytes, "measured": measured, "phase": placed.peak_phase,
                 "baseline": placed.baseline_bytes, "activations": placed.activation_bytes,

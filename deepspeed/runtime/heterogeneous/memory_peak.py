@@ -69,6 +69,8 @@ class ZeroAllocations:
             host" stays in the rank's memory.
         parameters_resident: the module's parameters are already in the rank's memory when the
             engine starts (counted in the baseline); else the engine moves them there.
+        converted: the engine converts the module to the training dtype (fp32 parameters, fp16/bf16
+            training): new tensors.
     """
 
     num_parameters: int
@@ -89,6 +91,7 @@ class ZeroAllocations:
     foreach: bool = False
     host_is_device: bool = False
     parameters_resident: bool = True
+    converted: bool = False
 
     def __post_init__(self):
         if self.zero_stage not in (0, 1, 2, 3):
@@ -156,19 +159,24 @@ def predict_peak(allocations, share=None, offloaded=0.0, activation_bytes=0.0, b
     moved_in = 0.0 if a.parameters_resident else n * pb  # the engine moves the module to the device
 
     if stage == 0:
-        params = moved_in
-        optimizer = n * (a.optimizer_bytes + master)
+        # Under fp16/bf16 the engine converts the module (new tensors of the training dtype unless the
+        # client converted it), and the fp16 optimizer keeps an fp32 master copy and steps fp32
+        # copies of the gradients.
+        params = moved_in + (n * pb if a.converted else 0.0)
+        master_copy = n * master
+        optimizer = n * a.optimizer_bytes
         grads = n * pb
         stepped = n if a.foreach else float(a.largest_parameter)
         temporaries = a.optimizer_temporaries * stepped * 4.0
         allreduce = min(ALLREDUCE_BUCKET_ELEMENTS, n) * pb
+        kept = {"parameters": params, "fp32 partition": master_copy}
         phases = {
-            "initialize": {"parameters": params},
-            "forward": {"parameters": params, "optimizer state": optimizer, "activations": activation_bytes},
-            "backward": {"parameters": params, "optimizer state": optimizer, "activations": activation_bytes,
+            "initialize": dict(kept),
+            "forward": {**kept, "optimizer state": optimizer, "activations": activation_bytes},
+            "backward": {**kept, "optimizer state": optimizer, "activations": activation_bytes,
                          "gradients": grads, "all-reduce buffer": allreduce},
-            "step": {"parameters": params, "optimizer state": optimizer, "gradients": grads,
-                     "optimizer temporaries": temporaries},
+            "step": {**kept, "optimizer state": optimizer, "gradients": grads,
+                     "fp32 gradients": n * 4.0 if master else 0.0, "optimizer temporaries": temporaries},
         }
         return PeakPrediction(phases, float(baseline_bytes), float(activation_bytes))
 
@@ -177,9 +185,12 @@ def predict_peak(allocations, share=None, offloaded=0.0, activation_bytes=0.0, b
         fp32_partition = part * n * master * kept
         optimizer = part * n * a.optimizer_bytes * kept
         bucket = min(a.reduce_bucket, n) * pb * (2 if a.overlap_comm else 1) if a.contiguous_gradients else 0.0
-        # ZeRO-2 reduces into its partition as buckets fill; ZeRO-1 at the accumulation boundary,
-        # through the same buckets (between boundaries its whole gradients take the bucket's bytes).
+        # ZeRO-2 reduces into its partition as buckets fill; ZeRO-1 only at the accumulation
+        # boundary, when every parameter's gradient exists: each is copied into the bucket and freed
+        # in turn, so the whole gradients and the bucket together never pass the model's size.
         grads = {"gradient partition": part * n * pb, "gradient in flight": a.largest_parameter * pb}
+        if stage == 1:
+            grads["gradients"] = max(n * pb - bucket, 0.0)
         grad_for_step = part * n * 4.0 * kept  # single_grad_partition (fp32)
         stepped = part * n  # one flat partition
         temporaries = a.optimizer_temporaries * stepped * 4.0 * kept

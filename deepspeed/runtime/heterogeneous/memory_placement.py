@@ -58,7 +58,20 @@ def place_engine_state(state, ds_config, model, optimizer=None):
                            "zero_optimization.offload_optimizer to offload on every rank")
         for problem in placement.problems:
             logger.warning(f"deepspeed-hetero memory pool: {problem}")
+    refuse_unfit_peaks(pool, placement)
     return pool, placement.partition_shares, offloaded
+
+
+def refuse_unfit_peaks(pool, placement):
+    """Stop every rank, before DeepSpeed allocates, when a rank's predicted peak (``memory_peak``,
+    activations not yet counted) passes its budget whatever the pool chose: the profiling steps
+    would find no plan either, and under a physical limit the rank would be killed. Every rank
+    holds the same placement, so every rank raises the same error."""
+    from .memory_pool import MemoryPlacementError
+    unfit = [r for r in placement.ranks if r.predicted_peak_bytes is not None and not r.fits]
+    if unfit:
+        problems = [pool.rank_problem(r, pool.model_state, True) for r in unfit]
+        raise MemoryPlacementError("deepspeed-hetero memory pool: no placement fits: " + "; ".join(problems))
 
 
 def gather_baselines(state, world):

@@ -196,6 +196,11 @@ class HeterogeneousMemoryPool:
         self._baselines = [0.0] * world
 
     @property
+    def model_state(self):
+        """The ``ModelStateSpec`` of the last ``place`` (None before it)."""
+        return self._model_state
+
+    @property
     def world_size(self):
         return len(self.capacities)
 
@@ -271,7 +276,7 @@ class HeterogeneousMemoryPool:
             else:
                 offloaded.update({r.rank: 1.0 for r in over})
         ranks, problems = self._host_placement(ranks, nvme_offload, cpu_offload, model_state)
-        problems = [self._rank_problem(r, model_state, cpu_offload or nvme_offload) for r in ranks if not r.fits
+        problems = [self.rank_problem(r, model_state, cpu_offload or nvme_offload) for r in ranks if not r.fits
                     ] + problems
         if strict and problems:
             raise MemoryPlacementError("; ".join(problems))
@@ -358,7 +363,7 @@ class HeterogeneousMemoryPool:
                     f"({OFFLOAD_KEY}.nvme_offload), use a higher ZeRO stage or give the ranks more device memory")
         return ranks, problems
 
-    def _rank_problem(self, rank, model_state, offload_allowed):
+    def rank_problem(self, rank, model_state, offload_allowed):
         label = f"data-parallel rank {rank.rank}" + ("" if rank.name == "-" else f" ({rank.name})")
         held = (f"parameters {_size(rank.parameter_bytes)} + gradients {_size(rank.gradient_bytes)} + optimizer "
                 f"state {_size(rank.optimizer_bytes - rank.offloaded_bytes)}" +
@@ -367,7 +372,11 @@ class HeterogeneousMemoryPool:
                  f"engine's start, its predicted peak at {rank.peak_phase}" if rank.predicted_peak_bytes else ""))
         budget = (f"its budget {_size(rank.budget_bytes)} ({self.utilization:.0%} of {_size(rank.capacity_bytes)}, "
                   "heterogeneous_memory.hbm_utilization_threshold)")
-        if model_state.zero_stage == 0:
+        host_is_device = model_state.allocations is not None and model_state.allocations.host_is_device
+        if host_is_device and model_state.zero_stage >= 1:
+            advice = ("its device is the host (the CPU accelerator), where offloading moves nothing off it: use a "
+                      "higher ZeRO stage, smaller buckets, or give the rank more memory")
+        elif model_state.zero_stage == 0:
             advice = "ZeRO stage 0 cannot offload: use ZeRO stage 1-3, or give the rank more memory"
         elif rank.offload_fraction >= 1.0:
             advice = "even with all its optimizer state offloaded: use a higher ZeRO stage or give it more memory"
@@ -377,7 +386,10 @@ class HeterogeneousMemoryPool:
                       "(or nvme_offload), use a higher ZeRO stage or give the rank more memory")
         else:
             advice = "use a higher ZeRO stage or give the rank more memory"
-        return f"{label} needs {_size(rank.device_bytes)} on its device ({held}), more than {budget}; {advice}"
+        fits_in = "" if rank.capacity_bytes is None else (
+            f" (it would fit a capacity of {_size(rank.device_bytes / self.utilization)})")
+        return (f"{label} needs {_size(rank.device_bytes)} on its device ({held}), more than {budget}; {advice}"
+                f"{fits_in}")
 
     def predicted_peak(self, rank, activation_bytes=0.0):
         """``memory_peak.PeakPrediction`` of a placed rank with ``activation_bytes`` of activations,

@@ -115,6 +115,7 @@ def engine_allocations(ds_config, model, optimizer, spec, emulated_device=False)
     bucket sizes and ZeRO-3 limits as upstream resolves them, the optimizer's temporaries (torch's
     Adam family allocates them; DeepSpeed's fused and CPU Adam update in place), where the
     parameters are and whether the device is host memory."""
+    import torch
     from deepspeed.accelerator import get_accelerator
     zero = ds_config.zero_config
     params = [p for p in model.parameters() if p.requires_grad]
@@ -132,7 +133,8 @@ def engine_allocations(ds_config, model, optimizer, spec, emulated_device=False)
                            max_live_parameters=int(zero.max_live_parameters),
                            prefetch_bucket=int(zero.prefetch_bucket_size), sub_group_size=int(zero.sub_group_size),
                            foreach=not on_host,
-                           host_is_device=on_host, parameters_resident=resident)
+                           host_is_device=on_host, parameters_resident=resident,
+                           converted=spec.param_bytes < 4 and any(p.dtype == torch.float32 for p in params))
 
 
 def optimizer_temporaries(ds_config, optimizer):

@@ -289,8 +289,10 @@ def memory_limits(history, capacities, device_names, utilization):
 def measured_peak_limit(history, rank, capacity, activations, utilization, label):
     """The largest micro-batch a rank's *measured* peak allows: a rank whose peak (``peak_bytes``
     of its last profiling step, at the largest micro-batch it ran) passed its budget gets as many
-    samples fewer as the excess takes, whatever the prediction said. No limit without a reading.
-    Raises RankCannotFitError with the bytes when not even one sample would fit."""
+    samples fewer as its activations per sample take to come back under, whatever the prediction
+    said. No limit without a reading or under the budget. When samples are not what fills the rank
+    (fewer than one sample would be needed), it keeps at most what it ran while the peak is within
+    its capacity, and RankCannotFitError names the rank and the bytes once it is beyond."""
     peak = history[-1][rank].get("peak_bytes") if history else None
     ran = max((m for m, _, _ in history[-1][rank]["samples"]), default=0) if history else 0
     budget = capacity * utilization
@@ -298,14 +300,16 @@ def measured_peak_limit(history, rank, capacity, activations, utilization, label
         return float("inf")
     fewer = -(-(peak - budget) // activations.per_sample)
     limit = int(ran - fewer)
-    if limit < 1:
-        raise RankCannotFitError(
-            f"{label} measured a memory peak of {peak / 2**30:.4g} GiB at {ran} sample(s) per micro-step, over its "
-            f"budget {budget / 2**30:.4g} GiB ({utilization:.0%} of {capacity / 2**30:.4g} GiB, "
-            f"heterogeneous_memory.hbm_utilization_threshold), and one sample still would not fit "
-            f"({activations.per_sample / 2**20:.3g} MiB of activations per sample); offload optimizer states, use a "
-            f"higher ZeRO stage, or give the rank more memory")
-    return limit
+    if limit >= 1:
+        return limit
+    if peak <= capacity:
+        return ran
+    raise RankCannotFitError(
+        f"{label} measured a memory peak of {peak / 2**30:.4g} GiB at {ran} sample(s) per micro-step, beyond its "
+        f"capacity {capacity / 2**30:.4g} GiB (budget {budget / 2**30:.4g} GiB: {utilization:.0%}, "
+        f"heterogeneous_memory.hbm_utilization_threshold), and one sample would still need "
+        f"{(peak - (ran - 1) * activations.per_sample) / 2**30:.4g} GiB ({activations.per_sample / 2**20:.3g} MiB of "
+        f"activations per sample); offload optimizer states, use a higher ZeRO stage, or give the rank more memory")
 
 
 def sizes_seen(history, world_size):
