@@ -36,6 +36,9 @@ class MemoryMeter:
         # cgroup): an emulated device that is empty at the start and has no peak to read.
         self.source = source or (ACCELERATOR if not on_host else CGROUP if self._cgroup is not None else PROCESS)
         self.baseline_bytes = None
+        # Whether the peak is measured against the rank's capacity: not where the capacity is
+        # emulated (accounting, or the emulation cgroup, whose limit adds a host allowance).
+        self.measures_capacity = self.source in (ACCELERATOR, CGROUP)
 
     def start(self):
         """Record the baseline (bytes in use now); on an accelerator, reset its peak statistics."""

@@ -58,11 +58,11 @@ def place_engine_state(state, ds_config, model, optimizer=None):
                            "zero_optimization.offload_optimizer to offload on every rank")
         for problem in placement.problems:
             logger.warning(f"deepspeed-hetero memory pool: {problem}")
-    refuse_unfit_peaks(pool, placement)
+    refuse_unfit_peaks(pool, placement, offload.cpu_offload or offload.nvme_offload)
     return pool, placement.partition_shares, offloaded
 
 
-def refuse_unfit_peaks(pool, placement):
+def refuse_unfit_peaks(pool, placement, offload_allowed):
     """Stop every rank, before DeepSpeed allocates, when a rank's predicted peak (``memory_peak``,
     activations not yet counted) passes its budget whatever the pool chose: the profiling steps
     would find no plan either, and under a physical limit the rank would be killed. Every rank
@@ -70,7 +70,7 @@ def refuse_unfit_peaks(pool, placement):
     from .memory_pool import MemoryPlacementError
     unfit = [r for r in placement.ranks if r.predicted_peak_bytes is not None and not r.fits]
     if unfit:
-        problems = [pool.rank_problem(r, pool.model_state, True) for r in unfit]
+        problems = [pool.rank_problem(r, pool.model_state, offload_allowed) for r in unfit]
         raise MemoryPlacementError("deepspeed-hetero memory pool: no placement fits: " + "; ".join(problems))
 
 
@@ -79,13 +79,7 @@ def gather_baselines(state, world):
     started here and kept as ``state.memory_meter``), gathered so that every rank places alike; a
     replica counts its fullest member."""
     import torch.distributed as dist
-    from . import emulation
-    from .memory_meter import MemoryMeter
-    # An emulated capacity enforced by accounting alone is an empty device at the start.
-    emulated = state.settings.config.emulation is not None and bool(state.settings.config.emulation.memory_gb)
-    joined = emulation._memory_cgroup is not None and emulation._memory_cgroup.cgroup is not None
-    accounting = emulated and not joined
-    state.memory_meter = MemoryMeter(source=EMULATED if accounting else None)
+    state.memory_meter = rank_memory_meter(state)
     mine = state.memory_meter.start()
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [mine] * world
@@ -93,6 +87,22 @@ def gather_baselines(state, world):
     gathered = Agreement(f"data-parallel rank {state.dp_rank}").gather_from_every_rank(
         (state.dp_rank, mine), "the memory in use as the engine starts")
     return [max((b or 0 for r, b in gathered if r == rank), default=0) for rank in range(world)]
+
+
+def rank_memory_meter(state):
+    """This rank's ``MemoryMeter``: an emulated capacity enforced by accounting alone
+    (``emulation.memory_gb`` without a memory cgroup) is an empty device with no peak to read;
+    otherwise the source that limits the rank (``measures_capacity`` only where the capacity is
+    what limits it)."""
+    from . import emulation
+    from .memory_meter import MemoryMeter
+    emulated = state.settings.config.emulation is not None and bool(state.settings.config.emulation.memory_gb)
+    joined = emulation._memory_cgroup is not None and emulation._memory_cgroup.cgroup is not None
+    meter = MemoryMeter(source=EMULATED if emulated and not joined else None)
+    # The emulation cgroup's limit is memory_gb plus a host allowance: its peak is reported, and the
+    # kernel enforces the limit, but it is not measured against the emulated capacity.
+    meter.measures_capacity = meter.measures_capacity and not emulated
+    return meter
 
 
 def engine_placement(pool, spec, zero_partitions, cpu_offload, nvme_offload=False, baseline_bytes=None):

@@ -287,13 +287,13 @@ def memory_limits(history, capacities, device_names, utilization):
 
 
 def measured_peak_limit(history, rank, capacity, activations, utilization, label):
-    """The largest micro-batch a rank's *measured* peak allows: a rank whose peak (``peak_bytes``
-    of its last profiling step, at the largest micro-batch it ran) passed its budget gets as many
+    """The largest micro-batch a rank's *measured* peak allows: a rank whose peak
+    (``capacity_peak_bytes`` of its last profiling step: measured against its capacity, at the largest micro-batch it ran) passed its budget gets as many
     samples fewer as its activations per sample take to come back under, whatever the prediction
     said. No limit without a reading or under the budget. When samples are not what fills the rank
     (fewer than one sample would be needed), it keeps at most what it ran while the peak is within
     its capacity, and RankCannotFitError names the rank and the bytes once it is beyond."""
-    peak = history[-1][rank].get("peak_bytes") if history else None
+    peak = history[-1][rank].get("capacity_peak_bytes") if history else None
     ran = max((m for m, _, _ in history[-1][rank]["samples"]), default=0) if history else 0
     budget = capacity * utilization
     if peak is None or ran < 1 or peak <= budget:

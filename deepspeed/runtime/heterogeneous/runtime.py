@@ -194,8 +194,8 @@ class HeterogeneousRuntime:
         """This rank's measured memory peak (``memory_meter``), None where it cannot be read."""
         meter = self.state.memory_meter
         if meter is None:
-            from .memory_meter import MemoryMeter
-            meter = self.state.memory_meter = MemoryMeter()
+            from .memory_placement import rank_memory_meter
+            meter = self.state.memory_meter = rank_memory_meter(self.state)
         return meter.peak_bytes()
 
     def _report_memory(self):
@@ -249,9 +249,10 @@ class HeterogeneousRuntime:
         return merge_replicas(gathered, self.plan.world_size, sequences, error=PlanAgreementError)
 
     def _profiling_step(self, timing):
+        peak = self.measured_peak_bytes()
         mine = {"dp_rank": self.rank, "samples": timing.samples, "step_overhead": timing.step_overhead,
                 "state_bytes": self.model_state_bytes() if self.capacities else 0,
-                "peak_bytes": self.measured_peak_bytes(),
+                "peak_bytes": peak, "capacity_peak_bytes": peak if self.state.memory_meter.measures_capacity else None,
                 "wall": max(timing.wall - self._agreement_s, 0.0)}
         began = time.perf_counter()
         self.history.append(self._pooled(mine, f"the measurements of step {self.steps} to agree on a plan"))

@@ -134,7 +134,7 @@ def test_the_pool_fits_the_predicted_peak_with_each_ranks_baseline():
 
 
 def _history(peak, ran=8):
-    return [[{"samples": [(ran, 0.1, 1000)], "peak_bytes": peak}]]
+    return [[{"samples": [(ran, 0.1, 1000)], "capacity_peak_bytes": peak}]]
 
 
 def test_a_measured_peak_over_budget_takes_samples_away():

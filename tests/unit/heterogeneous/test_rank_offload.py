@@ -23,26 +23,38 @@ from harness import run_subcases, run_ranks
 SIZES = [5, 3]
 
 
-def _memory_gb(stage, bf16):
+def _peak(model, stage, offloaded, bf16=False, torch_adam=True, share=0.5, contiguous_gradients=True):
+    """Rank 1's predicted peak (``memory_peak``) on its emulated device for ``model`` under the
+    tests' configs: upstream's default buckets (the model is smaller than any), ``overlap_comm`` as
+    upstream resolves it, an emulated device apart from the host (accounting: ``mode: dilation``).
+    The capacities below are built from it: what the pool must decide is the subject, not the bytes."""
+    from deepspeed.runtime.heterogeneous.memory_peak import ZeroAllocations, predict_peak
+    numels = [p.numel() for p in model.parameters()]
+    allocations = ZeroAllocations(num_parameters=sum(numels), largest_parameter=max(numels), zero_stage=stage,
+                                  world=2, param_bytes=2 if bf16 else 4, master_bytes=4 if bf16 else 0,
+                                  optimizer_temporaries=2 if torch_adam else 0, overlap_comm=stage == 3,
+                                  contiguous_gradients=contiguous_gradients,
+                                  sub_group_size=1, foreach=True, host_is_device=False)
+    return predict_peak(allocations, share=share, offloaded=offloaded).peak_bytes
+
+
+def _memory_gb(stage, bf16, zero=None):
     """Rank 0 with plenty of room; rank 1 with room for its shard only once its optimizer state
-    (and the fp32 master copy under bf16) is on the host."""
+    (and the fp32 master copy under bf16) is on the host (``zero``: the case's settings)."""
     from deepspeed.runtime.heterogeneous.devices import BYTES_PER_GB
     from test_exactness import make_model
 
-    params = sum(p.numel() for p in make_model().parameters())
-    weights = 2 if bf16 else 4
-    state = (8 + 4) if bf16 else 8  # Adam's moments (+ fp32 master)
-    grads = weights * params / (2 if stage == 2 else 1)
-    on_device = weights * params + grads  # what rank 1 keeps after offloading
-    even = on_device + state * params / 2  # its even shard, all on the device
-    # Below the even shard, with most of the offloaded bytes left for the activations (~2.5 KiB).
-    return [1.0, (on_device + 0.9 * (even - on_device)) / BYTES_PER_GB]
+    contiguous = (zero or {}).get("contiguous_gradients", True)
+    offloaded, even = (_peak(make_model(), stage, fraction, bf16, contiguous_gradients=contiguous)
+                       for fraction in (1.0, 0.0))
+    # Below the even shard, with most of what offloading frees left for the activations (~2.5 KiB).
+    return [1.0, (offloaded + 0.9 * (even - offloaded)) / BYTES_PER_GB]
 
 
-def _config(stage, gas, clipping, bf16=False, reverse=False):
+def _config(stage, gas, clipping, bf16=False, reverse=False, zero=None):
     from test_exactness import ds_config
 
-    memory = _memory_gb(stage, bf16)
+    memory = _memory_gb(stage, bf16, zero)
     config = ds_config(stage, gas, SIZES, clipping)
     config["heterogeneous_config"]["emulation"] = {"memory_gb": memory[::-1] if reverse else memory,
                                                    "mode": "dilation"}
@@ -56,7 +68,7 @@ def _train(rank, world_size, stage, gas, clipping, bf16=False, zero=None):
     from deepspeed.runtime.heterogeneous.collective_log import recording
     from test_exactness import make_model, train_slices
 
-    config = _config(stage, gas, clipping, bf16)
+    config = _config(stage, gas, clipping, bf16, zero=zero)
     config["zero_optimization"].update(zero or {})
     if bf16:
         # fp32 accumulation: the combination where upstream runs ZeRO-1 on BF16_Optimizer
@@ -109,16 +121,13 @@ def test_the_rank_without_room_offloads_and_both_train_exactly_with_the_same_col
 
 def _zero3_memory_gb(wanted):
     """Rank 0 with plenty of room; rank 1 with room for its ZeRO-3 shard once ``wanted`` of its
-    optimizer state (moments and fp32 master copy) is off the device. The pool places model state
-    only: what the sub-groups it offloads free beyond ``wanted`` holds the activations (3% wanted,
-    more than the last sub-group's 1.5%: the last two go, 49%, leaving 2.9 KiB for the ~2.6 KiB the
+    optimizer state (moments and fp32 master copy) is off the device (3% wanted, more than the last
+    sub-group's 1.5%: the last two go, 49%, and what they free beyond 3% holds the ~2.6 KiB the
     runtime counts for rank 1's activations with gas 2)."""
     from deepspeed.runtime.heterogeneous.devices import BYTES_PER_GB
     from test_exactness import make_model
 
-    shard = sum(p.numel() for p in make_model().parameters()) / 2
-    on_device = 4 * shard + 4 * shard  # fp32 parameters and gradients of the shard
-    return [1.0, (on_device + (1 - wanted) * 12 * shard) / BYTES_PER_GB]
+    return [1.0, _peak(make_model(), 3, wanted, torch_adam=False) / BYTES_PER_GB]
 
 
 def _train_zero3(rank, world_size, optimizer, gas, clipping):
@@ -285,11 +294,10 @@ def _train_zero3_nvme(rank, world_size, nvme_path):
     from test_exactness import LR, ds_config, train_slices
 
     model = _wide_model()
-    shard = sum(p.numel() for p in model.parameters()) / 2
     config = ds_config(3, 1, SIZES, 0.0)
     del config["optimizer"]
     config["heterogeneous_config"]["emulation"] = {
-        "memory_gb": [1.0, (8 * shard + 0.5 * 12 * shard) / BYTES_PER_GB], "mode": "dilation"}
+        "memory_gb": [1.0, _peak(model, 3, 0.5, torch_adam=False) / BYTES_PER_GB], "mode": "dilation"}
     config["heterogeneous_memory"] = {"enabled": True, "hbm_utilization_threshold": 1.0, "cpu_memory_limit": "1MB"}
     config["zero_optimization"].update(sub_group_size=1, heterogeneous_offload={
         "cpu_offload": True, "nvme_offload": True, "nvme_path": nvme_path})
@@ -384,16 +392,17 @@ def _without_offload(rank, world_size):
     config["heterogeneous_config"]["emulation"] = {"memory_gb": _memory_gb(1, False), "mode": "dilation"}
     config["heterogeneous_memory"] = {"enabled": True, "zero_partitions": "even", "hbm_utilization_threshold": 1.0}
     model = make_model()
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    state = engine._config.heterogeneous
-    return {"offloaded": list(state.offloaded_ranks), "cpu_offload": bool(engine.optimizer.cpu_offload),
-            "problems": list(state.memory_pool.placement.problems)}
+    deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
 
 @pytest.mark.multiprocess
-def test_without_cpu_offload_nothing_moves_and_the_placement_names_the_key():
-    for result in run_ranks(_without_offload, world_size=2, timeout=300):
-        assert result["offloaded"] == [] and result["cpu_offload"] is False, result
-        assert len(result["problems"]) == 1, result
-        assert "data-parallel rank 1" in result["problems"][0], result
-        assert "zero_optimization.heterogeneous_offload.cpu_offload" in result["problems"][0], result
+def test_without_cpu_offload_nothing_moves_and_every_rank_stops_naming_the_key():
+    """Rank 1 does not fit without offloading, and offloading is not allowed: every rank stops as
+    the engine starts, before DeepSpeed allocates, with the rank, the bytes and the key to set."""
+    with pytest.raises(AssertionError) as refused:
+        run_ranks(_without_offload, world_size=2, timeout=300)
+    message = str(refused.value)
+    for rank in (0, 1):
+        assert f"rank {rank} raised" in message, message[-3000:]
+    assert "MemoryPlacementError" in message and "data-parallel rank 1" in message, message[-3000:]
+    assert "zero_optimization.heterogeneous_offload.cpu_offload" in message, message[-3000:]
