@@ -81,17 +81,19 @@ def load_engine_modules():
 
 # glibc's mallopt parameter and the size from which a block is mapped on its own (and unmapped when freed).
 _M_MMAP_THRESHOLD = -3
-HOST_MMAP_THRESHOLD_BYTES = 1 << 20
+HOST_MMAP_THRESHOLD_BYTES = 128 << 10  # glibc's own default, kept fixed
 
 
 def fix_host_allocator_threshold(threshold=HOST_MMAP_THRESHOLD_BYTES):
     """On the host, make the memory of a freed tensor of ``threshold`` bytes or more go back to the
-    kernel, as a device's memory goes back to its pool. glibc maps blocks above a threshold on their
-    own, but raises the threshold to the size of each such block freed (up to 32 MiB), so after
-    the first freed parameter-sized tensor the same sizes come from the heap, whose freed memory
-    stays with the process: a rank's memory then depends on its allocation history (ZeRO-3 held
-    1.5x its live tensors in a measurement, ZeRO-2 1.1x). Setting the threshold explicitly turns the
-    adjustment off. Returns whether it was set (False off glibc)."""
+    kernel, as a device's memory goes back to its pool. glibc maps blocks above a threshold (128 KiB
+    to start with) on their own, but raises the threshold to the size of each such block freed (up
+    to 32 MiB), so after the first freed parameter-sized tensor the same sizes come from the heap,
+    whose freed memory stays with the process: a rank's memory then depends on its allocation
+    history (measured: ZeRO-3 held 1.5x the memory of its live tensors, ZeRO-2 1.1x). Setting the
+    threshold explicitly, here to glibc's own starting value, turns the adjustment off; tensors
+    below it still come from the heap (a model of many tensors under 128 KiB keeps some of the
+    excess in ZeRO-3). Returns whether it was set (False off glibc)."""
     try:
         import ctypes
         libc = ctypes.CDLL("libc.so.6")
