@@ -20,8 +20,13 @@ Models:
 - ``many``: 400 x Linear(128, 128) with ReLU, 6.6M parameters in 800 small tensors (buckets and
   padding).
 
-    python tests/perf/bench_memory_model.py [--quick] [--rows large-2-fp32-adam ...]
+    python tests/perf/bench_memory_model.py [--quick] [--rows large-2-fp32-adam ...] [--phases]
+    python tests/perf/bench_memory_model.py --limits
 
+``--limits`` puts rank 1 under a memory limit set from outside at 85% and 60% of upstream's
+even-share peak, in ZeRO-1, 2 and 3, and runs upstream and the fork (default threshold) side by
+side: killed / refused / trained, with the fork's shares, predicted and measured peaks and the
+largest difference from single-process training (tests/perf/results/memory_limits.json, ~8 min).
 ``--quick`` runs the ``large`` model's fp32 Adam rows only. The full run (about 30 min on 2 cores)
 writes tests/perf/results/memory_model.json. Needs root and the cgroup memory controller.
 """
@@ -184,14 +189,62 @@ def row_name(row):
     return f"{row['model']}-{row['stage']}-{row['dtype']}-{row['optimizer']}{'-offload' if row['offload'] else ''}"
 
 
+def under_limits():
+    """Rank 1 under a memory limit set from outside at 85% and 60% of upstream's even-share peak,
+    ZeRO-1/2/3, upstream against the fork at the default threshold, side by side (the workload of
+    tests/unit/heterogeneous/test_memory_scheduler_limit.py). Writes memory_limits.json."""
+    sys.path.insert(0, str(REPO / "tests" / "unit" / "heterogeneous"))
+    from test_memory_scheduler_limit import PREFIX, _train, reference
+    want = reference()
+    rows = []
+    print(f"{'stage':>5s} {'limit':>13s} {'upstream':>16s} {'fork':>60s}")
+    for stage in (1, 2, 3):
+        _, calibration = run_ranks(_train, world_size=2, timeout=600, args=(False, stage, None))
+        even = calibration["peak"]
+        for fraction in (0.85, 0.60):
+            limit = int(fraction * even)
+            row = {"stage": stage, "fraction": fraction, "upstream_even_peak": even, "limit": limit}
+            for who, fork in (("upstream", False), ("fork", True)):
+                try:
+                    first, second = run_ranks(_train, world_size=2, timeout=600, args=(fork, stage, limit))
+                    exact = max((a - b).abs().max().item() for r in (first, second)
+                                for a, b in zip(r["params"], want))
+                    row[who] = {"outcome": "trained", "peak": second["peak"], "max_abs_diff": exact,
+                                **({"shares": second["shares"], "predicted": second["predicted"]} if fork else {})}
+                except AssertionError as exc:
+                    text = str(exc)
+                    outcome = "killed" if "exited with code -9" in text else "refused" if "raised" in text else "failed"
+                    row[who] = {"outcome": outcome, "message": text[-500:]}
+                for stale in CGROUP_ROOT.glob(f"{PREFIX}*"):  # a killed rank's cgroup
+                    stale.rmdir()
+            rows.append(row)
+
+            def cell(entry):
+                if entry["outcome"] != "trained":
+                    return entry["outcome"]
+                shares = f" shares {[round(x, 3) for x in entry['shares']]}" if entry.get("shares") else ""
+                predicted = f" predicted {entry['predicted'] / 2**20:.0f}M" if entry.get("predicted") else ""
+                return f"trained, peak {entry['peak'] / 2**20:.0f}M{predicted}{shares}, diff {entry['max_abs_diff']:.1e}"
+            print(f"{stage:>5d} {fraction:>4.0%} {limit / 2**20:6.0f}M  {cell(row['upstream']):>16s}  {cell(row['fork'])}",
+                  flush=True)
+    path = RESULTS.with_name("memory_limits.json")
+    path.write_text(json.dumps(rows, indent=1))
+    print(f"wrote {path}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--limits", action="store_true",
+                        help="rank 1 under an outside limit at 85%% and 60%% of upstream's peak: upstream vs the fork")
     parser.add_argument("--rows", nargs="*", help="row names to run (e.g. large-2-fp32-adam)")
     parser.add_argument("--phases", action="store_true", help="print predicted/measured bytes per phase")
     args = parser.parse_args()
     if os.geteuid() != 0 or not (CGROUP_ROOT / "cgroup.procs").exists():
         sys.exit("bench_memory_model.py needs root and the cgroup v1 memory controller")
+    if args.limits:
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        return under_limits()
     rows = [r for r in rows_for(args.quick and not args.rows) if not args.rows or row_name(r) in args.rows]
     results = []
     header = f"{'row':30s} {'rank':>4s} {'at start':>9s} {'predicted':>10s} {'measured':>10s} {'ratio':>6s}  peak phase"

@@ -236,7 +236,10 @@ def config_placement_lines(param_dict, settings, rows, num_parameters=None):
     decided = dict(param_dict)
     choose_precision_for_config(mode, devices, decided)
     half = get_float16_config(decided).enabled or get_bfloat16_config(decided).enabled
-    spec = ModelStateSpec.for_config_dict(param_dict, num_parameters, half)
+    # Rows whose capacity is emulated are devices apart from the host; a CPU row without emulation
+    # has no capacity of its own, so its placement checks nothing either way.
+    spec = ModelStateSpec.for_config_dict(param_dict, num_parameters, half, world=len(rows),
+                                          emulated_device=any(emulated for _, emulated, _ in rows))
     memory = settings.memory
     # As the runtime counts them (batch.memory_capacities): an emulated capacity, else the device's
     # own; the CPU accelerator's shared host RAM is no rank's limit.

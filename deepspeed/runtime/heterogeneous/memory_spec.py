@@ -90,18 +90,32 @@ class ModelStateSpec:
                        partial_offload=cpu_adam_optimizer(ds_config, client))
 
     @classmethod
-    def for_config_dict(cls, param_dict, num_parameters, half):
-        """The state of a model of ``num_parameters`` under a ds_config dict (no engine, no model)."""
+    def for_config_dict(cls, param_dict, num_parameters, half, world=None, emulated_device=True):
+        """The state of a model of ``num_parameters`` under a ds_config dict (no engine, no model),
+        with DeepSpeed's buffers (``memory_peak``) on ``world`` data-parallel ranks when known; the
+        tensors' sizes are not known, so no gradient of a largest parameter is counted in flight,
+        and nothing is in use at the start. ``emulated_device``: a device apart from the host."""
         from types import SimpleNamespace
         from deepspeed.runtime.config import get_optimizer_name, get_optimizer_params
         from deepspeed.runtime.zero.config import get_zero_config
         zero = get_zero_config(param_dict)
         name = get_optimizer_name(param_dict)
         optimizer = SimpleNamespace(optimizer_name=name, optimizer_params=get_optimizer_params(param_dict))
-        return cls(num_parameters=int(num_parameters), zero_stage=int(zero.stage), param_bytes=2 if half else 4,
+        spec = cls(num_parameters=int(num_parameters), zero_stage=int(zero.stage), param_bytes=2 if half else 4,
                    optimizer_bytes=_optimizer_bytes(name or "unknown"), master_bytes=4 if half else 0,
                    optimizer_device=_offload_device(zero.offload_optimizer),
                    partial_offload=cpu_adam_optimizer(optimizer))
+        if world is None:
+            return spec
+        allocations = ZeroAllocations(
+            num_parameters=int(num_parameters), largest_parameter=0, zero_stage=spec.zero_stage, world=int(world),
+            param_bytes=spec.param_bytes, optimizer_bytes=spec.optimizer_bytes,
+            optimizer_temporaries=optimizer_temporaries(optimizer, None), master_bytes=spec.master_bytes,
+            reduce_bucket=int(zero.reduce_bucket_size), allgather_bucket=int(zero.allgather_bucket_size),
+            overlap_comm=bool(zero.overlap_comm), contiguous_gradients=bool(zero.contiguous_gradients),
+            max_live_parameters=int(zero.max_live_parameters), prefetch_bucket=int(zero.prefetch_bucket_size),
+            sub_group_size=int(zero.sub_group_size), foreach=emulated_device, host_is_device=not emulated_device)
+        return replace(spec, allocations=allocations)
 
     @classmethod
     def _from_inputs(cls, inputs, zero_stage, optimizer_device):
