@@ -165,8 +165,9 @@ def _phase_peak(cgroup):
 
 
 def _measured_phase(result, name):
-    """The measured phase a predicted one falls in (the all-gather closes ``engine.step()``)."""
-    return result["measured_phases"].get(name, result["measured_phases"]["step"])
+    """The measured phase a predicted one falls in (the reduce closes ``engine.backward()``, the
+    all-gather ``engine.step()``)."""
+    return result["measured_phases"].get({"reduce": "backward", "all-gather": "step"}.get(name, name))
 
 
 def _keep_max(peaks, phase, value):

@@ -173,8 +173,9 @@ def predict_peak(allocations, share=None, offloaded=0.0, activation_bytes=0.0, b
         phases = {
             "initialize": dict(kept),
             "forward": {**kept, "optimizer state": optimizer, "activations": activation_bytes},
-            "backward": {**kept, "optimizer state": optimizer, "activations": activation_bytes,
-                         "gradients": grads, "all-reduce buffer": allreduce},
+            # Autograd frees the activations as it produces the gradients; the all-reduce follows.
+            "backward": {**kept, "optimizer state": optimizer, "activations": activation_bytes, "gradients": grads},
+            "reduce": {**kept, "optimizer state": optimizer, "gradients": grads, "all-reduce buffer": allreduce},
             "step": {**kept, "optimizer state": optimizer, "gradients": grads,
                      "fp32 gradients": n * 4.0 if master else 0.0, "optimizer temporaries": temporaries},
         }
@@ -218,8 +219,12 @@ def predict_peak(allocations, share=None, offloaded=0.0, activation_bytes=0.0, b
             # initialize_optimizer_states hands the optimizer a zero gradient partition first.
             "initialize": {**params, "fp32 partition": fp32_partition, "initial gradient partition": part * n * 4.0},
             "forward": {**params, **state, "activations": activation_bytes},
-            "backward": {**params, **state, "activations": activation_bytes, **grads, "reduce bucket": bucket,
-                         "reduced slice copy": slice_copy},
+            # A bucket the model fills only at its end (ZeRO-2) and ZeRO-1's reduce at the boundary come
+            # once autograd has freed the activations; a smaller ZeRO-2 bucket reduces while they live.
+            "backward": {**params, **state, "activations": activation_bytes, **grads,
+                         **({"reduce bucket": bucket, "reduced slice copy": slice_copy}
+                            if stage == 2 and a.reduce_bucket < n else {})},
+            "reduce": {**params, **state, **grads, "reduce bucket": bucket, "reduced slice copy": slice_copy},
             "step": {**params, **state, **kept_grads, "fp32 gradient partition": grad_for_step,
                      "optimizer temporaries": temporaries},
             "all-gather": {**params, **state, **kept_grads, "all-gather staging": staging},

@@ -308,11 +308,11 @@ def _mixed_config(stage, rank_1_offloads):
     """The fork on, fp16 with the adaptive scaler, ZeRO ``stage``; rank 1's emulated memory holds its
     even shard only with its optimizer state on the host (``rank_1_offloads``), or all of it."""
     from deepspeed.runtime.heterogeneous.devices import BYTES_PER_GB
+    from test_rank_offload import _peak
 
-    params = sum(p.numel() for p in make_model().parameters())
-    on_device = 2 * params + 2 * params / (2 if stage == 2 else 1)  # fp16 weights and gradients
-    even = on_device + 12 * params / 2  # Adam's moments and the fp32 master copy of an even shard
-    memory = [1.0, (on_device + 0.9 * (even - on_device) if rank_1_offloads else 1.0 * BYTES_PER_GB) / BYTES_PER_GB]
+    # The predicted peaks (memory_peak) of rank 1 with its optimizer state offloaded and not.
+    offloaded, even = (_peak(make_model(), stage, fraction, bf16=True) for fraction in (1.0, 0.0))
+    memory = [1.0, (offloaded + 0.9 * (even - offloaded) if rank_1_offloads else 1.0 * BYTES_PER_GB) / BYTES_PER_GB]
     config = fp16_config(stage)
     config["zero_optimization"]["heterogeneous_offload"] = {"cpu_offload": True}
     config["heterogeneous_config"] = {"enabled": True, "load_balancing_strategy": "manual", "micro_batch_sizes": [4, 4],

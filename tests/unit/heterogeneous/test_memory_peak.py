@@ -29,15 +29,17 @@ def test_zero2_phases_hold_the_buffers_upstream_allocates():
     peak = predict_peak(allocations(2), share=0.25, baseline_bytes=10 * MiB)
     # Kept: flat parameters 4e6, fp32 partition 0.25 * 4e6 = 1e6, Adam 0.25 * 8e6 = 2e6.
     assert peak.phase_bytes("forward") == 10 * MiB + 4e6 + 1e6 + 2e6
-    # Backward: + gradient partition 1e6, one gradient in flight 4e5, the bucket (the whole model,
-    # under reduce_bucket_size: 4e6), the largest owner's slice flattened (0.5 of the bucket: 2e6).
-    assert peak.phase_bytes("backward") == 10 * MiB + 7e6 + 1e6 + 4e5 + 4e6 + 2e6
+    # Backward: + gradient partition 1e6, one gradient in flight 4e5; the reduce, once the bucket
+    # (the whole model, under reduce_bucket_size: 4e6) is full: + the bucket and the largest
+    # owner's slice flattened (0.5 of the bucket: 2e6).
+    assert peak.phase_bytes("backward") == 10 * MiB + 7e6 + 1e6 + 4e5
+    assert peak.phase_bytes("reduce") == 10 * MiB + 7e6 + 1e6 + 4e5 + 4e6 + 2e6
     # Step: kept + gradient partition 1e6 + fp32 gradient partition 1e6 + Adam's two temporaries of
     # the stepped partition 2 * 1e6.
     assert peak.phase_bytes("step") == 10 * MiB + 7e6 + 1e6 + 1e6 + 2e6
     # All-gather on a host backend: the gathered output staged, 4e6.
     assert peak.phase_bytes("all-gather") == 10 * MiB + 7e6 + 1e6 + 4e6
-    assert peak.peak_phase == "backward" and peak.peak_bytes == int(10 * MiB + 14.4e6)
+    assert peak.peak_phase == "reduce" and peak.peak_bytes == int(10 * MiB + 14.4e6)
     assert peak.buffer_bytes == pytest.approx(4e5 + 4e6 + 2e6)
 
 
@@ -46,10 +48,10 @@ def test_zero1_holds_every_gradient_until_the_boundary():
     # leave one by one as the bucket takes them: 4e6 in all, not 4e6 + 4e5.
     small = predict_peak(allocations(1, reduce_bucket=100_000), share=0.5)
     kept = 4e6 + 2e6 + 4e6
-    assert small.phase_bytes("backward") == kept + 2e6 + 4e5 + 4e6 + 2e5
+    assert small.phase_bytes("reduce") == kept + 2e6 + 4e5 + 4e6 + 2e5
     # A bucket as large as the model holds them all: the same bytes.
     whole = predict_peak(allocations(1), share=0.5)
-    assert whole.phase_bytes("backward") == kept + 2e6 + 4e5 + 4e6 + 2e6
+    assert whole.phase_bytes("reduce") == kept + 2e6 + 4e5 + 4e6 + 2e6
 
 
 def test_zero0_under_bf16_converts_the_module_and_steps_fp32_copies():
@@ -61,22 +63,25 @@ def test_zero0_under_bf16_converts_the_module_and_steps_fp32_copies():
 
 
 def test_buckets_and_the_device_change_what_is_held():
-    small = predict_peak(allocations(2, reduce_bucket=100_000, allgather_bucket=100_000), share=0.5)
-    # Bucket 4e5, slice 0.5 * 4e5; kept 4e6 + 2e6 + 4e6, gradient partition 2e6, in flight 4e5.
-    assert small.phase_bytes("backward") == 4e6 + 2e6 + 4e6 + 2e6 + 4e5 + 4e5 + 2e5
+    small = predict_peak(allocations(2, reduce_bucket=100_000, allgather_bucket=100_000), share=0.5,
+                         activation_bytes=1e6)
+    # Bucket 4e5, slice 0.5 * 4e5, reduced while the activations (1e6) live; kept 4e6 + 2e6 + 4e6,
+    # gradient partition 2e6, in flight 4e5.
+    assert small.phase_bytes("backward") == 4e6 + 2e6 + 4e6 + 1e6 + 2e6 + 4e5 + 4e5 + 2e5
     on_device = predict_peak(allocations(2, host_is_device=False), share=0.5)
     assert on_device.phase_bytes("all-gather") == 4e6 + 2e6 + 4e6 + 2e6  # NCCL gathers in place
     overlap = predict_peak(allocations(2, overlap_comm=True), share=0.5)
-    assert overlap.phase_bytes("backward") - predict_peak(allocations(2), share=0.5).phase_bytes("backward") == 4e6
+    assert overlap.phase_bytes("reduce") - predict_peak(allocations(2), share=0.5).phase_bytes("reduce") == 4e6
 
 
 def test_zero0_sgd_and_offload():
-    sgd = predict_peak(allocations(0, optimizer_bytes=0, optimizer_temporaries=0))
-    # Parameters are resident (in the baseline); gradients 4e6 and the all-reduce buffer 4e6.
-    assert sgd.peak_bytes == 8e6 and sgd.peak_phase == "backward"
+    sgd = predict_peak(allocations(0, optimizer_bytes=0, optimizer_temporaries=0), activation_bytes=1e6)
+    # Parameters are resident (in the baseline); gradients 4e6 beside the activations 1e6, then
+    # beside the all-reduce buffer 4e6 once autograd has freed the activations.
+    assert sgd.phase_bytes("backward") == 5e6 and sgd.peak_bytes == 8e6 and sgd.peak_phase == "reduce"
     adam = predict_peak(allocations(0))
     # + Adam's state 8e6; the step's temporaries are of the largest tensor only (host loop): 8e5.
-    assert adam.phase_bytes("backward") == 16e6 and adam.phase_bytes("step") == 8e6 + 4e6 + 8e5
+    assert adam.phase_bytes("reduce") == 16e6 and adam.phase_bytes("step") == 8e6 + 4e6 + 8e5
     # Offloaded to a host that is not the device: the fp32 partition and Adam's state leave it,
     # two gradient buffers of the largest parameter come.
     gpu = predict_peak(allocations(2, host_is_device=False), share=0.5, offloaded=1.0)
@@ -128,9 +133,10 @@ def test_the_pool_fits_the_predicted_peak_with_each_ranks_baseline():
     assert pool.report().to_dict()["ranks"][1]["measured_peak_bytes"] == 95 * MiB
     assert "measured peak" in str(pool.report())
     backward = pool.predicted_peak(0).phase_bytes("backward")
-    pool.record_activations(0, 3 * MiB)  # the forward and backward phases hold them
-    assert pool.placement.ranks[0].activation_bytes == 3 * MiB
-    assert pool.placement.ranks[0].predicted_peak_bytes == int(backward + 3 * MiB)
+    pool.record_activations(0, 30 * MiB)  # the forward and backward phases hold them
+    assert pool.placement.ranks[0].activation_bytes == 30 * MiB
+    assert pool.placement.ranks[0].predicted_peak_bytes == int(backward + 30 * MiB)
+    assert pool.placement.ranks[0].peak_phase == "backward"
 
 
 def _history(peak, ran=8):
