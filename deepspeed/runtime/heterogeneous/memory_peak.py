@@ -33,8 +33,8 @@ peak. Activations come from the fork's activation meter (``memory.ActivationMete
 added to the forward and backward phases.
 """
 
-from dataclasses import dataclass, field, replace
-from typing import Dict, Optional, Tuple
+from dataclasses import dataclass
+from typing import Dict
 
 # Upstream defaults that size buffers (deepspeed/runtime/zero/config.py, engine.py).
 ALLREDUCE_BUCKET_ELEMENTS = 500_000_000  # engine.allreduce_gradients(bucket_size=MEMORY_OPT_ALLREDUCE_SIZE)

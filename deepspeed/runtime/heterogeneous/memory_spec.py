@@ -111,10 +111,7 @@ class ModelStateSpec:
             num_parameters=int(num_parameters), largest_parameter=0, zero_stage=spec.zero_stage, world=int(world),
             param_bytes=spec.param_bytes, optimizer_bytes=spec.optimizer_bytes,
             optimizer_temporaries=optimizer_temporaries(optimizer, None), master_bytes=spec.master_bytes,
-            reduce_bucket=int(zero.reduce_bucket_size), allgather_bucket=int(zero.allgather_bucket_size),
-            overlap_comm=bool(zero.overlap_comm), contiguous_gradients=bool(zero.contiguous_gradients),
-            max_live_parameters=int(zero.max_live_parameters), prefetch_bucket=int(zero.prefetch_bucket_size),
-            sub_group_size=int(zero.sub_group_size), foreach=emulated_device, host_is_device=not emulated_device)
+            foreach=emulated_device, host_is_device=not emulated_device, **zero_buffer_settings(zero))
         return replace(spec, allocations=allocations)
 
     @classmethod
@@ -141,14 +138,18 @@ def engine_allocations(ds_config, model, optimizer, spec, emulated_device=False)
                            zero_stage=spec.zero_stage, world=int(ds_config.world_size), param_bytes=spec.param_bytes,
                            optimizer_bytes=spec.optimizer_bytes,
                            optimizer_temporaries=optimizer_temporaries(ds_config, optimizer),
-                           master_bytes=spec.master_bytes, reduce_bucket=int(zero.reduce_bucket_size),
-                           allgather_bucket=int(zero.allgather_bucket_size), overlap_comm=bool(zero.overlap_comm),
-                           contiguous_gradients=bool(zero.contiguous_gradients),
-                           max_live_parameters=int(zero.max_live_parameters),
-                           prefetch_bucket=int(zero.prefetch_bucket_size), sub_group_size=int(zero.sub_group_size),
-                           foreach=not on_host,
+                           master_bytes=spec.master_bytes, foreach=not on_host, **zero_buffer_settings(zero),
                            host_is_device=on_host, parameters_resident=resident,
                            converted=spec.param_bytes < 4 and any(p.dtype == torch.float32 for p in params))
+
+
+def zero_buffer_settings(zero):
+    """The ``zero_optimization`` settings that size DeepSpeed's buffers, as ``ZeroAllocations``
+    fields (``zero``: upstream's validated ``DeepSpeedZeroConfig``, defaults resolved)."""
+    return dict(reduce_bucket=int(zero.reduce_bucket_size), allgather_bucket=int(zero.allgather_bucket_size),
+                overlap_comm=bool(zero.overlap_comm), contiguous_gradients=bool(zero.contiguous_gradients),
+                max_live_parameters=int(zero.max_live_parameters), prefetch_bucket=int(zero.prefetch_bucket_size),
+                sub_group_size=int(zero.sub_group_size))
 
 
 def optimizer_temporaries(ds_config, optimizer):
