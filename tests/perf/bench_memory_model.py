@@ -25,7 +25,7 @@ Models:
 
 ``--limits`` puts rank 1 under a memory limit set from outside at 85% and 60% of upstream's
 even-share peak, in ZeRO-1, 2 and 3, and runs upstream and the fork (default threshold) side by
-side: killed / refused / trained, with the fork's shares, predicted and measured peaks and the
+side: killed / refused / trained, with the fork's micro-batches, predicted and measured peaks and the
 largest difference from single-process training (tests/perf/results/memory_limits.json, ~8 min).
 ``--quick`` runs the ``large`` model's fp32 Adam rows only. The full run (about 30 min on 2 cores)
 writes tests/perf/results/memory_model.json. Needs root and the cgroup memory controller.
@@ -211,7 +211,7 @@ def under_limits():
                     exact = max((a - b).abs().max().item() for r in (first, second)
                                 for a, b in zip(r["params"], want))
                     row[who] = {"outcome": "trained", "peak": second["peak"], "max_abs_diff": exact,
-                                **({"shares": second["shares"], "predicted": second["predicted"]} if fork else {})}
+                                **({"micro_batch_sizes": second["sizes"], "predicted": second["predicted"]} if fork else {})}
                 except AssertionError as exc:
                     text = str(exc)
                     outcome = "killed" if "exited with code -9" in text else "refused" if "raised" in text else "failed"
@@ -223,9 +223,9 @@ def under_limits():
             def cell(entry):
                 if entry["outcome"] != "trained":
                     return entry["outcome"]
-                shares = f" shares {[round(x, 3) for x in entry['shares']]}" if entry.get("shares") else ""
+                sizes = f" micro-batches {entry['micro_batch_sizes']}" if entry.get("micro_batch_sizes") else ""
                 predicted = f" predicted {entry['predicted'] / 2**20:.0f}M" if entry.get("predicted") else ""
-                return f"trained, peak {entry['peak'] / 2**20:.0f}M{predicted}{shares}, diff {entry['max_abs_diff']:.1e}"
+                return f"trained, peak {entry['peak'] / 2**20:.0f}M{predicted}{sizes}, diff {entry['max_abs_diff']:.1e}"
             print(f"{stage:>5d} {fraction:>4.0%} {limit / 2**20:6.0f}M  {cell(row['upstream']):>16s}  {cell(row['fork'])}",
                   flush=True)
     path = RESULTS.with_name("memory_limits.json")

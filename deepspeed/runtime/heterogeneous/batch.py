@@ -112,9 +112,11 @@ def memory_capacities(state):
     return capacities if any(c is not None for c in capacities) else None
 
 
-def initial_plan(settings, train_batch_size, gas, world_size, zero_stage, devices=None, max_micro_batch=None):
+def initial_plan(settings, train_batch_size, gas, world_size, zero_stage, devices=None, max_micro_batch=None,
+                 allow_per_rank_gas=None):
     """The plan in force until measurements replace the priors (pure: no collectives);
-    ``max_micro_batch``: per-rank memory limits (``startup_memory_limits``), or None."""
+    ``max_micro_batch``: per-rank memory limits (``startup_memory_limits``), or None;
+    ``allow_per_rank_gas``: default, ZeRO-0/1."""
     config = settings.config
     names = [d.name for d in devices] if devices else None
     scores = [1.0] * world_size
@@ -127,7 +129,9 @@ def initial_plan(settings, train_batch_size, gas, world_size, zero_stage, device
     return plan_micro_batches(time_models_from_scores(scores), train_batch_size=train_batch_size,
                               gradient_accumulation_steps=gas, strategy=config.load_balancing_strategy,
                               manual=config.micro_batch_sizes, device_names=names,
-                              max_micro_batch=max_micro_batch, allow_per_rank_gas=zero_stage <= 1).with_prior_times()
+                              max_micro_batch=max_micro_batch,
+                              allow_per_rank_gas=zero_stage <= 1 if allow_per_rank_gas is None else allow_per_rank_gas
+                              ).with_prior_times()
 
 
 def configure_heterogeneous_batch(ds_config, state):
@@ -168,46 +172,69 @@ def apply_plan(ds_config, plan):
 
 
 def cap_startup_plan(ds_config, model, optimizer=None):
-    """Keep the start-up plan within every rank's memory before anything was measured; returns the
+    """Keep the first step within every rank's memory before anything was measured; returns the
     plan in force. Runs as the engine starts (``HeterogeneousState.engine_starting``), when the
     model is known and nothing has read the batch fields yet.
 
-    Datasheet priors can give a fast device many times a slow one's share (an H100 next to a
-    V100: 8:1), more than its memory may hold, and the first step would run out of memory before
-    the profiling steps measured anything. The limits are those of the measured plans
-    (``memory.max_micro_batch``: capacity, this rank's model-state bytes under its ZeRO stage,
-    ``hbm_utilization_threshold``) with an activation estimate in place of the measurement
-    (``memory.startup_memory_limits``). Every rank reaches the same decision: the model-state
-    bytes are gathered (one collective, only when a rank's prior share exceeds an equal one and
-    capacities are known, which every rank knows alike).
+    A rank under a limit (a smaller GPU, a job scheduler's memory cgroup) may not hold the equal
+    split the user sized the batch for, nor a datasheet prior's share (an H100 next to a V100:
+    8:1), and its first step would be killed before any activation was measured. Until the first
+    profiling step has measured them, each rank with a known limit runs at most its room's
+    proportion of the micro-step (``memory.startup_memory_limits``; the room is its capacity at
+    ``hbm_utilization_threshold`` less its predicted peak without activations, the memory pool's
+    when it placed this engine). The plan before the cap stays the reference profiling judges
+    against (``state.reference_plan``); it runs again only where the measured limits allow it.
+    Every rank reaches the same decision: the pool's predictions are the same on every rank;
+    without a pool, the model-state bytes are gathered (one collective, whenever capacities are
+    known, which every rank knows alike).
     """
     state = ds_config.heterogeneous
     plan = state.plan
+    state.reference_plan = plan
     if plan is None or model is None or state.settings.config.load_balancing_strategy != "compute_aware":
         return plan
     capacities = memory_capacities(state)
+    if capacities is None:
+        return plan  # no limit known: what upstream itself would run
     per_micro_step = plan.train_batch_size // state.base_gas
-    equal_share = -(-per_micro_step // plan.world_size)
-    if capacities is None or max(plan.micro_batch_sizes) <= equal_share:
-        return plan  # no limit known, or an equal share everywhere: what upstream itself would run
-    mine = config_model_state_bytes(ds_config, model, optimizer)
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    pool = state.memory_pool
+    predicted = [pool.predicted_peak(rank) for rank in range(plan.world_size)] if pool is not None else None
+    if predicted is not None and all(p is not None for p in predicted):
+        state_bytes = [p.peak_bytes for p in predicted]
+    elif dist.is_initialized() and dist.get_world_size() > 1:
+        mine = config_model_state_bytes(ds_config, model, optimizer)
         gathered = Agreement(f"data-parallel rank {state.dp_rank}").gather_from_every_rank(
             {"dp_rank": state.dp_rank, "state_bytes": mine}, "the model-state bytes at start-up")
         # Model-parallel members of a replica hold different shards: the largest one counts.
         state_bytes = [max(g["state_bytes"] for g in gathered if g["dp_rank"] == rank)
                        for rank in range(plan.world_size)]
     else:
-        state_bytes = [mine] * plan.world_size
+        state_bytes = [config_model_state_bytes(ds_config, model, optimizer)] * plan.world_size
     names = state.device_names or [f"rank {rank}" for rank in range(plan.world_size)]
     limits = startup_memory_limits(capacities, state_bytes, state.settings.memory.hbm_utilization_threshold,
-                                   per_micro_step, [f"data-parallel rank {r} ({names[r]})" for r in range(len(names))])
+                                   per_micro_step, [f"data-parallel rank {r} ({names[r]})" for r in range(len(names))],
+                                   unlimited_bytes=_memory_without_limit(state))
     if all(limit is None or size <= limit for size, limit in zip(plan.micro_batch_sizes, limits)):
         return plan
+    # Equal gas: any loop feeds this first step, whatever counts its micro-steps.
     capped = initial_plan(state.settings, plan.train_batch_size, state.base_gas, plan.world_size,
-                          int(ds_config.zero_optimization_stage or 0), state.devices, max_micro_batch=limits)
+                          int(ds_config.zero_optimization_stage or 0), state.devices, max_micro_batch=limits,
+                          allow_per_rank_gas=False)
     shown = ["-" if limit is None else limit for limit in limits]
     capped = Plan(**{**capped.to_dict(), "notes": list(capped.notes) + [
-        f"start-up memory limits (samples per micro-step, per rank, before any activation was measured): {shown}"]})
+        f"start-up memory limits until the first step measures activations (samples per micro-step, per rank): "
+        f"{shown}"]})
     apply_plan(ds_config, capped)
     return capped
+
+
+def _memory_without_limit(state):
+    """Per data-parallel rank, the memory a rank without a known limit may use (its device's; on a
+    host whose ranks share its RAM, the RAM over those ranks), for the start-up estimate only."""
+    devices = state.devices
+    if not devices:
+        return None
+    per_host = {}
+    for device in devices:
+        per_host[device.host] = per_host.get(device.host, 0) + 1
+    return [d.memory_bytes / per_host[d.host] if d.shared_host_memory else d.memory_bytes for d in devices]

@@ -246,22 +246,27 @@ def max_micro_batch(capacity_bytes, state_bytes, activations, utilization=1.0, r
     return samples
 
 
-def startup_memory_limits(capacities, state_bytes, utilization, samples_per_micro_step, rank_labels=None):
-    """Per-rank micro-batch limits before any activation was measured (None entries: no limit
-    known), from the same rule as the measured ones (``max_micro_batch``).
+def startup_memory_limits(capacities, state_bytes, utilization, samples_per_micro_step, rank_labels=None,
+                          unlimited_bytes=None):
+    """Per-rank micro-batch limits for the first step, before any activation was measured (None
+    entries: no limit known).
 
-    The activation bytes of a sample are not known until the profiling steps count them. The
-    estimate is the largest per-sample size at which an equal split of the micro-step (rounded up)
-    still fits the rank with the least room (capacity * utilization - model state): a batch the
-    user could have run with upstream's equal split. A rank with k times that room may then take
-    k equal shares, however much faster its datasheet says it is; profiling replaces the estimate
-    with measured bytes.
+    A sample's activation bytes are not known until a forward saved them, and a limit set from
+    outside (a job scheduler's, a smaller GPU) may not hold the equal split a user sized the batch
+    for: upstream would be killed there. The estimate assumes only that the micro-step fits the
+    ranks' memory together: a sample takes the total room over the samples, where a rank's room is
+    ``capacity * utilization - state`` and a rank without a known limit counts with
+    ``unlimited_bytes`` (the memory it may use: its host's RAM over the ranks sharing it), or with
+    the largest known room when that is not given. Each rank with a known limit may then hold its
+    room's proportion of the micro-step (at least one sample; the remainders rounded so that the
+    limits add up to the micro-step). Equal rooms give equal limits. The first profiling step
+    measures the activations and replaces these limits (``profiling.memory_limits``).
 
     Raises RankCannotFitError naming a rank whose model state alone exceeds its budget.
     """
     world = len(capacities)
+    samples = int(samples_per_micro_step)
     labels = rank_labels or [f"data-parallel rank {rank}" for rank in range(world)]
-    equal_share = -(-int(samples_per_micro_step) // world)
     rooms = {}
     for rank, (capacity, state) in enumerate(zip(capacities, state_bytes)):
         if capacity is None:
@@ -274,10 +279,17 @@ def startup_memory_limits(capacities, state_bytes, utilization, samples_per_micr
                 f"a higher ZeRO stage, or give the rank more memory")
     if not rooms:
         return [None] * world
-    # A hair under the exact quotient, so that float rounding cannot cost a rank its k-th share.
-    estimate = ActivationModel(0.0, min(rooms.values()) / equal_share * (1 - 1e-9))
-    return [None if capacities[rank] is None else max_micro_batch(capacities[rank], state_bytes[rank], estimate,
-                                                                  utilization, labels[rank]) for rank in range(world)]
+    unknown = [rank for rank in range(world) if capacities[rank] is None]
+    others = [max(float(unlimited_bytes[rank]) - state_bytes[rank], 0.0) if unlimited_bytes else max(rooms.values())
+              for rank in unknown]
+    total = math.fsum(rooms.values()) + math.fsum(others)
+    fractions = {rank: samples * room / total for rank, room in rooms.items()}
+    limits = {rank: max(1, int(fraction)) for rank, fraction in fractions.items()}
+    if not unknown:  # the limits must leave room for the whole micro-step
+        short = samples - sum(limits.values())
+        for rank in sorted(rooms, key=lambda r: (-(fractions[r] - int(fractions[r])), r))[:max(short, 0)]:
+            limits[rank] += 1
+    return [limits.get(rank) for rank in range(world)]
 
 
 def _gib(size):
@@ -285,7 +297,11 @@ def _gib(size):
 
 
 class ActivationMeter:
-    """Bytes of the tensors autograd saves for backward while the meter is on.
+    """The activation bytes of a micro-step at their peak: the tensors autograd saves for backward
+    while the meter is on, plus the largest of them once more, its gradient in flight (backward
+    holds an op's output gradient while it produces the input's; measured on a CPU rank in a memory
+    cgroup, that tensor was what the peak held beyond the saved ones, 4% of it for an MLP whose
+    hidden activations are 16x its width).
 
     Parameters saved by their layers are model state, not activations, and are not counted; a
     storage saved twice (a view and its base) counts once. ``start()``/``stop()`` instead of a
@@ -312,8 +328,8 @@ class ActivationMeter:
         if self._hooks is not None:
             self._hooks.__exit__(None, None, None)
             self._hooks = None
-        counted, self._storages = sum(self._storages.values()), {}
-        return counted
+        saved, self._storages = list(self._storages.values()), {}
+        return sum(saved) + max(saved, default=0)
 
     def _pack(self, tensor):
         # A layer saves its weight itself or a view of it (linear saves weight.t()).

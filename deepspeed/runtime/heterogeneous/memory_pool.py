@@ -402,10 +402,13 @@ class HeterogeneousMemoryPool:
 
     def record_activations(self, rank, activation_bytes):
         """Count a rank's measured activation bytes (its micro-batch's, ``memory.ActivationMeter``)
-        in its row and its predicted peak."""
+        in its row and its predicted peak. The largest micro-batch's count stays: the measured peak
+        the prediction is shown beside is a high-water mark since the engine started."""
         if self.placement is None:
             return
         placed = self.placement.ranks[rank]
+        if placed.activation_bytes is not None and activation_bytes <= placed.activation_bytes:
+            return
         update = {"activation_bytes": float(activation_bytes)}
         peak = self.predicted_peak(rank, activation_bytes)
         if peak is not None:

@@ -222,8 +222,7 @@ def trusted_plan(history, startup_plan, gradient_accumulation_steps, limits, all
     # through the profiled sizes also carries the first step at each new size, which pays one-off
     # allocations and can make a rank look slower per sample than it is.
     at_startup = startup_plan_times(history, startup_plan)
-    over = [rank for rank, (m, cap) in enumerate(zip(startup_plan.micro_batch_sizes, limits or []))
-            if cap is not None and m > cap]
+    over = exceeds_limits(startup_plan, limits)
     if over:  # memory decides, whatever the speeds
         return ProfilingDecision(best, models, f"the start-up plan exceeds the measured memory limits of rank(s) "
                                  f"{over}", best)
@@ -246,6 +245,11 @@ def trusted_plan(history, startup_plan, gradient_accumulation_steps, limits, all
                                  f"gives rank(s) {absurd} more than {SHARE_LIMIT:g}x the samples of the measured "
                                  f"speed ratio, so the plan of that ratio is used", best)
     return ProfilingDecision(best, models, note, best)
+
+
+def exceeds_limits(plan, limits):
+    """The ranks whose micro-batch in ``plan`` is beyond their memory limit (entries None: none)."""
+    return [rank for rank, (m, cap) in enumerate(zip(plan.micro_batch_sizes, limits or [])) if cap is not None and m > cap]
 
 
 def startup_plan_times(history, startup_plan):
@@ -401,10 +405,11 @@ def plan_after_profiling_step(history, plan, gradient_accumulation_steps, limits
     middle ones run the trusted plan so far (``trusted_plan``) with each rank's sizes spread
     toward the measured best plan; the last one runs the start-up plan again, the reference
     against which the switch to the final plan is judged after profiling (its first step paid
-    warm-up costs, so it cannot be that reference); then the final plan, not spread.
+    warm-up costs, so it cannot be that reference); then the final plan, not spread. A start-up
+    plan beyond the measured memory limits never runs again: memory decides (``trusted_plan``).
     """
     startup_plan = startup_plan or plan
-    if steps_left == 1:
+    if steps_left == 1 and not exceeds_limits(startup_plan, limits):
         return ProfilingDecision(startup_plan, None, "the last profiling step runs the start-up plan: the reference "
                                  "the plan chosen after profiling is checked against")
     decision = trusted_plan(history, startup_plan, gradient_accumulation_steps, limits, allow_per_rank_gas)

@@ -60,7 +60,7 @@ class HeterogeneousRuntime:
         self.timer = StepTimer()
         self.meter = ActivationMeter()
         self._state_bytes = None
-        self._activations_reported = False
+        self._activations_size = None  # the micro-batch size whose activations the memory pool holds
         self.profiling = self.settings.load_balancing_strategy == "compute_aware" and self.settings.profile_steps > 0
         self.history = []  # per profiling step: every data-parallel rank's pooled measurements
         self.base_models = None  # the profiled fits alone: what an on-demand re-plan scales
@@ -132,7 +132,8 @@ class HeterogeneousRuntime:
         """Activation bytes are counted while profiling with known capacities, or on a rank whose
         emulated memory is enforced after profiling."""
         return ((self.profiling and self.capacities is not None) or self.limits.capacity_bytes is not None
-                or self.recording or (self.state.memory_pool is not None and not self._activations_reported))
+                or self.recording or (self.state.memory_pool is not None
+                                      and self._activations_size != self.config.train_micro_batch_size_per_gpu))
 
     def micro_step_begin(self, inputs=(), kwargs=None):
         self._fed = fed_size(self.plan, self.rank, inputs, kwargs, engine_loader=self.engine_loader,
@@ -159,9 +160,10 @@ class HeterogeneousRuntime:
         # The profiling steps measure what the plan must fit; the plan is enforced after.
         if activations is not None and not self.profiling:
             self.limits.check_memory(size, self.model_state_bytes(), activations)
-        if activations is not None and not self._activations_reported and self.state.memory_pool is not None:
+        if activations is not None and self.state.memory_pool is not None and size != self._activations_size:
+            # The predicted peak follows the micro-batch in force (measured again after a switch).
             self.state.memory_pool.record_activations(self.rank, activations)
-            self._activations_reported = True
+            self._activations_size = size
         self.timer.end_micro_step(size, activations, on_compute=self.limits.after_compute, split=self.recording)
 
     def step_end(self):
@@ -210,8 +212,15 @@ class HeterogeneousRuntime:
                                     for r in range(pool.world_size)])
 
     def _record_measured_peaks(self, entries):
-        if self.state.memory_pool is not None:
-            self.state.memory_pool.record_measured_peaks([entry.get("peak_bytes") for entry in entries])
+        """Every rank's measured peak and its last measured activations, from a gathered round."""
+        pool = self.state.memory_pool
+        if pool is None:
+            return
+        pool.record_measured_peaks([entry.get("peak_bytes") for entry in entries])
+        for rank, entry in enumerate(entries):
+            measured = [sample[2] for sample in entry.get("samples", ()) if len(sample) > 2 and sample[2] is not None]
+            if measured and rank != self.rank:
+                pool.record_activations(rank, measured[-1])
 
     # -- the heterogeneous profiler -----------------------------------------------------------
 
@@ -284,7 +293,8 @@ class HeterogeneousRuntime:
         try:
             rebalancer = self.rebalancer
             if rebalancer.startup_plan is None:
-                rebalancer.startup_plan = self.plan  # the first profiling step runs it
+                # The first profiling step ran it, or its cap within memory before activations were measured.
+                rebalancer.startup_plan = self.state.reference_plan or self.plan
             startup = rebalancer.startup_plan
             steps_left = max(self.settings.profile_steps - len(self.history), 0)
             decision = plan_after_profiling_step(self.history, self.plan, self.state.base_gas, self.memory_limits(),

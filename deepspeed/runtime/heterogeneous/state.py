@@ -46,6 +46,10 @@ class HeterogeneousState:
     """The configured gradient accumulation; a plan may raise one rank's own (ZeRO-0/1 memory caps)."""
     plan: Optional[Plan] = None
     """The plan in force (per-rank micro-batches and gas); None when the fork is off."""
+    reference_plan: Optional[Plan] = None
+    """The start-up plan before the first step's memory cap (``batch.cap_startup_plan``): what
+    profiling keeps within the noise and runs again as the switch's reference, where the measured
+    memory limits allow it."""
     runtime: Optional[object] = field(default=None, repr=False)
     """The engine's ``HeterogeneousRuntime``, created at its first hook."""
     chunk_sizes: Optional[dict] = None

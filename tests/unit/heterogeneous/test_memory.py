@@ -77,9 +77,10 @@ def test_activation_meter_counts_saved_activations_not_weights():
         loss = torch.nn.functional.mse_loss(model(torch.randn(size, 64)), torch.randn(size, 64))
         counted[size] = meter.stop()
         loss.backward()
-    # Input, tanh output (also linear2's input: counted once), output and target, in fp32; the
-    # weights the linears save (weight.t() views) are model state.
-    assert counted == {1: (64 + 256 + 64 + 64) * 4, 3: 3 * (64 + 256 + 64 + 64) * 4}
+    # Input, tanh output (also linear2's input: counted once), output and target, in fp32, and the
+    # largest (the tanh output) again, its gradient in flight; the weights the linears save
+    # (weight.t() views) are model state.
+    assert counted == {1: (64 + 256 + 64 + 64 + 256) * 4, 3: 3 * (64 + 256 + 64 + 64 + 256) * 4}
     assert not meter.active and meter.stop() == 0
 
 
@@ -89,7 +90,7 @@ WIDTH, HIDDEN = 64, 256
 DATASET = 160
 TRAIN_BATCH = 16
 LR = 1e-3
-ACTIVATION_BYTES_PER_SAMPLE = (WIDTH + HIDDEN + WIDTH + WIDTH) * 4  # measured above
+ACTIVATION_BYTES_PER_SAMPLE = (WIDTH + HIDDEN + WIDTH + WIDTH + HIDDEN) * 4  # measured above
 
 
 def make_model():
@@ -244,20 +245,25 @@ def test_engine_model_state_bytes_is_the_one_count_of_an_engine():
 
 
 def test_start_up_limits_before_any_activation_was_measured():
-    """An equal share (rounded up) must fit the rank with the least room; a rank with k times that
-    room may take k shares, never more, whatever its datasheet speed."""
+    """Until activations are measured, a rank with a known limit holds its room's proportion of the
+    micro-step (at least one sample), the limits adding up to the micro-step; equal rooms give
+    equal limits, whatever the datasheet speeds."""
     from deepspeed.runtime.heterogeneous.memory import startup_memory_limits
 
     gib = BYTES_PER_GB
-    # 18 samples per micro-step on 2 ranks: an equal share is 9.
+    # 18 samples per micro-step on 2 ranks: equal rooms, equal limits.
     assert startup_memory_limits([16 * gib, 16 * gib], [0, 0], 0.85, 18) == [9, 9]
-    assert startup_memory_limits([80 * gib, 16 * gib], [0, 0], 1.0, 18) == [45, 9]
-    # Model state counts against the room: 10 of 20 GiB left vs 40 of 50 GiB.
-    assert startup_memory_limits([20 * gib, 50 * gib], [10 * gib, 10 * gib], 1.0, 18) == [9, 36]
-    # 15 samples: the tightest rank may hold 8 (rounded up), so that the shares can add up.
-    assert startup_memory_limits([gib, gib], [0, 0], 1.0, 15) == [8, 8]
-    # Unknown capacity: no limit there.
+    assert startup_memory_limits([80 * gib, 16 * gib], [0, 0], 1.0, 18) == [15, 3]
+    # Model state counts against the room: 10 of 20 GiB left vs 40 of 50 GiB (3.6 and 14.4 samples:
+    # the larger remainder takes the sample the floors leave over).
+    assert startup_memory_limits([20 * gib, 50 * gib], [10 * gib, 10 * gib], 1.0, 18) == [4, 14]
+    assert startup_memory_limits([gib, gib], [0, 0], 1.0, 15) == [8, 7]
+    # A rank far smaller than the others still runs one sample.
+    assert startup_memory_limits([100 * gib, gib // 10], [0, 0], 1.0, 18) == [17, 1]
+    # Unknown capacity: no limit there; it counts with what it may use, else with the largest room.
     assert startup_memory_limits([None, 16 * gib], [0, 0], 1.0, 18) == [None, 9]
+    assert startup_memory_limits([None, gib], [0, gib // 2], 0.85, 224, unlimited_bytes=[12 * gib, 12 * gib]) == \
+        [None, 6]
     assert startup_memory_limits([None, None], [0, 0], 1.0, 18) == [None, None]
     with pytest.raises(RankCannotFitError, match=r"data-parallel rank 1 \(T4\) cannot hold its model state"):
         startup_memory_limits([16 * gib, 16 * gib], [0, 15 * gib], 0.85, 18,
