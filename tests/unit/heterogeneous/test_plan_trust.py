@@ -339,7 +339,8 @@ BIG_WIDTH, HIDDEN = 512, 2048  # compute-dominated: emulated speeds decide the s
 
 
 def _reverted_after_profiling(rank, world_size, steps):
-    """Rank 1 runs at a quarter of rank 0's speed during profiling, so the plan moves work to rank
+    """Rank 1 runs at a quarter of rank 0's speed during the PROFILE profiling steps (four: three
+    fitted steps give the noise gate a line with a degree of freedom), so the plan moves work to rank
     0; from the first step after profiling rank 0 runs at 0.05 and rank 1 at full speed (a
     neighbour's job moved), so the new plan is much slower than the start-up plan was. Without
     dynamic rebalancing, one check CHECK_INTERVAL steps after profiling compares the two and
@@ -352,9 +353,9 @@ def _reverted_after_profiling(rank, world_size, steps):
     config = {"train_batch_size": 16, "gradient_clipping": 0.0, "zero_optimization": {"stage": 1},
               "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
               "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "compute_aware",
-                                       "profile_steps": 3, "scheduler": {"check_interval": CHECK_INTERVAL},
+                                       "profile_steps": PROFILE, "scheduler": {"check_interval": CHECK_INTERVAL},
                                        "emulation": {"speeds": [1.0, 0.25], "mode": "dilation",
-                                                     "speed_schedule": [{"step": 4, "speeds": [0.05, 1.0]}]}}}
+                                                     "speed_schedule": [{"step": PROFILE + 1, "speeds": [0.05, 1.0]}]}}}
     generator = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(16 * steps, BIG_WIDTH, generator=generator),
                                           torch.randn(16 * steps, BIG_WIDTH, generator=generator))
@@ -373,18 +374,19 @@ def _reverted_after_profiling(rank, world_size, steps):
 
 
 CHECK_INTERVAL = 4
+PROFILE = 4
 
 
 @pytest.mark.multiprocess
 def test_a_switch_after_profiling_that_made_the_step_slower_is_reverted():
-    steps = 3 + CHECK_INTERVAL + 3
+    steps = PROFILE + CHECK_INTERVAL + 3
     fast, slow = run_subcases(_reverted_after_profiling, [dict(steps=steps)], world_size=2, timeout=600)[0]
     assert fast["plans"] == slow["plans"] and fast["events"] == slow["events"]
     plans = fast["plans"]  # plans[k]: the plan in force after step k + 1
-    profiled = plans[2]
+    profiled = plans[PROFILE - 1]
     assert profiled[0] > profiled[1], plans  # profiling moved work to rank 0, then fast
-    assert plans[2:2 + CHECK_INTERVAL] == [profiled] * CHECK_INTERVAL, plans
-    # The check at step 3 + CHECK_INTERVAL reverted to the start-up plan, and no check follows.
-    assert plans[2 + CHECK_INTERVAL:] == [[8, 8]] * (steps - 2 - CHECK_INTERVAL), plans
-    assert fast["events"] == [(3 + CHECK_INTERVAL, profiled, [8, 8], "revert")], fast["events"]
+    assert plans[PROFILE - 1:PROFILE - 1 + CHECK_INTERVAL] == [profiled] * CHECK_INTERVAL, plans
+    # The check at step PROFILE + CHECK_INTERVAL reverted to the start-up plan, and no check follows.
+    assert plans[PROFILE - 1 + CHECK_INTERVAL:] == [[8, 8]] * (steps - PROFILE + 1 - CHECK_INTERVAL), plans
+    assert fast["events"] == [(PROFILE + CHECK_INTERVAL, profiled, [8, 8], "revert")], fast["events"]
     assert not fast["verifying"] and not fast["pending"]
