@@ -10,106 +10,24 @@ every upstream reader of ``train_micro_batch_size_per_gpu`` and ``gradient_accum
 finds them.
 """
 
-from dataclasses import replace
-
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
+from . import emulation
 from .agreement import Agreement
-from .devices import DeviceDescription, describe_local_device, emulated_memory_bytes, local_device_index
+from .communication import status_line
+from .link_buckets import apply_link_aware_buckets
 from .memory import config_model_state_bytes, startup_memory_limits
+from .memory_meter import EMULATED, MemoryMeter
+from .memory_placement import engine_placement, offloads_per_rank, refuse_unfit_peaks
+from .memory_pool import HeterogeneousMemoryPool, ModelStateSpec, memory_capacities
+from .partitions import check_shares
 from .planner import Plan, plan_micro_batches, time_models_from_scores
-
-
-def data_parallel_rank(mpu=None, mesh_device=None, world_size=None, sequence_parallel_size=None):
-    """This process's data-parallel rank: which of the ``world_size`` replicas that
-    ``DeepSpeedConfig`` counts it belongs to. Derived here once (``state.dp_rank``); the plan, the
-    loss weight and the training loader all use it.
-
-    It follows the grouping the engine reduces gradients over
-    (``groups._get_sequence_data_parallel_group``, divided by the replica count): an mpu's own
-    data-parallel rank; with a sequence-parallel mpu (Ulysses, which has no data-parallel calls) the
-    sequence-parallel groups are consecutive ranks of the sequence-data-parallel group, so the
-    replica is that rank divided by the sequence-parallel size (its members split the same samples'
-    sequences, as model-parallel members split the model); with a device mesh, the rank in its
-    "data_parallel" dimension; otherwise the global rank.
-
-    Args:
-        world_size: the data-parallel world size the config counts; checked against, when given.
-        sequence_parallel_size: the config's top-level ``sequence_parallel_size`` (used only to
-            refuse it without an mpu or a mesh, which leaves the replicas unknown).
-    """
-    if mpu is not None and hasattr(mpu, "get_data_parallel_rank"):
-        rank = mpu.get_data_parallel_rank()
-    elif mpu is not None and hasattr(mpu, "get_sequence_parallel_world_size"):
-        rank = mpu.get_sequence_data_parallel_rank() // mpu.get_sequence_parallel_world_size()
-    elif mesh_device is not None:
-        rank = dist.get_rank(group=mesh_device.get_group(mesh_dim="data_parallel"))
-    elif sequence_parallel_size not in (None, 1):
-        raise ValueError(f"heterogeneous_config with sequence_parallel_size {sequence_parallel_size} needs the "
-                         "sequence-parallel groups: pass the mpu (deepspeed.initialize(mpu=...)) or give "
-                         "data_parallel_size too (a device mesh), so that each rank's replica is known")
-    else:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-    rank = int(rank)
-    if world_size is not None and not 0 <= rank < int(world_size):
-        raise ValueError(f"deepspeed-hetero: data-parallel rank {rank} is out of range for the data-parallel world "
-                         f"size {world_size} the config counts; the mpu / mesh and the config disagree")
-    return rank
-
-
-def gather_devices(dp_rank, world_size, memory_bytes=None):
-    """Every data-parallel rank's DeviceDescription, in data-parallel rank order; ``memory_bytes``
-    replaces this rank's real capacity (emulated clusters).
-
-    All processes take part, so that the model-parallel members of a replica agree: a replica is
-    described by its slowest member's device, with its smallest memory.
-    """
-    # Unknown devices are not benchmarked here: the profiling steps measure the real workload.
-    mine = describe_local_device(local_rank=local_device_index(), memory_bytes=memory_bytes, measure=False).to_dict()
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [DeviceDescription.from_dict(mine)]
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (dp_rank, mine))
-    devices = []
-    for rank in range(world_size):
-        members = [DeviceDescription.from_dict(d) for r, d in gathered if r == rank]
-        slowest = min(members, key=lambda d: (d.spec_score, d.rank))
-        devices.append(replace(slowest, memory_bytes=min(d.memory_bytes for d in members)))
-    return devices
-
-
-def _needs_devices(settings):
-    config = settings.config
-    return (config.load_balancing_strategy == "compute_aware" or isinstance(config.micro_batch_sizes, dict)
-            or _emulated_memory(settings) is not None or config.mixed_precision_support != "config"
-            or settings.memory.enabled)  # the memory pool places by each rank's capacity
 
 
 def _emulated_memory(settings):
     emulation = settings.config.emulation
     return emulation.memory_gb if emulation is not None and emulation.memory_gb else None
-
-
-def gather_local_devices(settings, dp_rank, world_size):
-    """``gather_devices`` when a decision needs the devices (None otherwise), with this rank's
-    emulated memory in place of its real capacity."""
-    if not _needs_devices(settings):
-        return None
-    return gather_devices(dp_rank, world_size, emulated_memory_bytes(settings.config.emulation, dp_rank))
-
-
-def memory_capacities(state):
-    """Per data-parallel rank, the device memory plans must fit in (bytes), or None where no limit
-    is known: the CPU accelerator reports host RAM, which its ranks share, so there a limit comes
-    only from an emulated capacity."""
-    devices = state.devices
-    if not devices:
-        return None
-    if _emulated_memory(state.settings) is not None:
-        return [d.memory_bytes for d in devices]
-    capacities = [None if d.shared_host_memory else d.memory_bytes for d in devices]
-    return capacities if any(c is not None for c in capacities) else None
 
 
 def initial_plan(settings, train_batch_size, gas, world_size, zero_stage, devices=None, max_micro_batch=None,
@@ -238,3 +156,166 @@ def _memory_without_limit(state):
     for device in devices:
         per_host[device.host] = per_host.get(device.host, 0) + 1
     return [d.memory_bytes / per_host[d.host] if d.shared_host_memory else d.memory_bytes for d in devices]
+
+
+def place_engine_state(state, ds_config, model, optimizer=None):
+    """``(pool or None, partition shares, offload)`` as the engine starts
+    (``HeterogeneousState.engine_starting``).
+
+    With ``heterogeneous_memory.enabled`` the pool decides the shares and which ranks offload their
+    optimizer state, and is returned to be kept on the state; otherwise only explicit shares apply.
+    Every rank decides alike from what every rank has (the config, the gathered devices, the
+    model); the ZeRO optimizer still compares the layout's digest. Ranks that do not fit offload
+    their optimizer state when ``heterogeneous_offload`` allows it (``apply_rank_offload``): to the
+    host (``cpu_offload``), all of it in ZeRO-1/2, the fewest whole sub-groups in ZeRO-3; in ZeRO-3
+    all of it to NVMe (``nvme_offload``) where the node's host budget
+    (``heterogeneous_memory.cpu_memory_limit``) cannot take it, or where only NVMe is allowed. The
+    placement is not strict: what cannot be placed is logged, and the memory checks that follow
+    (and the device) have the last word.
+
+    ``offload`` maps each offloading data-parallel rank to ``(device, offload_optimizer.ratio)``:
+    "cpu" or "nvme", and 1.0 for all of its optimizer state."""
+    from deepspeed.utils import logger
+    memory = state.settings.memory
+    setting = memory.zero_partitions
+    stage = int(ds_config.zero_optimization_stage or 0)
+    world = int(ds_config.world_size)
+    if not memory.enabled:
+        explicit = stage in (1, 2) and world >= 2 and setting not in ("auto", "even")
+        return None, check_shares(setting, world) if explicit else None, {}
+    pool = HeterogeneousMemoryPool.from_state(state, world)
+    offload = state.settings.offload
+    baselines = gather_baselines(state, world)
+    # An emulated device (capacity by accounting alone) is not the host, whatever the accelerator.
+    spec = ModelStateSpec.for_engine(ds_config, model, optimizer,
+                                     emulated_device=state.memory_meter.source == EMULATED)
+    placement, offloaded = engine_placement(pool, spec, setting, offload.cpu_offload, offload.nvme_offload,
+                                            baseline_bytes=baselines)
+    if state.dp_rank == 0:
+        cpu_unapplied = offload.cpu_offload and not offloads_per_rank(stage, world)
+        nvme_unapplied = offload.nvme_offload and not (stage == 3 and offloads_per_rank(stage, world))
+        unapplied = [key for key, wanted in (("nvme_offload", nvme_unapplied), ("cpu_offload", cpu_unapplied))
+                     if wanted]
+        if unapplied:
+            logger.warning(f"deepspeed-hetero memory pool: zero_optimization.heterogeneous_offload."
+                           f"{' and '.join(unapplied)} is not applied per rank here (per-rank offload drives ZeRO "
+                           "stages 1-3 to the host and ZeRO-3 to NVMe, on 2+ ranks); set "
+                           "zero_optimization.offload_optimizer to offload on every rank")
+        for problem in placement.problems:
+            logger.warning(f"deepspeed-hetero memory pool: {problem}")
+    refuse_unfit_peaks(pool, placement, offload.cpu_offload or offload.nvme_offload)
+    return pool, placement.partition_shares, offloaded
+
+
+def gather_baselines(state, world):
+    """Per data-parallel rank, the bytes in use on its device as the engine starts (``memory_meter``,
+    started here and kept as ``state.memory_meter``), gathered so that every rank places alike; a
+    replica counts its fullest member."""
+    import torch.distributed as dist
+    state.memory_meter = rank_memory_meter(state)
+    mine = state.memory_meter.start()
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [mine] * world
+    gathered = Agreement(f"data-parallel rank {state.dp_rank}").gather_from_every_rank(
+        (state.dp_rank, mine), "the memory in use as the engine starts")
+    return [max((b or 0 for r, b in gathered if r == rank), default=0) for rank in range(world)]
+
+
+def rank_memory_meter(state):
+    """This rank's ``MemoryMeter``: an emulated capacity enforced by accounting alone
+    (``emulation.memory_gb`` without a memory cgroup) is an empty device with no peak to read;
+    otherwise the source that limits the rank (``measures_capacity`` only where the capacity is
+    what limits it)."""
+    emulated = state.settings.config.emulation is not None and bool(state.settings.config.emulation.memory_gb)
+    joined = emulation._memory_cgroup is not None and emulation._memory_cgroup.cgroup is not None
+    meter = MemoryMeter(source=EMULATED if emulated and not joined else None)
+    # The emulation cgroup's limit is memory_gb plus a host allowance: its peak is reported, and the
+    # kernel enforces the limit, but it is not measured against the emulated capacity.
+    meter.measures_capacity = meter.measures_capacity and not emulated
+    return meter
+
+
+def check_nvme_ranks(nvme_ranks, dp_rank):
+    """Every rank learns whether the ranks placed on NVMe can build the async-io op (it needs
+    ``libaio``: Debian's ``libaio-dev``) before any of them tries: one agreement over the world
+    (``agreement.gather_from_every_rank``), so a rank that cannot ends the job on every rank with
+    an error naming it instead of failing alone while its peers wait in a collective."""
+    able = True
+    if dp_rank in nvme_ranks:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+        able = bool(AsyncIOBuilder().is_compatible(verbose=False))
+    flags = Agreement(f"data-parallel rank {dp_rank}").gather_from_every_rank(able, "whether the async-io op builds")
+    unable = [rank for rank, flag in enumerate(flags) if not flag]
+    if unable:
+        raise RuntimeError(f"heterogeneous_memory places the optimizer state of data-parallel rank(s) {nvme_ranks} on "
+                           f"NVMe (zero_optimization.heterogeneous_offload.nvme_offload), but global rank(s) {unable} "
+                           "cannot build DeepSpeed's async-io op, which needs libaio (Debian/Ubuntu: apt-get install "
+                           "libaio-dev; see `ds_report`). Install it there, raise heterogeneous_memory.cpu_memory_limit "
+                           "so the host takes the state, or turn nvme_offload off")
+
+
+def configure_link_buckets(state, param_dict, user_zero):
+    """``HeterogeneousState.from_config``'s step: apply the rule to ``param_dict`` from the state's
+    settings, topology and adaptive chunking's sizes; log the choice once (data-parallel rank 0),
+    and say why not when the user asked for it (``true``) and it cannot apply. Returns the sizes
+    written (None when none)."""
+    from deepspeed.utils import logger
+    setting = state.settings.config.communication.link_aware_buckets
+    sizes, note = apply_link_aware_buckets(param_dict, setting, state.enabled, state.topology, user_zero,
+                                           state.chunk_sizes)
+    if note and setting is True:
+        logger.warning(f"heterogeneous_config.communication.link_aware_buckets: upstream's bucket sizes kept: {note}")
+    if state.dp_rank == 0 and state.topology is not None and state.topology.num_hosts > 1:
+        logger.info(f"deepspeed-hetero: Communication Optimization: "
+                    f"{status_line(state.settings, state.topology, param_dict, sizes)}")
+    return sizes or None
+
+
+def apply_rank_offload(ds_config, offload, dp_rank, optimizer=None, nvme_path=None):
+    """Move the optimizer state of the ranks the pool offloads off the device; ``offload`` maps
+    each offloading data-parallel rank to ``(device, ratio)`` (``engine_placement``), ``nvme_path``
+    is ``heterogeneous_offload.nvme_path``.
+
+    The one edit of upstream's validated config after start-up (the model, and so what fits, is
+    known only as the engine starts): ``zero_optimization.offload_optimizer`` on the offloading
+    ranks (ZeRO-3: with the rank's ratio over sub-groups, or NVMe), and in ZeRO-1/2
+    ``contiguous_gradients`` on every rank, which upstream forces on an offloading rank and which
+    chooses between bucketed and per-tensor gradient reductions: anything that shapes a collective
+    stays the same on all ranks. Every rank refuses alike what would fail on the offloading ranks
+    alone (and leave the others waiting in a collective): a client optimizer other than
+    DeepSpeedCPUAdam while ``zero_force_ds_cpu_optimizer`` holds, and NVMe on a rank where the
+    async-io op cannot build (``check_nvme_ranks``, one agreement on every rank)."""
+    if not offload:
+        return
+    import torch
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from deepspeed.ops.lion import DeepSpeedCPULion
+    from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadOptimizerConfig, OffloadDeviceEnum
+    ranks = sorted(offload)
+    key = "zero_optimization.heterogeneous_offload"
+    if (optimizer is not None and not isinstance(optimizer, (DeepSpeedCPUAdam, DeepSpeedCPULion))
+            and ds_config.zero_force_ds_cpu_optimizer):
+        # Upstream checks what a client callable builds only on the offloading rank, once built.
+        what = (type(optimizer).__name__ if isinstance(optimizer, torch.optim.Optimizer) else
+                "a callable, whose optimizer cannot be checked on every rank before it is built")
+        raise ValueError(f"heterogeneous_memory offloads the optimizer state of data-parallel rank(s) {ranks} "
+                         f"({key}), and the client's optimizer ({what}) is not DeepSpeedCPUAdam or "
+                         "DeepSpeedCPULion, which ZeRO-Offload requires unless zero_force_ds_cpu_optimizer is false. "
+                         "Pass a deepspeed.ops.adam.DeepSpeedCPUAdam instance, set an optimizer in the config, set "
+                         "\"zero_force_ds_cpu_optimizer\": false, or give the ranks room "
+                         f"({key}.cpu_offload and nvme_offload: false)")
+    nvme_ranks = [rank for rank, (device, _) in sorted(offload.items()) if device == "nvme"]
+    if nvme_ranks:
+        check_nvme_ranks(nvme_ranks, dp_rank)
+    stage = int(ds_config.zero_optimization_stage or 0)
+    zero = ds_config.zero_config
+    if stage in (1, 2):
+        zero.contiguous_gradients = True
+    if dp_rank in offload:
+        device, ratio = offload[dp_rank]
+        if device == "nvme":
+            zero.offload_optimizer = DeepSpeedZeroOffloadOptimizerConfig(device=OffloadDeviceEnum.nvme,
+                                                                         nvme_path=nvme_path)
+        else:
+            zero.offload_optimizer = DeepSpeedZeroOffloadOptimizerConfig(device=OffloadDeviceEnum.cpu,
+                                                                         ratio=float(ratio) if stage == 3 else 1.0)

@@ -272,7 +272,7 @@ def cpu_memory_capacity(reported_bytes, shared, cgroup_limit):
 
 def cgroup_memory_limit():
     """This process's memory cgroup limit in bytes, or None (no limit, not Linux, unreadable)."""
-    from .cgroups import memory_limit
+    from .cgroup_files import memory_limit
     try:
         return memory_limit()
     except (OSError, ValueError):

@@ -32,7 +32,8 @@ import time
 from deepspeed.utils import logger
 
 from . import comm_clock
-from .cgroups import ProcessCgroup, find_hierarchy
+from .cgroups import (GIB, HOST_ALLOWANCE_BYTES, ProcessCgroup, describe_memory_limit,  # noqa: F401 (public here too)
+                      find_hierarchy, memory_limit_bytes)
 
 
 def _own_mark():
@@ -41,10 +42,6 @@ def _own_mark():
 # A short period keeps the throttling smooth at the scale of one micro-step (tens of ms): with the
 # default 100 ms a rank would run at full speed for its quota, then stall for the rest.
 CFS_PERIOD_US = 10_000
-# What the host process itself allocates after joining its memory cgroup and a device would not
-# hold: Python objects, gloo's buffers, allocator slack (measured: 10-70 MiB for a small model).
-HOST_ALLOWANCE_BYTES = 256 * 2**20
-GIB = 2.0**30
 
 
 def _controller(controller, needed):
@@ -135,21 +132,6 @@ class MemoryLimitCgroup:
         if self.cgroup is not None:
             self.cgroup.release()
             self.cgroup = None
-
-
-def memory_limit_bytes(memory_gb):
-    """The cgroup limit that emulates ``memory_gb`` GiB of device memory (see HOST_ALLOWANCE_BYTES)."""
-    return int(memory_gb * GIB) + HOST_ALLOWANCE_BYTES
-
-
-def describe_memory_limit(limit_bytes):
-    """A cgroup limit in the user's terms: the emulated capacity plus the host allowance."""
-    if limit_bytes is None:
-        return "no limit"
-    # The kernel rounds a limit down to whole pages: three digits say what the user wrote.
-    return (f"a cgroup limit of {limit_bytes / GIB:.3g} GiB = heterogeneous_config.emulation.memory_gb "
-            f"{(limit_bytes - HOST_ALLOWANCE_BYTES) / GIB:.3g} + {HOST_ALLOWANCE_BYTES / GIB:.3g} GiB for the host "
-            "process, counted from the engine's start")
 
 
 _memory_cgroup = None  # this process's MemoryLimitCgroup (a process is one rank)

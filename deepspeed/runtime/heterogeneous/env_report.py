@@ -15,6 +15,7 @@ and, when the fork is enabled, ``Communication: <part>; <part>; ...`` after the 
 import argparse
 import dataclasses
 import json
+import math
 import sys
 
 import deepspeed
@@ -25,7 +26,8 @@ from .communication import communication_status
 from .config import load_heterogeneous_settings
 from .device_benchmark import measured_score
 from .devices import BYTES_PER_GB, describe_local_device, emulated_memory_bytes, local_device_count
-from .memory_placement import config_placement_lines, parse_parameter_count
+from .memory_placement import engine_placement
+from .memory_pool import HeterogeneousMemoryPool, ModelStateSpec, known_speeds
 from .native import native_op_status
 from .precision import choose_precision_for_config
 
@@ -238,3 +240,51 @@ def main(argv=None):
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def config_placement_lines(param_dict, settings, rows, num_parameters=None):
+    """The env report's placement section for a ds_config on its rows (``(DeviceDescription,
+    memory emulated?, speed emulated?)`` per rank, one node); ``num_parameters`` None: a line
+    saying the model size is needed."""
+    if num_parameters is None:
+        return ["Memory Placement: unknown: the config gives no model size; add --model-parameters N"]
+    devices = [device for device, _, _ in rows]
+    mode = settings.config.mixed_precision_support if settings.enabled else "config"
+    decided = dict(param_dict)
+    choose_precision_for_config(mode, devices, decided)
+    half = get_float16_config(decided).enabled or get_bfloat16_config(decided).enabled
+    # Rows whose capacity is emulated are devices apart from the host; a CPU row without emulation
+    # has no capacity of its own, so its placement checks nothing either way.
+    spec = ModelStateSpec.for_config_dict(param_dict, num_parameters, half, world=len(rows),
+                                          emulated_device=any(emulated for _, emulated, _ in rows))
+    memory = settings.memory
+    # As the runtime counts them (batch.memory_capacities): an emulated capacity, else the device's
+    # own; the CPU accelerator's shared host RAM is no rank's limit.
+    capacities = [d.memory_bytes if emulated or not d.shared_host_memory else None for d, emulated, _ in rows]
+    pool = HeterogeneousMemoryPool(capacities, cpu_memory_limit=memory.cpu_memory_limit_bytes,
+                                   hbm_utilization_threshold=memory.hbm_utilization_threshold,
+                                   hosts=[0] * len(rows), speeds=known_speeds(devices),
+                                   device_names=[d.name for d in devices])
+    auto_allowed = memory.enabled or memory.zero_partitions != "auto"
+    title = f"Memory Placement ({num_parameters:,} parameters, {'fp16/bf16' if half else 'fp32'}):"
+    try:
+        engine_placement(pool, spec, memory.zero_partitions if auto_allowed else "even", settings.offload.cpu_offload,
+                         settings.offload.nvme_offload)
+    except ValueError as exc:
+        return [title, f"  refused: {exc}"]
+    return [title] + ["  " + line for line in str(pool.report()).splitlines()]
+
+
+def parse_parameter_count(text):
+    """'7e9', '350M', '1.3B', '125k' or digits -> an int; ValueError naming what is allowed."""
+    units = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+    value = str(text).strip()
+    suffix = value[-1:].upper() if value[-1:].isalpha() and value[-1:].upper() in units else ""
+    try:
+        count = float(value[:-1] if suffix else value) * units[suffix]
+    except ValueError:
+        count = -1
+    if not math.isfinite(count) or count <= 0:
+        raise ValueError(f"--model-parameters {text!r} is not a parameter count; write e.g. 125000000, 1.3e9, "
+                         "350M or 7B")
+    return int(count)

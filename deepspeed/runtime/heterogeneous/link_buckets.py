@@ -124,19 +124,3 @@ def describe_link_buckets(sizes, bandwidth):
     return f"{shown} elements ({TARGET_SECONDS * 1e3:.0f} ms at {bandwidth * 8 / 1e6:.0f} Mbit/s)"
 
 
-def configure_link_buckets(state, param_dict, user_zero):
-    """``HeterogeneousState.from_config``'s step: apply the rule to ``param_dict`` from the state's
-    settings, topology and adaptive chunking's sizes; log the choice once (data-parallel rank 0),
-    and say why not when the user asked for it (``true``) and it cannot apply. Returns the sizes
-    written (None when none)."""
-    from deepspeed.utils import logger
-    setting = state.settings.config.communication.link_aware_buckets
-    sizes, note = apply_link_aware_buckets(param_dict, setting, state.enabled, state.topology, user_zero,
-                                           state.chunk_sizes)
-    if note and setting is True:
-        logger.warning(f"heterogeneous_config.communication.link_aware_buckets: upstream's bucket sizes kept: {note}")
-    if state.dp_rank == 0 and state.topology is not None and state.topology.num_hosts > 1:
-        from .communication import status_line
-        logger.info(f"deepspeed-hetero: Communication Optimization: "
-                    f"{status_line(state.settings, state.topology, param_dict, sizes)}")
-    return sizes or None

@@ -94,7 +94,7 @@ def model_state_parts(num_parameters, zero_stage, data_parallel_size, param_byte
                            (part if zero_stage >= 1 else 1))
 
 
-def _model_state_inputs(parameters, half, optimizer, optimizer_offloaded):
+def model_state_inputs(parameters, half, optimizer, optimizer_offloaded):
     params = [p for p in parameters if p.requires_grad]
     return {
         # A ZeRO-3 partitioned parameter's numel() is its local shard; ds_numel is the whole.
@@ -162,7 +162,7 @@ def engine_model_state_inputs(engine):
     optimizer = engine.basic_optimizer if engine.basic_optimizer is not None else engine.optimizer
     numels = getattr(engine.optimizer, "fp16_partitioned_groups_flat_numel", None)  # ZeRO-3's sub-groups
     sub_groups = [n / sum(numels) for n in numels] if numels and sum(numels) else None
-    return _model_state_inputs(engine.module.parameters(), engine.fp16_enabled() or engine.bfloat16_enabled(),
+    return model_state_inputs(engine.module.parameters(), engine.fp16_enabled() or engine.bfloat16_enabled(),
                                optimizer, offloaded_fraction(engine._config.zero_config, sub_groups))
 
 
@@ -176,7 +176,7 @@ def config_model_state_bytes(ds_config, model, optimizer=None):
     zero = ds_config.zero_config
     offloaded = offloaded_fraction(zero, model_sub_groups(ds_config, model, optimizer) if int(zero.stage) == 3 else None)
     half = ds_config.float16_config.enabled or ds_config.bfloat16_config.enabled
-    inputs = _model_state_inputs(model.parameters(), half, optimizer, offloaded)
+    inputs = model_state_inputs(model.parameters(), half, optimizer, offloaded)
     return model_state_bytes(zero_stage=int(ds_config.zero_optimization_stage or 0),
                              data_parallel_size=int(ds_config.world_size),
                              share=ds_config.heterogeneous.partition_share, **inputs)

@@ -213,7 +213,6 @@ class HeterogeneousMemoryPool:
     def from_state(cls, state, world_size):
         """The pool of a running job: the gathered devices' capacities (emulated ones included,
         ``batch.memory_capacities``), the topology's nodes and the ``heterogeneous_memory`` block."""
-        from .batch import memory_capacities
         # A device that reports no memory (0) has no known limit, as in the planner.
         capacities = [c if c else None for c in memory_capacities(state) or [None] * world_size]
         speeds = known_speeds(state.devices) if state.devices and len(state.devices) == world_size else None
@@ -469,3 +468,17 @@ def known_speeds(devices):
 
 __all__ = ["HeterogeneousMemoryPool", "MemoryPlacement", "MemoryPlacementError", "MemoryReport", "ModelStateSpec",
            "RankPlacement", "known_speeds"]
+
+
+def memory_capacities(state):
+    """Per data-parallel rank, the device memory plans must fit in (bytes), or None where no limit
+    is known: the CPU accelerator reports host RAM, which its ranks share, so there a limit comes
+    only from an emulated capacity."""
+    devices = state.devices
+    if not devices:
+        return None
+    emulation = state.settings.config.emulation
+    if emulation is not None and emulation.memory_gb:
+        return [d.memory_bytes for d in devices]
+    capacities = [None if d.shared_host_memory else d.memory_bytes for d in devices]
+    return capacities if any(c is not None for c in capacities) else None

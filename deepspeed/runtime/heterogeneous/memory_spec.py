@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
-from .memory import _model_state_inputs, model_state_bytes, model_state_parts, model_sub_groups
+from .memory import model_state_inputs, model_state_bytes, model_state_parts, model_sub_groups
 from .memory_peak import ZeroAllocations, predict_peak
 
 
@@ -81,7 +81,7 @@ class ModelStateSpec:
         offload = ds_config.zero_config.offload_optimizer
         half = ds_config.float16_config.enabled or ds_config.bfloat16_config.enabled
         stage = int(ds_config.zero_optimization_stage or 0)
-        spec = cls._from_inputs(_model_state_inputs(model.parameters(), half, optimizer, False), stage,
+        spec = cls._from_inputs(model_state_inputs(model.parameters(), half, optimizer, False), stage,
                                 _offload_device(offload))
         spec = replace(spec, allocations=engine_allocations(ds_config, model, client or optimizer, spec, emulated_device))
         if stage != 3:

@@ -26,7 +26,8 @@ from deepspeed.utils import logger
 
 from .agreement import Agreement, PlanAgreementError, decision_failure, merge_replicas, raise_decision_failure, \
     slowest, slowest_micro_step
-from .batch import apply_plan, memory_capacities
+from .batch import apply_plan, rank_memory_meter
+from .memory_pool import memory_capacities
 from .fed_batch import fed_size
 from .emulated_limits import EmulatedLimits, EmulatedOutOfMemoryError
 from . import comm_clock
@@ -196,7 +197,6 @@ class HeterogeneousRuntime:
         """This rank's measured memory peak (``memory_meter``), None where it cannot be read."""
         meter = self.state.memory_meter
         if meter is None:
-            from .memory_placement import rank_memory_meter
             meter = self.state.memory_meter = rank_memory_meter(self.state)
         return meter.peak_bytes()
 

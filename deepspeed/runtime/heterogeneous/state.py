@@ -128,7 +128,7 @@ class HeterogeneousState:
         ``param_dict`` before upstream parses it. A seed-style workload "scheduler" is moved out of
         the LR scheduler's key."""
         from .agreement import check_settings_agree
-        from .batch import data_parallel_rank, gather_local_devices
+        from .ranks import data_parallel_rank, gather_local_devices
         from .precision import choose_precision_for_config
         from .topology import discover_topology
 
@@ -146,10 +146,11 @@ class HeterogeneousState:
         state.topology = discover_topology(state.dp_rank, int(world_size))
         state.precision = choose_precision_for_config(settings.config.mixed_precision_support, state.devices,
                                                       param_dict)
-        from .link_buckets import configure_link_buckets, keys_set_by_user
+        from .batch import configure_link_buckets
+        from .link_buckets import keys_set_by_user
         user_zero = keys_set_by_user(param_dict)  # before the fork writes sizes into the zero block
         if settings.memory.enabled and settings.memory.adaptive_chunking:
-            from .batch import memory_capacities
+            from .memory_pool import memory_capacities
             from .chunking import apply_adaptive_chunking
             state.chunk_sizes = apply_adaptive_chunking(param_dict, memory_capacities(state))
         state.link_bucket_sizes = configure_link_buckets(state, param_dict, user_zero)
@@ -169,7 +170,7 @@ class HeterogeneousState:
         start_memory_limit(self.settings.config.emulation, self.dp_rank)  # before the engine allocates
         if model is not None:
             from .batch import cap_startup_plan
-            from .memory_placement import apply_rank_offload, place_engine_state
+            from .batch import apply_rank_offload, place_engine_state
             from .partitions import describe_shares
             self.memory_pool, self.partition_shares, offload = place_engine_state(self, ds_config, model, optimizer)
             apply_rank_offload(ds_config, offload, self.dp_rank, optimizer, self.settings.offload.nvme_path)

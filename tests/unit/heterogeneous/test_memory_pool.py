@@ -13,7 +13,7 @@ from deepspeed.runtime.heterogeneous import HeterogeneousMemoryPool, MemoryPlace
 from deepspeed.runtime.heterogeneous.config import load_heterogeneous_settings
 from deepspeed.runtime.heterogeneous.devices import BYTES_PER_GB, DeviceDescription
 from deepspeed.runtime.heterogeneous.memory import model_state_bytes
-from deepspeed.runtime.heterogeneous.memory_placement import config_placement_lines, parse_parameter_count
+from deepspeed.runtime.heterogeneous.env_report import config_placement_lines, parse_parameter_count
 from deepspeed.runtime.heterogeneous.partitions import choose_partition_shares
 
 GIB = BYTES_PER_GB
@@ -379,7 +379,7 @@ def test_a_client_optimizer_zero_offload_would_refuse_is_refused_on_every_rank()
     offloading rank alone, while the others go on to a collective and wait: the fork refuses it on
     every rank, whichever rank offloads."""
     from types import SimpleNamespace
-    from deepspeed.runtime.heterogeneous.memory_placement import apply_rank_offload
+    from deepspeed.runtime.heterogeneous.batch import apply_rank_offload
 
     config = SimpleNamespace(zero_force_ds_cpu_optimizer=True)
     client = torch.optim.Adam(torch.nn.Linear(2, 2).parameters())

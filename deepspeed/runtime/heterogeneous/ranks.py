@@ -1,0 +1,89 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Which data-parallel replica this process is, and every replica's device: the two facts the
+start-up plan needs from the cluster, derived once per engine (``state.dp_rank``,
+``state.devices``)."""
+
+from dataclasses import replace
+
+from deepspeed import comm as dist
+
+from .devices import DeviceDescription, describe_local_device, emulated_memory_bytes, local_device_index
+
+
+def data_parallel_rank(mpu=None, mesh_device=None, world_size=None, sequence_parallel_size=None):
+    """This process's data-parallel rank: which of the ``world_size`` replicas that
+    ``DeepSpeedConfig`` counts it belongs to. Derived here once (``state.dp_rank``); the plan, the
+    loss weight and the training loader all use it.
+
+    It follows the grouping the engine reduces gradients over
+    (``groups._get_sequence_data_parallel_group``, divided by the replica count): an mpu's own
+    data-parallel rank; with a sequence-parallel mpu (Ulysses, which has no data-parallel calls) the
+    sequence-parallel groups are consecutive ranks of the sequence-data-parallel group, so the
+    replica is that rank divided by the sequence-parallel size (its members split the same samples'
+    sequences, as model-parallel members split the model); with a device mesh, the rank in its
+    "data_parallel" dimension; otherwise the global rank.
+
+    Args:
+        world_size: the data-parallel world size the config counts; checked against, when given.
+        sequence_parallel_size: the config's top-level ``sequence_parallel_size`` (used only to
+            refuse it without an mpu or a mesh, which leaves the replicas unknown).
+    """
+    if mpu is not None and hasattr(mpu, "get_data_parallel_rank"):
+        rank = mpu.get_data_parallel_rank()
+    elif mpu is not None and hasattr(mpu, "get_sequence_parallel_world_size"):
+        rank = mpu.get_sequence_data_parallel_rank() // mpu.get_sequence_parallel_world_size()
+    elif mesh_device is not None:
+        rank = dist.get_rank(group=mesh_device.get_group(mesh_dim="data_parallel"))
+    elif sequence_parallel_size not in (None, 1):
+        raise ValueError(f"heterogeneous_config with sequence_parallel_size {sequence_parallel_size} needs the "
+                         "sequence-parallel groups: pass the mpu (deepspeed.initialize(mpu=...)) or give "
+                         "data_parallel_size too (a device mesh), so that each rank's replica is known")
+    else:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = int(rank)
+    if world_size is not None and not 0 <= rank < int(world_size):
+        raise ValueError(f"deepspeed-hetero: data-parallel rank {rank} is out of range for the data-parallel world "
+                         f"size {world_size} the config counts; the mpu / mesh and the config disagree")
+    return rank
+
+
+def gather_devices(dp_rank, world_size, memory_bytes=None):
+    """Every data-parallel rank's DeviceDescription, in data-parallel rank order; ``memory_bytes``
+    replaces this rank's real capacity (emulated clusters).
+
+    All processes take part, so that the model-parallel members of a replica agree: a replica is
+    described by its slowest member's device, with its smallest memory.
+    """
+    # Unknown devices are not benchmarked here: the profiling steps measure the real workload.
+    mine = describe_local_device(local_rank=local_device_index(), memory_bytes=memory_bytes, measure=False).to_dict()
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [DeviceDescription.from_dict(mine)]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (dp_rank, mine))
+    devices = []
+    for rank in range(world_size):
+        members = [DeviceDescription.from_dict(d) for r, d in gathered if r == rank]
+        slowest = min(members, key=lambda d: (d.spec_score, d.rank))
+        devices.append(replace(slowest, memory_bytes=min(d.memory_bytes for d in members)))
+    return devices
+
+
+def _needs_devices(settings):
+    config = settings.config
+    return (config.load_balancing_strategy == "compute_aware" or isinstance(config.micro_batch_sizes, dict)
+            or _emulated_memory_gb(settings) is not None or config.mixed_precision_support != "config"
+            or settings.memory.enabled)  # the memory pool places by each rank's capacity
+
+
+def gather_local_devices(settings, dp_rank, world_size):
+    """``gather_devices`` when a decision needs the devices (None otherwise), with this rank's
+    emulated memory in place of its real capacity."""
+    if not _needs_devices(settings):
+        return None
+    return gather_devices(dp_rank, world_size, emulated_memory_bytes(settings.config.emulation, dp_rank))
+
+
+
+def _emulated_memory_gb(settings):
+    emulation = settings.config.emulation
+    return emulation.memory_gb if emulation is not None and emulation.memory_gb else None
