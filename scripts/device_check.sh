@@ -43,7 +43,7 @@ stage() {  # stage NAME TIMEOUT_S COMMAND...: run, log to OUT/NAME.log, record t
 stage environment 60 "$python" - <<'EOF'
 import torch
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.heterogeneous.devices import describe_local_device
+from deepspeed.runtime.heterogeneous.measure.devices import describe_local_device
 acc = get_accelerator()
 print("torch", torch.__version__, "cuda", torch.version.cuda, "accelerator", acc.device_name())
 assert acc.device_name() != "cpu", "no accelerator: this check is for a machine with a GPU"

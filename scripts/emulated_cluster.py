@@ -17,7 +17,7 @@ fork across hosts without a second machine. Each host gets:
   moves only 3-6 Gbit/s on two cores, so keep inter-host rates at or below ~300 Mbit/s to keep the
   in-host/inter-host ratio of a real cluster.
 - its own CPU quota and memory limit: a cgroup per host, ``deepspeed-hetero-cluster-<run>-host<k>``
-  (placed as ``deepspeed/runtime/heterogeneous/cgroups.py`` places a rank's), which the host's
+  (placed as ``deepspeed/runtime/heterogeneous/emulation/cgroups.py`` places a rank's), which the host's
   launcher joins before it enters the namespace, so every process of the host (launcher, ranks,
   loader workers) shares one quota, as on a real machine. Its name carries no decimal pid, so
   ``cgroups.memory_limit`` counts it as a limit from outside (a rank plans within its host's
@@ -312,15 +312,17 @@ def _kill(pids):
 
 
 def cgroups_module():
-    """The fork's ``cgroups.py`` (cgroup naming, placement, stale rules), loaded from its file so
-    that the command line does not import deepspeed (and torch) for it."""
-    module = sys.modules.get("deepspeed.runtime.heterogeneous.cgroups") or sys.modules.get("_hetero_cgroups")
+    """The fork's ``measure/cgroup_files.py`` (where the controllers are mounted, where a new cgroup
+    goes), loaded from its file so that the command line does not import deepspeed (and torch) for
+    it."""
+    module = (sys.modules.get("deepspeed.runtime.heterogeneous.measure.cgroup_files")
+              or sys.modules.get("_hetero_cgroup_files"))
     if module is None:
         import importlib.util
-        path = REPO_ROOT / "deepspeed" / "runtime" / "heterogeneous" / "cgroups.py"
-        spec = importlib.util.spec_from_file_location("_hetero_cgroups", path)
+        path = REPO_ROOT / "deepspeed" / "runtime" / "heterogeneous" / "measure" / "cgroup_files.py"
+        spec = importlib.util.spec_from_file_location("_hetero_cgroup_files", path)
         module = importlib.util.module_from_spec(spec)
-        sys.modules["_hetero_cgroups"] = module
+        sys.modules["_hetero_cgroup_files"] = module
         spec.loader.exec_module(module)
     return module
 

@@ -44,7 +44,7 @@ def main():
         loss = engine(inputs, targets)
         engine.backward(loss)
         engine.step()  # steps the optimizer at each accumulation boundary (per-rank gas included)
-    from deepspeed.runtime.heterogeneous.process_exit import end_process
+    from deepspeed.runtime.heterogeneous.cli.process_exit import end_process
     end_process(0)  # else gloo's threads may abort the interpreter's exit
 
 

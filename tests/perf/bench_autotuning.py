@@ -343,7 +343,7 @@ def load_balancing_speedups():
 def emulation_mode():
     """What mode "auto" gives a slowed rank on this machine (cgroup where possible)."""
     # In a child process: a cgroup emulator moves its own process into the throttled cgroup.
-    probe = ("from deepspeed.runtime.heterogeneous.emulation import Emulator\n"
+    probe = ("from deepspeed.runtime.heterogeneous.emulation.emulator import Emulator\n"
              f"e = Emulator({SPEEDS[1]}, 'auto', threads=1); print('MODE', e.mode); e.close()")
     try:
         out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,

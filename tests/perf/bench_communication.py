@@ -6,7 +6,7 @@ group, so a slow link between hosts carries as much as any link inside a host; t
 ``heterogeneous_config.communication.hierarchical_reduction`` (``"auto"``: on across hosts)
 reduces inside each host first and sends between host leaders only the gradient slices the other
 hosts' ranks own, then sends each host's updated parameter partitions across once
-(``deepspeed/runtime/heterogeneous/hierarchical.py``).
+(``deepspeed/runtime/heterogeneous/comm/hierarchical.py``).
 
 Clusters (``scripts/emulated_cluster.py``: network namespaces on a bridge, ``tbf``-shaped links,
 every host started by the real ``deepspeed`` launcher without ssh), the small GPT of

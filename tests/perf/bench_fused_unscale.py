@@ -37,7 +37,7 @@ sys.path[:0] = [str(REPO)]
 import torch  # noqa: E402
 
 from deepspeed.accelerator import get_accelerator  # noqa: E402
-from deepspeed.runtime.heterogeneous import native  # noqa: E402
+from deepspeed.runtime.heterogeneous.measure import native  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TARGET_SPEEDUP = 2.0

@@ -110,14 +110,14 @@ def _train(rank, world_size, stage, strategy, speeds, global_batch, mode, breakd
     import torch
     import deepspeed
     from deepspeed import comm as dist
-    from deepspeed.runtime.heterogeneous import comm_clock
+    from deepspeed.runtime.heterogeneous.measure import comm_clock
     from examples.tiny_gpt import GPT, GPTConfig, TokenDataset, split_batch
 
     torch.set_num_threads(1)
     model = GPT(GPTConfig.bench(), seed=0)
     zero = {"stage": stage}
     if zero3_settings == "upstream" and stage == 3:
-        from deepspeed.runtime.heterogeneous.zero3_settings import UPSTREAM_DEFAULTS
+        from deepspeed.runtime.heterogeneous.memory.zero3_settings import UPSTREAM_DEFAULTS
         zero.update(UPSTREAM_DEFAULTS)
     zero.update(zero_extra or {})
     emulated = any(speed != 1.0 for speed in speeds)

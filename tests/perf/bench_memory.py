@@ -170,7 +170,7 @@ def _train(rank, world_size, mode, stage, shares, warmup, timed):
     parameters)."""
     import torch
     import deepspeed
-    from deepspeed.runtime.heterogeneous import emulation
+    from deepspeed.runtime.heterogeneous.emulation import emulator as emulation
 
     torch.set_num_threads(1)
     model = _model()
@@ -272,7 +272,7 @@ def _median(values):
 
 def _run(mode, stage, shares, quick):
     """One run's per-rank results, or its outcome when a rank was killed or refused."""
-    from deepspeed.runtime.heterogeneous.cgroups import remove_stale_cgroups_everywhere
+    from deepspeed.runtime.heterogeneous.emulation.cgroups import remove_stale_cgroups_everywhere
     label = "quick" if quick else "full"
     started = time.perf_counter()
     try:
@@ -334,7 +334,7 @@ def _summary(run):
 
 def cgroups_unusable():
     """Why this machine cannot put a rank under a memory cgroup, or None when it can."""
-    from deepspeed.runtime.heterogeneous.cgroups import find_hierarchy, placement
+    from deepspeed.runtime.heterogeneous.emulation.cgroups import find_hierarchy, placement
     hierarchy = find_hierarchy("memory")
     if os.geteuid() != 0:
         return "not root"
@@ -344,7 +344,7 @@ def cgroups_unusable():
 
 
 def run(quick=False, stage=2):
-    from deepspeed.runtime.heterogeneous.cgroups import remove_stale_cgroups_everywhere
+    from deepspeed.runtime.heterogeneous.emulation.cgroups import remove_stale_cgroups_everywhere
     reason = cgroups_unusable()
     if reason is not None:  # `make perf` runs every benchmark: say why, and go on to the next
         print(f"bench_memory: skipped, memory cgroups are unusable here ({reason}); the benchmark needs root "

@@ -94,7 +94,7 @@ def _train(rank, world_size, mode, nvme_path, rank_1_gb, limit_bytes, steps):
     import deepspeed
     from deepspeed import comm as dist
     from deepspeed.ops.adam import DeepSpeedCPUAdam
-    from deepspeed.runtime.heterogeneous import emulation
+    from deepspeed.runtime.heterogeneous.emulation import emulator as emulation
 
     torch.set_num_threads(1)
     model = _model()
@@ -136,7 +136,7 @@ def _train(rank, world_size, mode, nvme_path, rank_1_gb, limit_bytes, steps):
 
 
 def _run(mode, nvme_path, rank_1_gb=None, limit_bytes=None, steps=6):
-    from deepspeed.runtime.heterogeneous.cgroups import remove_stale_cgroups_everywhere
+    from deepspeed.runtime.heterogeneous.emulation.cgroups import remove_stale_cgroups_everywhere
     started = time.perf_counter()
     try:
         ranks, outcome = run_ranks(_train, world_size=2, timeout=900,
@@ -189,7 +189,7 @@ def main(quick=False):
             report["limit_mib"] = limit / 2**20
             upstream = _run("upstream_limited", nvme_path, limit_bytes=limit, steps=steps)
             report["upstream_limited"] = _summary(upstream)
-            from deepspeed.runtime.heterogeneous.emulation import GIB, HOST_ALLOWANCE_BYTES
+            from deepspeed.runtime.heterogeneous.emulation.emulator import GIB, HOST_ALLOWANCE_BYTES
             limited = _run("nvme_limited", nvme_path, (limit - HOST_ALLOWANCE_BYTES) / GIB, steps=steps)
             report["nvme_limited"] = _summary(limited, device)
     print(json.dumps(report, indent=2))

@@ -65,7 +65,7 @@ def _run(rank, world_size, workload, speeds):
     import torch
     import deepspeed
     from deepspeed import comm as dist
-    from deepspeed.runtime.heterogeneous.planner import TimeModel, plan_micro_batches
+    from deepspeed.runtime.heterogeneous.planning.planner import TimeModel, plan_micro_batches
 
     torch.set_num_threads(1)
     heterogeneous = {"enabled": True, "load_balancing_strategy": "compute_aware", "profile_steps": PROFILE_STEPS,

@@ -68,9 +68,10 @@ def _profile(rank, world_size, speeds, profile_steps):
 def _strict_reading_moves(history, startup):
     """Whether the gate would move work reading the start-up plan's measured times with the noise
     of the micro-steps they came from (sqrt(n / count) times each rank's level error)."""
-    from deepspeed.runtime.heterogeneous.plan import Plan
-    from deepspeed.runtime.heterogeneous.profiling import (fit_steps, measured_time_models, rank_errors, ran_plan,
-                                                           significant_difference, startup_plan_times)
+    from deepspeed.runtime.heterogeneous.planning.plan import Plan
+    from deepspeed.runtime.heterogeneous.planning.profiling import (fit_steps, measured_time_models, rank_errors,
+                                                                    ran_plan, significant_difference,
+                                                                    startup_plan_times)
     startup = Plan.from_dict(startup)
     models, fits = measured_time_models(history, 1)
     measured = [step for step in history[1:] if ran_plan(step, startup)]

@@ -56,7 +56,8 @@ def mark(out, name):
 def train(args, out, stage, mode, repeat, rank, world_size):
     """One engine of ``mode``; returns its measurements and its final parameters."""
     import deepspeed
-    from deepspeed.runtime.heterogeneous import comm_clock, hierarchical
+    from deepspeed.runtime.heterogeneous.measure import comm_clock
+    from deepspeed.runtime.heterogeneous.comm import hierarchical
     from examples.tiny_gpt import GPT, GPTConfig, TokenDataset, split_batch
 
     build_started = time.perf_counter()

@@ -94,7 +94,7 @@ def test_invalid_fork_block_stops_the_launch_with_one_line(tmp_path, config_args
 
 
 def test_launch_check_reads_the_config_argument_and_leaves_unreadable_files_to_upstream(tmp_path, capsys):
-    from deepspeed.runtime.heterogeneous.launcher import check_launch_environment, config_path_in
+    from deepspeed.runtime.heterogeneous.cli.launcher import check_launch_environment, config_path_in
     assert config_path_in(["train.py", "--deepspeed_config", "a.json", "--deepspeed_config=b.json"]) == "b.json"
     assert config_path_in(["--num_gpus", "2", "train.py", "--deepscale_config", "c.json"]) == "c.json"
     assert config_path_in(["train.py", "--deepspeed", "--lr", "0.1"]) is None

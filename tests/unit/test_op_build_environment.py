@@ -32,7 +32,7 @@ print(json.dumps(resolved))
 """
 
 LOAD_NATIVE_OP_CODE = """
-from deepspeed.runtime.heterogeneous.native import load_native_op, native_op_status
+from deepspeed.runtime.heterogeneous.measure.native import load_native_op, native_op_status
 assert load_native_op() is not None, native_op_status()
 """
 

@@ -6,7 +6,7 @@ from unittest import mock
 
 import pytest
 
-from deepspeed.runtime.heterogeneous import launcher
+from deepspeed.runtime.heterogeneous.cli import launcher
 from deepspeed.utils import logger
 
 

@@ -38,9 +38,9 @@ from dataclasses import asdict
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
-from .planner import Plan, TimeModel
-from .rebalance import RebalanceEvent
-from .timing import StepTiming
+from .planning.planner import Plan, TimeModel
+from .planning.rebalance import RebalanceEvent
+from .measure.timing import StepTiming
 
 KEY = "deepspeed_hetero"
 """The client-state key of the fork's record."""

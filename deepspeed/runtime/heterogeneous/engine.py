@@ -9,8 +9,8 @@ import weakref
 
 import torch
 
-from .devices import DeviceDescription, normalize_scores
-from .planner import device_score, distribute_workload, schedule_heterogeneous_tasks
+from .measure.devices import DeviceDescription, normalize_scores
+from .planning.planner import device_score, distribute_workload, schedule_heterogeneous_tasks
 
 _ENGINES = weakref.WeakSet()
 """Every live engine: the heterogeneous profiler finds the engine of a module here."""
@@ -131,7 +131,7 @@ class HeterogeneousEngineMixin:
         and ``pin_memory`` pass through; workers load one optimizer step's micro-batches at a time
         (see ``loader.py``)."""
         from deepspeed.accelerator import get_accelerator
-        from .loader import HeterogeneousDataLoader
+        from .data.loader import HeterogeneousDataLoader
         if self.curriculum_learning_enabled():
             raise ValueError("heterogeneous_config.enabled does not support data_efficiency curriculum learning: "
                              "its sampler sets every rank's batch size itself, the plan sets per-rank ones. "
@@ -156,7 +156,7 @@ class HeterogeneousEngineMixin:
         fetched yet, so give the DataLoader ``num_workers=0`` (workers fetch ahead and would feed
         the old sizes after a change, which the engine's batch check refuses).
         """
-        from .sampler import HeterogeneousBatchSampler
+        from .data.sampler import HeterogeneousBatchSampler
         plan = self._require_plan("heterogeneous_sampler")
         sampler = HeterogeneousBatchSampler(dataset, list(plan.micro_batch_sizes), rank=self.heterogeneous_state.dp_rank,
                                             shuffle=shuffle, seed=seed, drop_last=drop_last,
@@ -168,7 +168,7 @@ class HeterogeneousEngineMixin:
         """Make ``sampler`` (a ``HeterogeneousBatchSampler`` of this rank, e.g. built before the
         engine existed) follow the plan in force from its next round and every later change.
         Returns ``sampler``."""
-        from .sampler import HeterogeneousBatchSampler
+        from .data.sampler import HeterogeneousBatchSampler
         plan = self._require_plan("register_heterogeneous_sampler")
         if not isinstance(sampler, HeterogeneousBatchSampler):
             raise TypeError(f"register_heterogeneous_sampler() takes a HeterogeneousBatchSampler, got "

@@ -24,20 +24,20 @@ import time
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
-from .agreement import Agreement, PlanAgreementError, decision_failure, merge_replicas, raise_decision_failure, \
-    slowest, slowest_micro_step
-from .batch import apply_plan, rank_memory_meter
-from .memory_pool import memory_capacities
-from .fed_batch import fed_size
-from .emulated_limits import EmulatedLimits, EmulatedOutOfMemoryError
-from . import comm_clock
-from .memory import ActivationMeter, engine_model_state_bytes
-from .planner import Plan, plan_micro_batches
-from .profiling import measured_time_models, memory_limits, plan_after_profiling_step, reference_walls
-from .rebalance import RebalanceEvent, RebalancePolicy, Rebalancer, balanced_models, models_from_utilization, \
-    window_models
-from .timing import StepTimer
-from .topology import topology_note
+from .cluster.agreement import (Agreement, PlanAgreementError, decision_failure, merge_replicas,
+                                raise_decision_failure, slowest, slowest_micro_step)
+from .startup import apply_plan, rank_memory_meter
+from .memory.pool import memory_capacities
+from .data.fed_batch import fed_size
+from .emulation.limits import EmulatedLimits, EmulatedOutOfMemoryError
+from .measure import comm_clock
+from .memory.model_state import ActivationMeter, engine_model_state_bytes
+from .planning.planner import Plan, plan_micro_batches
+from .planning.profiling import measured_time_models, memory_limits, plan_after_profiling_step, reference_walls
+from .planning.rebalance import (RebalanceEvent, RebalancePolicy, Rebalancer, balanced_models,
+                                 models_from_utilization, window_models)
+from .measure.timing import StepTimer
+from .cluster.topology import topology_note
 
 __all__ = ["HeterogeneousRuntime", "PlanAgreementError", "EmulatedOutOfMemoryError"]
 

@@ -23,11 +23,11 @@ from typing import List, Optional
 
 from deepspeed.utils import logger
 
-from .config import HeterogeneousSettings, load_heterogeneous_settings, settings_summary
-from .devices import DeviceDescription
-from .planner import Plan
-from .precision import PrecisionChoice
-from .topology import Topology
+from .config.settings import HeterogeneousSettings, load_heterogeneous_settings, settings_summary
+from .measure.devices import DeviceDescription
+from .planning.planner import Plan
+from .planning.precision import PrecisionChoice
+from .cluster.topology import Topology
 
 
 @dataclass
@@ -127,10 +127,10 @@ class HeterogeneousState:
         left unmodified) and, when enabled, gather the devices and apply the precision choice to
         ``param_dict`` before upstream parses it. A seed-style workload "scheduler" is moved out of
         the LR scheduler's key."""
-        from .agreement import check_settings_agree
-        from .ranks import data_parallel_rank, gather_local_devices
-        from .precision import choose_precision_for_config
-        from .topology import discover_topology
+        from .cluster.agreement import check_settings_agree
+        from .cluster.ranks import data_parallel_rank, gather_local_devices
+        from .planning.precision import choose_precision_for_config
+        from .cluster.topology import discover_topology
 
         settings = load_heterogeneous_settings(param_dict, world_size=world_size)
         for note in settings.notes:
@@ -146,15 +146,15 @@ class HeterogeneousState:
         state.topology = discover_topology(state.dp_rank, int(world_size))
         state.precision = choose_precision_for_config(settings.config.mixed_precision_support, state.devices,
                                                       param_dict)
-        from .batch import configure_link_buckets
-        from .link_buckets import keys_set_by_user
+        from .startup import configure_link_buckets
+        from .comm.link_buckets import keys_set_by_user
         user_zero = keys_set_by_user(param_dict)  # before the fork writes sizes into the zero block
         if settings.memory.enabled and settings.memory.adaptive_chunking:
-            from .memory_pool import memory_capacities
-            from .chunking import apply_adaptive_chunking
+            from .memory.pool import memory_capacities
+            from .memory.chunking import apply_adaptive_chunking
             state.chunk_sizes = apply_adaptive_chunking(param_dict, memory_capacities(state))
         state.link_bucket_sizes = configure_link_buckets(state, param_dict, user_zero)
-        from .zero3_settings import configure_zero3_settings
+        from .memory.zero3_settings import configure_zero3_settings
         configure_zero3_settings(state, param_dict, user_zero)  # ZeRO-3: fewer collectives per step
         return state
 
@@ -166,12 +166,12 @@ class HeterogeneousState:
         if not self.enabled:
             return
         refuse_unsupported_engine(engine_class)
-        from .emulation import start_memory_limit
+        from .emulation.emulator import start_memory_limit
         start_memory_limit(self.settings.config.emulation, self.dp_rank)  # before the engine allocates
         if model is not None:
-            from .batch import cap_startup_plan
-            from .batch import apply_rank_offload, place_engine_state
-            from .partitions import describe_shares
+            from .startup import cap_startup_plan
+            from .startup import apply_rank_offload, place_engine_state
+            from .memory.partitions import describe_shares
             self.memory_pool, self.partition_shares, offload = place_engine_state(self, ds_config, model, optimizer)
             apply_rank_offload(ds_config, offload, self.dp_rank, optimizer, self.settings.offload.nvme_path)
             if offload:
@@ -194,8 +194,8 @@ class HeterogeneousState:
         Returns False (and does nothing) when the fork is off."""
         if not self.enabled:
             return False
-        from . import comm_clock
-        from .batch import configure_heterogeneous_batch
+        from .measure import comm_clock
+        from .startup import configure_heterogeneous_batch
         comm_clock.enable()  # the runtime subtracts time in collectives from each rank's compute time
         configure_heterogeneous_batch(ds_config, self)
         return True

@@ -16,7 +16,7 @@ from deepspeed.autotuning.heterogeneous.runner import (experiment_args, extensio
 from deepspeed.autotuning.heterogeneous.space import (AutotuningConfigError, Experiment, interpolate,
                                                       optimal_ds_config, parse_settings, parse_space)
 from deepspeed.autotuning.heterogeneous.tuner import EXPLORATION, _launcher_args, choose_next
-from deepspeed.runtime.heterogeneous.planner import TimeModel
+from deepspeed.runtime.heterogeneous.planning.planner import TimeModel
 
 
 def _config(**block):
@@ -119,7 +119,7 @@ def test_heterogeneous_experiment_config_carries_the_plan_and_the_emulation():
 
 
 def test_optimal_config_trains_and_gives_back_the_users_scheduler():
-    from deepspeed.runtime.heterogeneous.config import HeterogeneousConfig
+    from deepspeed.runtime.heterogeneous.config.settings import HeterogeneousConfig
     fixed = {**_config(), "heterogeneous_config": {"enabled": True, "scheduler": {"imbalance_threshold": 0.2}}}
     dynamic = {**_config(), "heterogeneous_config": {"enabled": True, "scheduler": {"type": "compute_aware",
                                                                                     "dynamic_rebalancing": True}}}

@@ -120,7 +120,7 @@ def main():
         print(f"training finished after {args.steps} steps", flush=True)
     # Destroy the process group and leave without interpreter finalization, where gloo's worker
     # threads can abort a rank ("terminate called without an active exception") after its work.
-    from deepspeed.runtime.heterogeneous.process_exit import end_process
+    from deepspeed.runtime.heterogeneous.cli.process_exit import end_process
     end_process(0)
 
 

@@ -307,7 +307,7 @@ def test_adaptive_scaler_in_zero_stages(tmp_path):
 def _mixed_config(stage, rank_1_offloads):
     """The fork on, fp16 with the adaptive scaler, ZeRO ``stage``; rank 1's emulated memory holds its
     even shard only with its optimizer state on the host (``rank_1_offloads``), or all of it."""
-    from deepspeed.runtime.heterogeneous.devices import BYTES_PER_GB
+    from deepspeed.runtime.heterogeneous.measure.devices import BYTES_PER_GB
     from test_rank_offload import _peak
 
     # The predicted peaks (memory_peak) of rank 1 with its optimizer state offloaded and not.
@@ -323,7 +323,7 @@ def _mixed_config(stage, rank_1_offloads):
 
 def train_fp16_mixed(rank, world_size, stage, rank_1_offloads):
     import deepspeed
-    from deepspeed.runtime.heterogeneous.collective_log import recording
+    from deepspeed.runtime.heterogeneous.measure.collective_log import recording
 
     allow_fp16_on_cpu()
     model = make_model()
@@ -346,7 +346,7 @@ def train_fp16_mixed(rank, world_size, stage, rank_1_offloads):
 
 @pytest.mark.multiprocess
 def test_adaptive_scaler_with_one_rank_offloaded_keeps_one_scale_and_one_collective_sequence():
-    from deepspeed.runtime.heterogeneous.collective_log import assert_same_collectives
+    from deepspeed.runtime.heterogeneous.measure.collective_log import assert_same_collectives
 
     cases = [dict(stage=stage, rank_1_offloads=offloads) for stage in (1, 2) for offloads in (True, False)]
     results = run_subcases(train_fp16_mixed, cases, world_size=2, timeout=600)

@@ -25,7 +25,7 @@ from harness import load_patchset, run_ranks, run_subcases
 from references import adam_mse_reference
 
 from deepspeed.runtime.heterogeneous.checkpoint import check_positions_agree
-from deepspeed.runtime.heterogeneous.sampler import HeterogeneousBatchSampler, HeterogeneousDistributedSampler
+from deepspeed.runtime.heterogeneous.data.sampler import HeterogeneousBatchSampler, HeterogeneousDistributedSampler
 
 WIDTH = 8
 SAMPLES = 64  # one epoch = 8 steps of 8 samples: no wrap-around padding
@@ -164,8 +164,8 @@ def test_adaptive_scaler_is_stored_as_an_upstream_scaler_and_restored():
 
 
 def test_rebalancer_state_round_trip():
-    from deepspeed.runtime.heterogeneous.planner import TimeModel
-    from deepspeed.runtime.heterogeneous.rebalance import RebalancePolicy, Rebalancer
+    from deepspeed.runtime.heterogeneous.planning.planner import TimeModel
+    from deepspeed.runtime.heterogeneous.planning.rebalance import RebalancePolicy, Rebalancer
     saved = Rebalancer(RebalancePolicy(0.1, cooldown_checks=2))
     saved.plan_chosen([TimeModel(0.01, 0.002), TimeModel(0.02, 0.004)])
     saved.baseline = [(0.1, 0.01), (0.2, 0.02)]

@@ -8,7 +8,7 @@ import torch
 from harness import run_subcases
 from references import adam_mse_reference
 
-from deepspeed.runtime.heterogeneous.chunking import MIN_ELEMENTS, adaptive_chunk_sizes, apply_adaptive_chunking
+from deepspeed.runtime.heterogeneous.memory.chunking import MIN_ELEMENTS, adaptive_chunk_sizes, apply_adaptive_chunking
 
 GIB = 1 << 30
 

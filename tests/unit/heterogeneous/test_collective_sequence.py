@@ -15,8 +15,8 @@ fail. All cases share one 2-rank group (about 20 s on an idle machine).
 import pytest
 import torch
 
-from deepspeed.runtime.heterogeneous.collective_log import (Collective, assert_same_collectives, describe,
-                                                            first_mismatch, mismatch_report)
+from deepspeed.runtime.heterogeneous.measure.collective_log import (Collective, assert_same_collectives, describe,
+                                                                    first_mismatch, mismatch_report)
 from harness import run_subcases
 
 WIDTH, HIDDEN = 64, 256
@@ -64,7 +64,7 @@ def test_the_report_names_the_first_differing_index_and_both_entries():
 
 
 def test_a_listener_sees_each_collective_and_leaves_the_clock_as_it_was():
-    from deepspeed.runtime.heterogeneous import comm_clock, collective_log
+    from deepspeed.runtime.heterogeneous.measure import comm_clock, collective_log
 
     def collective(tensor, async_op=False):
         return tensor + 1
@@ -175,8 +175,8 @@ def _per_rank_gas(rank, entries, stage, caps=(2, 3), steps=5):
     """Emulated memory holds 2 and 3 samples: the plan accumulates a different number of
     micro-steps on each rank (ZeRO-0/1 only), the engine's loader feeding them."""
     import deepspeed
-    from deepspeed.runtime.heterogeneous.devices import BYTES_PER_GB
-    from deepspeed.runtime.heterogeneous.memory import model_state_bytes
+    from deepspeed.runtime.heterogeneous.measure.devices import BYTES_PER_GB
+    from deepspeed.runtime.heterogeneous.memory.model_state import model_state_bytes
 
     params = sum(p.numel() for p in make_model().parameters())
     per_sample = (WIDTH + HIDDEN + WIDTH + WIDTH) * 4  # saved activations (see test_memory.py)
@@ -205,7 +205,7 @@ def _fork_off(rank, entries, stage, steps=2):
     the recorder sees collectives through the listener alone, and async handles stay unwrapped."""
     import deepspeed
     from deepspeed import comm as dist
-    from deepspeed.runtime.heterogeneous import comm_clock
+    from deepspeed.runtime.heterogeneous.measure import comm_clock
 
     config = {"train_batch_size": 8, "zero_optimization": {"stage": stage}, "optimizer": ADAM}
     model = make_model()
@@ -226,7 +226,7 @@ _CASES = {"manual": _manual, "compute_aware": _compute_aware, "per_rank_gas": _p
 def record_case(rank, world_size, kind, **params):
     """This rank's collectives from ``deepspeed.initialize`` to the last step, and what the case
     reports about itself (so the parent can check the case did what it is meant to provoke)."""
-    from deepspeed.runtime.heterogeneous.collective_log import recording
+    from deepspeed.runtime.heterogeneous.measure.collective_log import recording
 
     with recording() as entries:
         info = _CASES[kind](rank, entries, **params)

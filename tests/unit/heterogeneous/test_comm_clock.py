@@ -10,7 +10,7 @@ from harness import run_ranks
 def _clock_off_then_on(rank, world_size):
     import deepspeed
     from deepspeed import comm as dist
-    from deepspeed.runtime.heterogeneous import comm_clock
+    from deepspeed.runtime.heterogeneous.measure import comm_clock
 
     def build(heterogeneous):
         model = torch.nn.Linear(4, 4)
@@ -52,12 +52,12 @@ class _Device:
         return self.synchronized
 
     def synchronize(self):
-        from deepspeed.runtime.heterogeneous import comm_clock
+        from deepspeed.runtime.heterogeneous.measure import comm_clock
         self.calls.append(comm_clock._clock.depth)
 
 
 def test_an_asynchronous_device_is_synchronised_around_collectives_only_while_micro_steps_are_timed():
-    from deepspeed.runtime.heterogeneous import comm_clock
+    from deepspeed.runtime.heterogeneous.measure import comm_clock
 
     class Handle:
         def wait(self):
@@ -92,8 +92,8 @@ def _dilated_rank_before_a_collective(rank, world_size):
     import time
 
     from deepspeed import comm as dist
-    from deepspeed.runtime.heterogeneous import comm_clock
-    from deepspeed.runtime.heterogeneous.emulation import Emulator
+    from deepspeed.runtime.heterogeneous.measure import comm_clock
+    from deepspeed.runtime.heterogeneous.emulation.emulator import Emulator
 
     comm_clock.enable()
     emulator = Emulator(1.0 if rank == 0 else 0.25, mode="dilation")

@@ -4,7 +4,7 @@ path and the allowed values, and its part in the settings every rank must agree 
 
 import pytest
 
-from deepspeed.runtime.heterogeneous.config import load_heterogeneous_settings, settings_summary
+from deepspeed.runtime.heterogeneous.config.settings import load_heterogeneous_settings, settings_summary
 
 
 def parse(communication, enabled=True):

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from deepspeed.runtime.heterogeneous.communication import communication_status, status_line
-from deepspeed.runtime.heterogeneous.config import load_heterogeneous_settings
-from deepspeed.runtime.heterogeneous.env_report import heterogeneous_report
-from deepspeed.runtime.heterogeneous.topology import Topology
+from deepspeed.runtime.heterogeneous.comm.status import communication_status, status_line
+from deepspeed.runtime.heterogeneous.config.settings import load_heterogeneous_settings
+from deepspeed.runtime.heterogeneous.cli.env_report import heterogeneous_report
+from deepspeed.runtime.heterogeneous.cluster.topology import Topology
 
 TWO_HOSTS = Topology((0, 0, 1, 1), (None, 25e6), "CROSS_RANK")  # 200 Mbit/s measured
 ZERO2 = {"zero_optimization": {"stage": 2}}

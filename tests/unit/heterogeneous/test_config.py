@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from deepspeed.runtime.heterogeneous.config import load_heterogeneous_settings, parse_bytes
+from deepspeed.runtime.heterogeneous.config.settings import load_heterogeneous_settings, parse_bytes
 
 from harness import run_subcases
 
@@ -177,8 +177,8 @@ def test_no_note_for_known_or_unrelated_keys(config):
 def test_settings_summary_and_mismatch_name_what_differs():
     """What the ranks compare at start-up (agreement.check_settings_agree): every parsed key path and
     the raw environment switches; the message names each difference and which ranks hold what."""
-    from deepspeed.runtime.heterogeneous.agreement import settings_mismatch
-    from deepspeed.runtime.heterogeneous.config import ENV_SWITCHES, settings_summary
+    from deepspeed.runtime.heterogeneous.cluster.agreement import settings_mismatch
+    from deepspeed.runtime.heterogeneous.config.settings import ENV_SWITCHES, settings_summary
 
     block = {"heterogeneous_config": {"enabled": True, "emulation": {"speeds": [1.0, 0.5, 0.5]}}}
     plain = settings_summary(parse(block), environ={})

@@ -7,10 +7,10 @@ import sys
 import pytest
 import torch
 
-from deepspeed.runtime.heterogeneous import devices
-from deepspeed.runtime.heterogeneous.devices import (ACCELERATOR_SPECS, BYTES_PER_GB, DeviceDescription,
-                                                     describe_local_device, find_spec, measure_device_score,
-                                                     normalize_scores, spec_score)
+from deepspeed.runtime.heterogeneous.measure import devices
+from deepspeed.runtime.heterogeneous.measure.devices import (ACCELERATOR_SPECS, BYTES_PER_GB, DeviceDescription,
+                                                             describe_local_device, find_spec, measure_device_score,
+                                                             normalize_scores, spec_score)
 
 
 @pytest.mark.parametrize("reported_name, expected", [
@@ -219,7 +219,7 @@ def test_rank_memory_capacity_shares_host_ram_between_cpu_ranks():
 
 
 def test_emulated_memory_bytes_per_rank():
-    from deepspeed.runtime.heterogeneous.config import EmulationConfig
+    from deepspeed.runtime.heterogeneous.config.settings import EmulationConfig
     emulation = EmulationConfig(memory_gb=[16, 0.5])
     assert [devices.emulated_memory_bytes(emulation, rank) for rank in range(3)] == [16 * BYTES_PER_GB, 2**29, None]
     assert devices.emulated_memory_bytes(EmulationConfig(speeds=[1.0]), 0) is None

@@ -7,10 +7,11 @@ import re
 
 import pytest
 
-from deepspeed.runtime.heterogeneous import devices, env_report
-from deepspeed.runtime.heterogeneous.devices import DeviceDescription, describe_local_device
-from deepspeed.runtime.heterogeneous.env_report import (communication_optimization_active, heterogeneous_report,
-                                                        main)
+from deepspeed.runtime.heterogeneous.measure import devices
+from deepspeed.runtime.heterogeneous.cli import env_report
+from deepspeed.runtime.heterogeneous.measure.devices import DeviceDescription, describe_local_device
+from deepspeed.runtime.heterogeneous.cli.env_report import (communication_optimization_active, heterogeneous_report,
+                                                            main)
 
 STATUS_PREFIXES = ("Heterogeneous Environment:", "Mixed GPU Support:", "Load Balancing Strategy:",
                    "Communication Optimization:")
@@ -187,7 +188,7 @@ def test_precision_line_is_the_runtime_choice(tmp_path, config, expected):
 def test_communication_optimization_needs_ranks_on_several_hosts():
     """From a config alone (one host here) it is Inactive; on two hosts it is Active (the parts are
     tested in test_communication_status.py)."""
-    from deepspeed.runtime.heterogeneous.topology import Topology
+    from deepspeed.runtime.heterogeneous.cluster.topology import Topology
     settings = env_report.load_heterogeneous_settings({"heterogeneous_config": {"enabled": True}})
     assert communication_optimization_active(settings) is False
     assert communication_optimization_active(settings, Topology((0, 0, 1, 1), (None, 2.5e7))) is True

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.heterogeneous import native
+from deepspeed.runtime.heterogeneous.measure import native
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # 1.0 writes nothing; 2**-16 is a typical loss scale; 0.3 is not a power of two, so products are

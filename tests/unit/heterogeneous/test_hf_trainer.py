@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""transformers.Trainer with heterogeneous_config (deepspeed/runtime/heterogeneous/hf_trainer.py).
+"""transformers.Trainer with heterogeneous_config (deepspeed/runtime/heterogeneous/integrations/hf_trainer.py).
 
 The end-to-end test runs the real Trainer under the real deepspeed launcher on two CPU ranks while
 the plan changes (on demand, and by the profiling steps of an emulated slow rank): each rank must
@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from harness import REPO_ROOT, launch_deepspeed
-from deepspeed.runtime.heterogeneous import hf_trainer
-from deepspeed.runtime.heterogeneous.plan import Plan
-from deepspeed.runtime.heterogeneous.sampler import HeterogeneousBatchSampler
+from deepspeed.runtime.heterogeneous.integrations import hf_trainer
+from deepspeed.runtime.heterogeneous.planning.plan import Plan
+from deepspeed.runtime.heterogeneous.data.sampler import HeterogeneousBatchSampler
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "hf_trainer_train.py"
 STEPS = 8

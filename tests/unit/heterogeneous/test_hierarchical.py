@@ -10,9 +10,9 @@ launcher's node rank, which the fork's topology reads) is set before ``deepspeed
 import pytest
 import torch
 
-from deepspeed.runtime.heterogeneous.hierarchical import HierarchicalReducer
-from deepspeed.runtime.heterogeneous.host_groups import (group_layout, host_ranges, pack, piece_elements_for,
-                                                         ranges_numel, reduction_decision, shard_size, unpack)
+from deepspeed.runtime.heterogeneous.comm.hierarchical import HierarchicalReducer
+from deepspeed.runtime.heterogeneous.comm.host_groups import (group_layout, host_ranges, pack, piece_elements_for,
+                                                              ranges_numel, reduction_decision, shard_size, unpack)
 
 from harness import run_subcases
 from references import adam_mse_reference
@@ -107,7 +107,7 @@ def _case_reducer_equals_flat(rank, world_size, hosts, compress=False):
     """The reducer and a flat deepspeed.comm all-reduce on the same random tensors: odd sizes
     (padding), an empty one, a non-contiguous one. Returns the largest relative difference."""
     from deepspeed import comm as dist
-    from deepspeed.runtime.heterogeneous.hierarchical import HierarchicalReducer
+    from deepspeed.runtime.heterogeneous.comm.hierarchical import HierarchicalReducer
 
     reducer = HierarchicalReducer(hosts, compress=compress)
     generator = torch.Generator().manual_seed(1234 + rank)
@@ -138,8 +138,8 @@ def _case_owners(rank, world_size, hosts, compress=False, pieces=None):
     ``all_gather_partitions`` with equal and unequal partitions. Returns the largest relative
     difference, the shared slice as this rank sees it and whether the gathers were right."""
     from deepspeed import comm as dist
-    from deepspeed.runtime.heterogeneous.hierarchical import HierarchicalReducer
-    from deepspeed.runtime.heterogeneous.host_groups import owner_members
+    from deepspeed.runtime.heterogeneous.comm.hierarchical import HierarchicalReducer
+    from deepspeed.runtime.heterogeneous.comm.host_groups import owner_members
 
     reducer = HierarchicalReducer(hosts, compress=compress, piece_elements=pieces)
     generator = torch.Generator().manual_seed(99 + rank)
@@ -184,8 +184,8 @@ def _case_zero_training(rank, world_size, stage, hosts, sizes, gas=1, setting="a
     gradients (op, group) as this rank issued them, and the rank's loss at each step."""
     import deepspeed
     from harness import patched_environ
-    from deepspeed.runtime.heterogeneous import hierarchical
-    from deepspeed.runtime.heterogeneous.collective_log import recording
+    from deepspeed.runtime.heterogeneous.comm import hierarchical
+    from deepspeed.runtime.heterogeneous.measure.collective_log import recording
 
     train_batch_size = sum(sizes) * gas
     config = {

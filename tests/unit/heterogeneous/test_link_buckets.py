@@ -7,11 +7,11 @@ import os
 
 import pytest
 
-from deepspeed.runtime.heterogeneous.link_buckets import (BUCKET_DEFAULTS, MIN_ELEMENTS, apply_link_aware_buckets,
-                                                          describe_link_buckets, keys_set_by_user,
-                                                          link_bucket_elements, link_bucket_sizes,
-                                                          link_buckets_decision)
-from deepspeed.runtime.heterogeneous.topology import Topology
+from deepspeed.runtime.heterogeneous.comm.link_buckets import (BUCKET_DEFAULTS, MIN_ELEMENTS,
+                                                               apply_link_aware_buckets, describe_link_buckets,
+                                                               keys_set_by_user, link_bucket_elements,
+                                                               link_bucket_sizes, link_buckets_decision)
+from deepspeed.runtime.heterogeneous.cluster.topology import Topology
 from harness import run_subcases
 
 GBIT = 1e9 / 8  # bytes/s of one Gbit/s

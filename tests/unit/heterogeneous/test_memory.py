@@ -5,10 +5,10 @@ forces in ZeRO-0/1 (exact against a single-process reference), and the memory er
 import pytest
 import torch
 
-from deepspeed.runtime.heterogeneous.devices import BYTES_PER_GB
-from deepspeed.runtime.heterogeneous.memory import (ActivationMeter, ActivationModel, RankCannotFitError,
-                                                    fit_activation_model, max_micro_batch, model_state_bytes,
-                                                    optimizer_state_bytes)
+from deepspeed.runtime.heterogeneous.measure.devices import BYTES_PER_GB
+from deepspeed.runtime.heterogeneous.memory.model_state import (ActivationMeter, ActivationModel, RankCannotFitError,
+                                                                fit_activation_model, max_micro_batch,
+                                                                model_state_bytes, optimizer_state_bytes)
 from harness import run_ranks, run_subcases
 from references import adam_mse_reference
 
@@ -228,7 +228,7 @@ def test_engine_model_state_bytes_is_the_one_count_of_an_engine():
     """The runtime (emulated memory, limits), the profiler and the autotuner all count an engine's
     model state through engine_model_state_inputs / engine_model_state_bytes."""
     from types import SimpleNamespace
-    from deepspeed.runtime.heterogeneous.memory import engine_model_state_bytes, engine_model_state_inputs
+    from deepspeed.runtime.heterogeneous.memory.model_state import engine_model_state_bytes, engine_model_state_inputs
 
     module = torch.nn.Linear(10, 10)  # 110 trainable parameters
     module.bias.requires_grad_(False)  # 100 count
@@ -248,7 +248,7 @@ def test_start_up_limits_before_any_activation_was_measured():
     """Until activations are measured, a rank with a known limit holds its room's proportion of the
     micro-step (at least one sample), the limits adding up to the micro-step; equal rooms give
     equal limits, whatever the datasheet speeds."""
-    from deepspeed.runtime.heterogeneous.memory import startup_memory_limits
+    from deepspeed.runtime.heterogeneous.memory.model_state import startup_memory_limits
 
     gib = BYTES_PER_GB
     # 18 samples per micro-step on 2 ranks: equal rooms, equal limits.
@@ -273,9 +273,9 @@ def test_start_up_limits_before_any_activation_was_measured():
 def test_start_up_plan_from_priors_keeps_within_memory():
     """The datasheet prior of an H100 next to a V100 (989 vs 125 TFLOP/s) is 8:1; with the same
     memory on both, the start-up limits bring it back to an equal split, the planner's own rule."""
-    from deepspeed.runtime.heterogeneous.config import load_heterogeneous_settings
-    from deepspeed.runtime.heterogeneous.batch import initial_plan
-    from deepspeed.runtime.heterogeneous.memory import startup_memory_limits
+    from deepspeed.runtime.heterogeneous.config.settings import load_heterogeneous_settings
+    from deepspeed.runtime.heterogeneous.startup import initial_plan
+    from deepspeed.runtime.heterogeneous.memory.model_state import startup_memory_limits
 
     settings = load_heterogeneous_settings({"heterogeneous_config": {"enabled": True}}, environ={})
     devices = [_device("NVIDIA H100 80GB HBM3", 989.0), _device("Tesla V100-SXM2-16GB", 125.0)]
@@ -291,7 +291,7 @@ def test_start_up_plan_from_priors_keeps_within_memory():
 
 
 def _device(name, score):
-    from deepspeed.runtime.heterogeneous.devices import DeviceDescription
+    from deepspeed.runtime.heterogeneous.measure.devices import DeviceDescription
     return DeviceDescription(rank=0, local_rank=0, host="h", name=name, memory_bytes=16 * BYTES_PER_GB, bf16=True,
                              fp16=True, accelerator="cuda", spec_score=score, score_source="spec")
 
@@ -300,7 +300,7 @@ def test_model_state_before_the_engine_exists_counts_as_the_engine_will():
     """cap_startup_plan counts the model state from the config and the model, before the engine:
     the same count engine_model_state_bytes makes of the engine afterwards."""
     from deepspeed.runtime.config import DeepSpeedConfig
-    from deepspeed.runtime.heterogeneous.memory import config_model_state_bytes
+    from deepspeed.runtime.heterogeneous.memory.model_state import config_model_state_bytes
 
     model = torch.nn.Linear(10, 10)  # 110 parameters
     base = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 4}

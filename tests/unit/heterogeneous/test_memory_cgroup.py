@@ -18,14 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepspeed.runtime.heterogeneous import cgroups
-from deepspeed.runtime.heterogeneous.cgroups import (ProcessCgroup, find_hierarchy, memory_limit, oom_kill_report,
-                                                     oom_kills, owner_pid, parse_memory_limit, placement,
-                                                     proc_cgroup_path, remove_stale_cgroups)
-from deepspeed.runtime.heterogeneous.config import EmulationConfig
-from deepspeed.runtime.heterogeneous.devices import cpu_memory_capacity
-from deepspeed.runtime.heterogeneous.emulation import (HOST_ALLOWANCE_BYTES, memory_limit_bytes,
-                                                       start_memory_limit)
+from deepspeed.runtime.heterogeneous.emulation import cgroups
+from deepspeed.runtime.heterogeneous.emulation.cgroups import (ProcessCgroup, find_hierarchy, memory_limit,
+                                                               oom_kill_report, oom_kills, owner_pid,
+                                                               parse_memory_limit, placement, proc_cgroup_path,
+                                                               remove_stale_cgroups)
+from deepspeed.runtime.heterogeneous.config.settings import EmulationConfig
+from deepspeed.runtime.heterogeneous.measure.devices import cpu_memory_capacity
+from deepspeed.runtime.heterogeneous.emulation.emulator import (HOST_ALLOWANCE_BYTES, memory_limit_bytes,
+                                                                start_memory_limit)
 from harness import REPO_ROOT, fork_environment, launch_deepspeed, run_ranks
 
 GIB = 2**30
@@ -200,7 +201,7 @@ def memory_cgroups():
 
 CHILD = textwrap.dedent("""
     import sys, time
-    from deepspeed.runtime.heterogeneous.emulation import MemoryLimitCgroup
+    from deepspeed.runtime.heterogeneous.emulation.emulator import MemoryLimitCgroup
     cgroup = MemoryLimitCgroup(int(sys.argv[1]), label="rank1")
     print("cgroup", cgroup.path, flush=True)
     data = b"x" * int(sys.argv[2])  # every page written: charged

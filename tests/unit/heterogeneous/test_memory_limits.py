@@ -43,7 +43,7 @@ def batches():
 
 def _train(rank, world_size, mode):
     import deepspeed
-    from deepspeed.runtime.heterogeneous import emulation
+    from deepspeed.runtime.heterogeneous.emulation import emulator as emulation
 
     config = {"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": LR, "torch_adam": True}},
               "zero_optimization": {"stage": 2, "reduce_bucket_size": BUCKET}}
@@ -87,7 +87,8 @@ def reference():
 
 @pytest.fixture
 def memory_cgroups():
-    from deepspeed.runtime.heterogeneous.cgroups import find_hierarchy, placement, remove_stale_cgroups_everywhere
+    from deepspeed.runtime.heterogeneous.emulation.cgroups import (find_hierarchy, placement,
+                                                                   remove_stale_cgroups_everywhere)
     hierarchy = find_hierarchy("memory")
     reason = ("not root" if os.geteuid() != 0 else "no memory controller mounted" if hierarchy is None else
               None if os.access(placement(hierarchy), os.W_OK) else f"{placement(hierarchy)} is not writable")

@@ -5,12 +5,12 @@ Expected values are written out from the allocations each phase lists (docs/memo
 
 import pytest
 
-from deepspeed.runtime.heterogeneous.memory import ActivationModel, RankCannotFitError
-from deepspeed.runtime.heterogeneous.memory_meter import CGROUP, EMULATED, PROCESS, MemoryMeter
-from deepspeed.runtime.heterogeneous.memory_peak import ZeroAllocations, predict_peak
-from deepspeed.runtime.heterogeneous.memory_pool import HeterogeneousMemoryPool
-from deepspeed.runtime.heterogeneous.memory_spec import ModelStateSpec
-from deepspeed.runtime.heterogeneous.profiling import measured_peak_limit
+from deepspeed.runtime.heterogeneous.memory.model_state import ActivationModel, RankCannotFitError
+from deepspeed.runtime.heterogeneous.memory.meter import CGROUP, EMULATED, PROCESS, MemoryMeter
+from deepspeed.runtime.heterogeneous.memory.peak import ZeroAllocations, predict_peak
+from deepspeed.runtime.heterogeneous.memory.pool import HeterogeneousMemoryPool
+from deepspeed.runtime.heterogeneous.memory.spec import ModelStateSpec
+from deepspeed.runtime.heterogeneous.planning.profiling import measured_peak_limit
 
 MiB = 2**20
 N = 1_000_000  # parameters; 4 MB in fp32

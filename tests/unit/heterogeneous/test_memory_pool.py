@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from deepspeed.runtime.heterogeneous import HeterogeneousMemoryPool, MemoryPlacementError, ModelStateSpec
-from deepspeed.runtime.heterogeneous.config import load_heterogeneous_settings
-from deepspeed.runtime.heterogeneous.devices import BYTES_PER_GB, DeviceDescription
-from deepspeed.runtime.heterogeneous.memory import model_state_bytes
-from deepspeed.runtime.heterogeneous.env_report import config_placement_lines, parse_parameter_count
-from deepspeed.runtime.heterogeneous.partitions import choose_partition_shares
+from deepspeed.runtime.heterogeneous.config.settings import load_heterogeneous_settings
+from deepspeed.runtime.heterogeneous.measure.devices import BYTES_PER_GB, DeviceDescription
+from deepspeed.runtime.heterogeneous.memory.model_state import model_state_bytes
+from deepspeed.runtime.heterogeneous.cli.env_report import config_placement_lines, parse_parameter_count
+from deepspeed.runtime.heterogeneous.memory.partitions import choose_partition_shares
 
 GIB = BYTES_PER_GB
 # 1e9 parameters, bf16 with Adam: 2 GB of parameters, 2 GB of gradients, 12 GB of optimizer state
@@ -148,7 +148,7 @@ def test_zero3_offloads_the_smallest_ratio_that_fits():
 
 
 def test_zero3_sub_groups_are_formed_as_upstream_forms_them():
-    from deepspeed.runtime.heterogeneous.memory import zero3_sub_groups
+    from deepspeed.runtime.heterogeneous.memory.model_state import zero3_sub_groups
     # World 2: partitions of 10, 3, 8 and 1 elements (odd sizes round up). A sub-group closes once
     # it holds 10 elements or at its parameter group's last parameter.
     assert zero3_sub_groups([[20, 5, 16, 1]], 2, 10) == (10 / 22, 11 / 22, 1 / 22)
@@ -160,7 +160,7 @@ def test_zero3_sub_groups_are_formed_as_upstream_forms_them():
 
 @pytest.mark.parametrize("sub_groups", range(1, 65))
 def test_zero3_offload_ratio_makes_upstream_offload_exactly_that_many_sub_groups(sub_groups):
-    from deepspeed.runtime.heterogeneous.memory_spec import zero3_offload_ratio
+    from deepspeed.runtime.heterogeneous.memory.spec import zero3_offload_ratio
     for offloaded in range(1, sub_groups + 1):
         ratio = zero3_offload_ratio(offloaded, sub_groups)
         assert 0 < ratio <= 1
@@ -192,7 +192,7 @@ def test_zero3_offloads_the_fewest_whole_sub_groups_that_fit_the_last_first():
 
 def test_the_offloaded_part_follows_upstreams_sub_group_rule():
     from types import SimpleNamespace
-    from deepspeed.runtime.heterogeneous.memory import offloaded_fraction
+    from deepspeed.runtime.heterogeneous.memory.model_state import offloaded_fraction
     from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadOptimizerConfig
 
     def zero(stage, ratio=None, device="cpu"):
@@ -297,7 +297,7 @@ def test_env_report_placement_follows_the_config_and_the_emulated_capacities():
 
 
 def test_env_report_prints_the_placement_with_model_parameters(tmp_path, monkeypatch):
-    from deepspeed.runtime.heterogeneous import env_report
+    from deepspeed.runtime.heterogeneous.cli import env_report
     config = {"train_batch_size": 8, "zero_optimization": {"stage": 1},
               "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "uniform",
                                        "emulation": {"memory_gb": [2, 1], "mode": "dilation"}},
@@ -317,7 +317,7 @@ def test_parameter_counts_read_like_model_names(text, count):
 
 
 def test_a_bad_parameter_count_exits_2_naming_it(capsys):
-    from deepspeed.runtime.heterogeneous.env_report import main
+    from deepspeed.runtime.heterogeneous.cli.env_report import main
     assert main(["--model-parameters", "seven"]) == 2
     assert "--model-parameters 'seven'" in capsys.readouterr().err
 
@@ -379,7 +379,7 @@ def test_a_client_optimizer_zero_offload_would_refuse_is_refused_on_every_rank()
     offloading rank alone, while the others go on to a collective and wait: the fork refuses it on
     every rank, whichever rank offloads."""
     from types import SimpleNamespace
-    from deepspeed.runtime.heterogeneous.batch import apply_rank_offload
+    from deepspeed.runtime.heterogeneous.startup import apply_rank_offload
 
     config = SimpleNamespace(zero_force_ds_cpu_optimizer=True)
     client = torch.optim.Adam(torch.nn.Linear(2, 2).parameters())

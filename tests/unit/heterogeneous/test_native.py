@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from deepspeed.runtime.heterogeneous import native
+from deepspeed.runtime.heterogeneous.measure import native
 
 
 def test_the_op_loads_through_the_upstream_builder():

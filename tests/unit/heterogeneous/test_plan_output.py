@@ -7,10 +7,10 @@ import types
 import pytest
 
 from deepspeed.runtime.heterogeneous import runtime as runtime_module
-from deepspeed.runtime.heterogeneous.planner import Plan
+from deepspeed.runtime.heterogeneous.planning.planner import Plan
 from deepspeed.runtime.heterogeneous.runtime import HeterogeneousRuntime
 from deepspeed.runtime.heterogeneous.state import HeterogeneousState
-from deepspeed.runtime.heterogeneous.config import load_heterogeneous_settings
+from deepspeed.runtime.heterogeneous.config.settings import load_heterogeneous_settings
 
 START = Plan((4, 4), (1, 1), 8, "compute_aware", (2.0, 4.0), time_unit="")  # priors: no unit
 PROFILED = Plan((6, 2), (1, 1), 8, "compute_aware", (3.0, 2.5))

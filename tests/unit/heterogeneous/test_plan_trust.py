@@ -10,14 +10,15 @@ import time
 import pytest
 import torch
 
-from deepspeed.runtime.heterogeneous.planner import TimeModel, plan_micro_batches
-from deepspeed.runtime.heterogeneous.profiling import (beyond_measured_ratio, plan_after_profiling_step,
-                                                       rank_errors, measured_time_models, reference_walls,
-                                                       significant_difference, trusted_plan)
-from deepspeed.runtime.heterogeneous.agreement import PlanDecisionError, decision_failure, raise_decision_failure
-from deepspeed.runtime.heterogeneous.rebalance import Rebalancer, RebalancePolicy
-from deepspeed.runtime.heterogeneous.step_statistics import MIN_SLOWDOWN, slowdown_beyond_noise
-from deepspeed.runtime.heterogeneous.time_model import relative_standard_error
+from deepspeed.runtime.heterogeneous.planning.planner import TimeModel, plan_micro_batches
+from deepspeed.runtime.heterogeneous.planning.profiling import (beyond_measured_ratio, plan_after_profiling_step,
+                                                                rank_errors, measured_time_models, reference_walls,
+                                                                significant_difference, trusted_plan)
+from deepspeed.runtime.heterogeneous.cluster.agreement import (PlanDecisionError, decision_failure,
+                                                               raise_decision_failure)
+from deepspeed.runtime.heterogeneous.planning.rebalance import Rebalancer, RebalancePolicy
+from deepspeed.runtime.heterogeneous.planning.statistics import MIN_SLOWDOWN, slowdown_beyond_noise
+from deepspeed.runtime.heterogeneous.planning.time_model import relative_standard_error
 from harness import run_subcases
 
 BATCH = 32

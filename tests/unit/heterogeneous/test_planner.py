@@ -8,10 +8,11 @@ import time
 
 import pytest
 
-from deepspeed.runtime.heterogeneous.devices import DeviceDescription
-from deepspeed.runtime.heterogeneous.planner import (Plan, TimeModel, device_score, distribute_workload,
-                                                     fit_time_model, plan_micro_batches, plausible_time_model,
-                                                     schedule_heterogeneous_tasks, time_models_from_scores)
+from deepspeed.runtime.heterogeneous.measure.devices import DeviceDescription
+from deepspeed.runtime.heterogeneous.planning.planner import (Plan, TimeModel, device_score, distribute_workload,
+                                                              fit_time_model, plan_micro_batches,
+                                                              plausible_time_model, schedule_heterogeneous_tasks,
+                                                              time_models_from_scores)
 
 
 def _slowest(models, sizes, steps=None):

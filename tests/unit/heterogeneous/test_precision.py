@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from deepspeed.runtime.heterogeneous.precision import choose_precision
+from deepspeed.runtime.heterogeneous.planning.precision import choose_precision
 from harness import run_subcases
 
 
@@ -77,7 +77,7 @@ def test_engine_trains_in_the_chosen_type():
 
 
 def test_the_choice_is_written_into_the_config_before_upstream_parses_it():
-    from deepspeed.runtime.heterogeneous.precision import choose_precision_for_config
+    from deepspeed.runtime.heterogeneous.planning.precision import choose_precision_for_config
 
     user = {"fp16": {"enabled": False, "initial_scale_power": 12}, "bfloat16": {"enabled": True}}
     param_dict = dict(user)

@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from deepspeed.runtime.heterogeneous.collective_log import assert_same_collectives
+from deepspeed.runtime.heterogeneous.measure.collective_log import assert_same_collectives
 from harness import run_subcases, run_ranks
 
 SIZES = [5, 3]
@@ -28,7 +28,7 @@ def _peak(model, stage, offloaded, bf16=False, torch_adam=True, share=0.5, conti
     tests' configs: upstream's default buckets (the model is smaller than any), ``overlap_comm`` as
     upstream resolves it, an emulated device apart from the host (accounting: ``mode: dilation``).
     The capacities below are built from it: what the pool must decide is the subject, not the bytes."""
-    from deepspeed.runtime.heterogeneous.memory_peak import ZeroAllocations, predict_peak
+    from deepspeed.runtime.heterogeneous.memory.peak import ZeroAllocations, predict_peak
     numels = [p.numel() for p in model.parameters()]
     allocations = ZeroAllocations(num_parameters=sum(numels), largest_parameter=max(numels), zero_stage=stage,
                                   world=2, param_bytes=2 if bf16 else 4, master_bytes=4 if bf16 else 0,
@@ -41,7 +41,7 @@ def _peak(model, stage, offloaded, bf16=False, torch_adam=True, share=0.5, conti
 def _memory_gb(stage, bf16, zero=None):
     """Rank 0 with plenty of room; rank 1 with room for its shard only once its optimizer state
     (and the fp32 master copy under bf16) is on the host (``zero``: the case's settings)."""
-    from deepspeed.runtime.heterogeneous.devices import BYTES_PER_GB
+    from deepspeed.runtime.heterogeneous.measure.devices import BYTES_PER_GB
     from test_exactness import make_model
 
     contiguous = (zero or {}).get("contiguous_gradients", True)
@@ -65,7 +65,7 @@ def _config(stage, gas, clipping, bf16=False, reverse=False, zero=None):
 
 def _train(rank, world_size, stage, gas, clipping, bf16=False, zero=None):
     import deepspeed
-    from deepspeed.runtime.heterogeneous.collective_log import recording
+    from deepspeed.runtime.heterogeneous.measure.collective_log import recording
     from test_exactness import make_model, train_slices
 
     config = _config(stage, gas, clipping, bf16, zero=zero)
@@ -128,7 +128,7 @@ def _zero3_memory_gb(wanted):
     the device (3% wanted, more than the last sub-group's 1.5%: the last two go, 49%). The 10% the
     threshold keeps back holds the ~3.6 KiB the runtime counts for rank 1's activations (the saved
     tensors and the largest one's gradient in flight), as it would a user's."""
-    from deepspeed.runtime.heterogeneous.devices import BYTES_PER_GB
+    from deepspeed.runtime.heterogeneous.measure.devices import BYTES_PER_GB
     from test_exactness import make_model
 
     return [1.0, _peak(make_model(), 3, wanted, torch_adam=False) / ZERO3_THRESHOLD / BYTES_PER_GB]
@@ -141,7 +141,7 @@ def _train_zero3(rank, world_size, optimizer, gas, clipping):
     partial offload cannot drive, so rank 1 offloads all of them."""
     import deepspeed
     from deepspeed.ops.adam import DeepSpeedCPUAdam
-    from deepspeed.runtime.heterogeneous.collective_log import recording
+    from deepspeed.runtime.heterogeneous.measure.collective_log import recording
     from test_exactness import LR, ds_config, make_model, train_slices
 
     config = ds_config(3, gas, SIZES, clipping)
@@ -293,8 +293,8 @@ def _train_zero3_nvme(rank, world_size, nvme_path):
     (``cpu_memory_limit``) too small to take it: all of rank 1's optimizer state goes to NVMe."""
     import deepspeed
     from deepspeed.ops.adam import DeepSpeedCPUAdam
-    from deepspeed.runtime.heterogeneous.collective_log import recording
-    from deepspeed.runtime.heterogeneous.devices import BYTES_PER_GB
+    from deepspeed.runtime.heterogeneous.measure.collective_log import recording
+    from deepspeed.runtime.heterogeneous.measure.devices import BYTES_PER_GB
     from test_exactness import LR, ds_config, train_slices
 
     model = _wide_model()

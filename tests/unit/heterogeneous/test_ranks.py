@@ -96,7 +96,7 @@ def _own_device(rank, memory_gib, heterogeneous, train_batch_size=18):
 def _settings(rank, env, heterogeneous, config_block=True):
     """Parse a config with this rank's own environment (``env[rank]``); the error, if any."""
     from deepspeed.runtime import config as ds_config
-    from deepspeed.runtime.heterogeneous import agreement
+    from deepspeed.runtime.heterogeneous.cluster import agreement
 
     agreement.SETTINGS_TIMEOUT_S = 4  # a rank without the fork never reports; do not wait for long
     config = {"train_batch_size": 8}
@@ -151,7 +151,7 @@ def _mesh_loader(rank):
 
 
 def _case(rank, world_size, kind, **kwargs):
-    from deepspeed.runtime.heterogeneous import agreement
+    from deepspeed.runtime.heterogeneous.cluster import agreement
 
     # Each case starts from a round of settings checks of its own, the same on both ranks, whatever
     # an earlier case that enabled the fork on one rank only left behind (a real job ends there).

@@ -7,10 +7,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from deepspeed.runtime.heterogeneous.planner import TimeModel, plan_micro_batches
-from deepspeed.runtime.heterogeneous.profiling import measured_time_models, spread_profiling_sizes, wanted_spread
-from deepspeed.runtime.heterogeneous.rebalance import Rebalancer, RebalancePolicy
-from deepspeed.runtime.heterogeneous.step_statistics import interval_noise, interval_statistics
+from deepspeed.runtime.heterogeneous.planning.planner import TimeModel, plan_micro_batches
+from deepspeed.runtime.heterogeneous.planning.profiling import (measured_time_models, spread_profiling_sizes,
+                                                                wanted_spread)
+from deepspeed.runtime.heterogeneous.planning.rebalance import Rebalancer, RebalancePolicy
+from deepspeed.runtime.heterogeneous.planning.statistics import interval_noise, interval_statistics
 from harness import run_ranks, run_subcases
 from references import adam_mse_reference
 
@@ -139,7 +140,7 @@ def test_monitoring_synchronises_the_device_once_per_step(monkeypatch):
     """Issue 11: dynamic rebalancing synchronised the device 2-3 times per micro-step. Its
     monitoring now times whole steps (one synchronisation at the step's end); profiling keeps
     the per-micro-step path. Every micro-step gets its share of the step, optimizer included."""
-    from deepspeed.runtime.heterogeneous import timing
+    from deepspeed.runtime.heterogeneous.measure import timing
 
     synchronisations = []
     accelerator = SimpleNamespace(synchronize=lambda: synchronisations.append(1))

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from deepspeed.runtime.heterogeneous.sampler import HeterogeneousBatchSampler, HeterogeneousDistributedSampler
+from deepspeed.runtime.heterogeneous.data.sampler import HeterogeneousBatchSampler, HeterogeneousDistributedSampler
 
 ALLOCATIONS = [[5, 3], [7, 1], [1, 1], [3, 2, 1]]
 

@@ -1,14 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """Which ranks share a host and the measured links between host leaders
-(``deepspeed/runtime/heterogeneous/topology.py``): the pure rules, and a run on this machine whose
+(``deepspeed/runtime/heterogeneous/cluster/topology.py``): the pure rules, and a run on this machine whose
 ranks play different hosts by their ``CROSS_RANK`` (the real multi-host run is test_multihost.py)."""
 
 import os
 
 import pytest
 
-from deepspeed.runtime.heterogeneous.topology import (Topology, bandwidth_from_round_trips, host_key,
-                                                      topology_from_keys, topology_note)
+from deepspeed.runtime.heterogeneous.cluster.topology import (Topology, bandwidth_from_round_trips, host_key,
+                                                              topology_from_keys, topology_note)
 from harness import run_subcases
 
 

@@ -81,7 +81,7 @@ def _train(engine, loader, steps, index_dtype=torch.int64):
 def distributed_sampler_loader(rank, world_size):
     """The usual DeepSpeed recipe (equal batches from a DistributedSampler): refused at the first
     forward after the plan changed, on every rank, with a message that says how to fix it."""
-    from deepspeed.runtime.heterogeneous.fed_batch import FedBatchMismatchError
+    from deepspeed.runtime.heterogeneous.data.fed_batch import FedBatchMismatchError
     engine = _engine(profile_steps=0)  # the plan changes only on demand, at step RESCHEDULE_AT
     data = dataset()
     sampler = torch.utils.data.DistributedSampler(data, num_replicas=world_size, rank=rank, seed=0)
@@ -96,7 +96,7 @@ def distributed_sampler_loader(rank, world_size):
 def own_loader(rank, world_size, workers):
     """A user-built DataLoader on engine.heterogeneous_sampler (workers=None), or the engine's own
     loader through deepspeed_io with worker processes and a collate_fn of the user's."""
-    from deepspeed.runtime.heterogeneous.sampler import HeterogeneousDistributedSampler
+    from deepspeed.runtime.heterogeneous.data.sampler import HeterogeneousDistributedSampler
     engine = _engine()
     data = dataset()
     if workers is None:

@@ -9,9 +9,9 @@ import torch
 from harness import run_subcases
 from references import adam_mse_reference
 
-from deepspeed.runtime.heterogeneous.zero3_settings import (FORK_PERSISTENCE_THRESHOLD, PERSISTENCE_KEY,
-                                                            UPSTREAM_DEFAULTS, apply_zero3_settings,
-                                                            describe_zero3_settings, zero3_settings)
+from deepspeed.runtime.heterogeneous.memory.zero3_settings import (FORK_PERSISTENCE_THRESHOLD, PERSISTENCE_KEY,
+                                                                   UPSTREAM_DEFAULTS, apply_zero3_settings,
+                                                                   describe_zero3_settings, zero3_settings)
 
 # -- the pure part --------------------------------------------------------------------------------
 
@@ -90,7 +90,7 @@ def batches():
 
 def zero3_run(rank, world_size, fork, zero_extra):
     import deepspeed
-    from deepspeed.runtime.heterogeneous.collective_log import recording
+    from deepspeed.runtime.heterogeneous.measure.collective_log import recording
     config = {"train_batch_size": 16, "gradient_clipping": 0.0,
               "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "weight_decay": 0.0, "torch_adam": True}},
               "zero_optimization": {"stage": 3, **zero_extra},

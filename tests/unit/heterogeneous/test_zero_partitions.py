@@ -10,9 +10,10 @@ optimizer state is its share, and a checkpoint loads back onto its own layout bu
 import pytest
 import torch
 
-from deepspeed.runtime.heterogeneous.partitions import (PartitionLayoutError, ZeroPartitionLayout, check_shares,
-                                                        check_checkpoint_layout, choose_partition_shares, even_bounds,
-                                                        layout_digest, partition_bounds, zero_partition_layout)
+from deepspeed.runtime.heterogeneous.memory.partitions import (PartitionLayoutError, ZeroPartitionLayout,
+                                                               check_shares, check_checkpoint_layout,
+                                                               choose_partition_shares, even_bounds, layout_digest,
+                                                               partition_bounds, zero_partition_layout)
 
 
 def _check_invariants(bounds, total, payload, alignment):
@@ -286,7 +287,7 @@ def test_four_ranks_with_shares_half_to_a_twentieth_train_exactly():
 
 
 def test_the_config_checks_shares_early_and_says_when_they_are_ignored():
-    from deepspeed.runtime.heterogeneous.config import load_heterogeneous_settings
+    from deepspeed.runtime.heterogeneous.config.settings import load_heterogeneous_settings
     base = {"train_batch_size": 8, "heterogeneous_config": {"enabled": True}}
     with pytest.raises(ValueError, match=r"zero_partitions: \[0.7, 0.2\] sums to 0.9"):
         load_heterogeneous_settings({**base, "heterogeneous_memory": {"zero_partitions": [0.7, 0.2]}}, world_size=2)

@@ -16,7 +16,7 @@ def rank_main(rank, port, queue):
                       MASTER_PORT=str(port))
     import deepspeed
     from deepspeed import comm as dist
-    from deepspeed.runtime.heterogeneous.hierarchical import HierarchicalReducer
+    from deepspeed.runtime.heterogeneous.comm.hierarchical import HierarchicalReducer
     deepspeed.init_distributed(dist_backend="gloo")
     reducer = HierarchicalReducer(HOSTS)
     grads = torch.arange(11, dtype=torch.float32) * (rank + 1) + rank  # 11: not a multiple of 2, padded

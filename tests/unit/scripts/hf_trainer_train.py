@@ -89,7 +89,7 @@ def ds_config(stage, change):
 
 def train(case, out, steps, stage):
     from transformers import TrainerCallback, TrainingArguments
-    from deepspeed.runtime.heterogeneous.hf_trainer import HeterogeneousTrainer
+    from deepspeed.runtime.heterogeneous.integrations.hf_trainer import HeterogeneousTrainer
 
     loss_kind, gas, change = case.split(":")
     gas = int(gas)

@@ -102,7 +102,7 @@ def main():
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    from deepspeed.runtime.heterogeneous.cgroups import memory_limit
+    from deepspeed.runtime.heterogeneous.emulation.cgroups import memory_limit
     result = {"env": {name: os.environ.get(name) for name in ("RANK", "LOCAL_RANK", "CROSS_RANK", "CROSS_SIZE",
                                                                "LOCAL_SIZE", "GLOO_SOCKET_IFNAME",
                                                                "DS_ADAPTIVE_SCHEDULING")},

@@ -13,16 +13,16 @@ finds them.
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
-from . import emulation
-from .agreement import Agreement
-from .communication import status_line
-from .link_buckets import apply_link_aware_buckets
-from .memory import config_model_state_bytes, startup_memory_limits
-from .memory_meter import EMULATED, MemoryMeter
-from .memory_placement import engine_placement, offloads_per_rank, refuse_unfit_peaks
-from .memory_pool import HeterogeneousMemoryPool, ModelStateSpec, memory_capacities
-from .partitions import check_shares
-from .planner import Plan, plan_micro_batches, time_models_from_scores
+from .emulation import emulator as emulation
+from .cluster.agreement import Agreement
+from .comm.status import status_line
+from .comm.link_buckets import apply_link_aware_buckets
+from .memory.model_state import config_model_state_bytes, startup_memory_limits
+from .memory.meter import EMULATED, MemoryMeter
+from .memory.placement import engine_placement, offloads_per_rank, refuse_unfit_peaks
+from .memory.pool import HeterogeneousMemoryPool, ModelStateSpec, memory_capacities
+from .memory.partitions import check_shares
+from .planning.planner import Plan, plan_micro_batches, time_models_from_scores
 
 
 def _emulated_memory(settings):

@@ -31,9 +31,9 @@ import time
 
 from deepspeed.utils import logger
 
-from . import comm_clock
-from .cgroups import (GIB, HOST_ALLOWANCE_BYTES, ProcessCgroup, describe_memory_limit,  # noqa: F401 (public here too)
-                      find_hierarchy, memory_limit_bytes)
+from ..measure import comm_clock
+from .cgroups import (GIB, HOST_ALLOWANCE_BYTES, ProcessCgroup, describe_memory_limit, find_hierarchy,
+                      memory_limit_bytes)
 
 
 def _own_mark():

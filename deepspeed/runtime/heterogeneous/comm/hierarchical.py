@@ -40,8 +40,8 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
-from .host_groups import (group_layout, host_ranges, pack, piece, piece_elements_for, ranges_numel, reduction_decision,
-                          scatter_into, shard_size, unpack)
+from .host_groups import (group_layout, host_ranges, pack, piece, piece_elements_for, ranges_numel,
+                          reduction_decision, scatter_into, shard_size, unpack)
 
 
 COMPRESSION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

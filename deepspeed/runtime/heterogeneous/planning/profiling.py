@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from .memory import RankCannotFitError, fit_activation_model, max_micro_batch
+from ..memory.model_state import RankCannotFitError, fit_activation_model, max_micro_batch
 from .planner import Plan, TimeModel, fit_time_model, plan_micro_batches, plausible_time_model
 from .time_model import least_squares_line, relative_standard_error
 

@@ -52,7 +52,7 @@ def check_fed_batch(fed, planned, dp_rank, plan_sizes):
         f"engine's loader (deepspeed.initialize(training_data=...)), or build your DataLoader with "
         f"batch_sampler=engine.heterogeneous_sampler(dataset) (or pass your HeterogeneousBatchSampler to "
         f"engine.register_heterogeneous_sampler) so that it follows the plan and its changes (Hugging Face "
-        f"Trainer: use deepspeed.runtime.heterogeneous.hf_trainer.HeterogeneousTrainer); drop a short "
+        f"Trainer: use deepspeed.runtime.heterogeneous.integrations.hf_trainer.HeterogeneousTrainer); drop a short "
         f"last batch (drop_last=True). The size is read from dim 0 of the first tensor passed to forward; "
         f"for inputs that are not batch-first set heterogeneous_config.check_fed_batch to false.")
 

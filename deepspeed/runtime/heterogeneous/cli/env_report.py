@@ -22,14 +22,14 @@ import deepspeed
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.precision_config import get_bfloat16_config, get_float16_config
 
-from .communication import communication_status
-from .config import load_heterogeneous_settings
-from .device_benchmark import measured_score
-from .devices import BYTES_PER_GB, describe_local_device, emulated_memory_bytes, local_device_count
-from .memory_placement import engine_placement
-from .memory_pool import HeterogeneousMemoryPool, ModelStateSpec, known_speeds
-from .native import native_op_status
-from .precision import choose_precision_for_config
+from ..comm.status import communication_status
+from ..config.settings import load_heterogeneous_settings
+from ..measure.device_benchmark import measured_score
+from ..measure.devices import BYTES_PER_GB, describe_local_device, emulated_memory_bytes, local_device_count
+from ..memory.placement import engine_placement
+from ..memory.pool import HeterogeneousMemoryPool, ModelStateSpec, known_speeds
+from ..measure.native import native_op_status
+from ..planning.precision import choose_precision_for_config
 
 try:
     # DeepSpeed itself reads ds_config files with hjson, which also accepts comments.

@@ -238,7 +238,7 @@ def discover_topology(dp_rank, world_size, probe_bytes=PROBE_BYTES, repeats=PROB
 def _probe_device():
     from deepspeed.accelerator import get_accelerator
 
-    from .devices import local_device_index
+    from ..measure.devices import local_device_index
     accelerator = get_accelerator()
     return accelerator.device_name(local_device_index()) if accelerator.device_name() != "cpu" else "cpu"
 

@@ -23,9 +23,9 @@ from pydantic import ValidationError
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 
-from .config_blocks import (STRATEGIES, CommunicationConfig, EmulationConfig, HeterogeneousConfig,  # noqa: F401 (re-exported)
-                            HeterogeneousMemoryConfig, HeterogeneousOffloadConfig, SchedulerConfig, SpeedChange,
-                            Strategy, parse_bytes)
+from .blocks import (STRATEGIES, CommunicationConfig, EmulationConfig, HeterogeneousConfig,
+                     HeterogeneousMemoryConfig, HeterogeneousOffloadConfig, SchedulerConfig, SpeedChange, Strategy,
+                     parse_bytes)
 
 HETEROGENEOUS_CONFIG = "heterogeneous_config"
 HETEROGENEOUS_MEMORY = "heterogeneous_memory"

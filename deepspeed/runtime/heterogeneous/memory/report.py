@@ -6,7 +6,7 @@ plain data (``to_dict()``); per node, what is offloaded to the host against its 
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .devices import BYTES_PER_GB
+from ..measure.devices import BYTES_PER_GB
 
 DEVICE = "device"
 

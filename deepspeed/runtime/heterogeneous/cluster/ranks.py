@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from deepspeed import comm as dist
 
-from .devices import DeviceDescription, describe_local_device, emulated_memory_bytes, local_device_index
+from ..measure.devices import DeviceDescription, describe_local_device, emulated_memory_bytes, local_device_index
 
 
 def data_parallel_rank(mpu=None, mesh_device=None, world_size=None, sequence_parallel_size=None):

@@ -7,7 +7,7 @@ import signal
 import socket
 import sys
 
-from .config import ENV_ADAPTIVE_SCHEDULING, ENV_ENABLE, env_flag, load_heterogeneous_settings
+from ..config.settings import ENV_ADAPTIVE_SCHEDULING, ENV_ENABLE, env_flag, load_heterogeneous_settings
 
 # Forwarded to every rank, also on remote nodes (pdsh, mpi, ...): the ranks read them at
 # deepspeed.initialize, so a variable set only on the launching host would split the cluster

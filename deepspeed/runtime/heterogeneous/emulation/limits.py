@@ -12,7 +12,7 @@ optimizer state) and the kernel kills it beyond the limit. Nothing here runs whe
 
 from deepspeed.utils import logger
 
-from .emulation import scheduled_speed, start_emulation, start_memory_limit
+from .emulator import scheduled_speed, start_emulation, start_memory_limit
 
 
 class EmulatedOutOfMemoryError(RuntimeError):

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from .planner import Plan, TimeModel, fit_time_model
-from .step_statistics import MIN_STEPS_TO_JUDGE, interval_noise, interval_statistics, median, slowdown_beyond_noise
+from .statistics import MIN_STEPS_TO_JUDGE, interval_noise, interval_statistics, median, slowdown_beyond_noise
 
 CONSECUTIVE = 2
 """Checks in a row whose predicted gain must exceed the threshold."""

@@ -20,10 +20,9 @@ import heapq
 import math
 
 from .allocation import compute_aware_plan, manual_plan, memory_caps, uniform_plan
-from .devices import DeviceDescription, find_spec, normalize_scores, spec_score
+from ..measure.devices import DeviceDescription, find_spec, normalize_scores, spec_score
 from .plan import Plan, positive_int
-from .time_model import (FIXED_SHARE_LIMIT, TimeModel, fit_time_model, plausible_time_model,
-                         time_models_from_scores)
+from .time_model import FIXED_SHARE_LIMIT, TimeModel, fit_time_model, plausible_time_model, time_models_from_scores
 
 # The strategies this module plans by; the config's Literal lists the same (tests/unit/heterogeneous/test_layout.py).
 STRATEGIES = ("uniform", "compute_aware", "manual")

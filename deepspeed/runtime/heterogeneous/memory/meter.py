@@ -106,7 +106,7 @@ def limited_memory_cgroup():
     """This process's memory cgroup directory when the process runs under a memory limit (the
     fork's emulation cgroup, or a limit set from outside on it or an ancestor), else None."""
     try:
-        from .cgroup_files import find_hierarchy, memory_limit, owner_pid
+        from ..measure.cgroup_files import find_hierarchy, memory_limit, owner_pid
         hierarchy = find_hierarchy("memory")
         if hierarchy is None:
             return None

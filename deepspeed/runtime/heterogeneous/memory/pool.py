@@ -49,12 +49,12 @@ import math
 from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
-from .config import HeterogeneousMemoryConfig, parse_bytes
-from .devices import DeviceDescription
-from .memory import RankCannotFitError
-from .memory_pool_report import DEVICE, MemoryReport
-from .memory_pool_report import format_size as _size
-from .memory_spec import ModelStateSpec, offloaded_sub_groups, zero3_offload_fraction
+from ..config.settings import HeterogeneousMemoryConfig, parse_bytes
+from ..measure.devices import DeviceDescription
+from .model_state import RankCannotFitError
+from .report import DEVICE, MemoryReport
+from .report import format_size as _size
+from .spec import ModelStateSpec, offloaded_sub_groups, zero3_offload_fraction
 from .partitions import check_shares, choose_partition_shares, is_even
 
 DEFAULT_UTILIZATION = HeterogeneousMemoryConfig.model_fields["hbm_utilization_threshold"].default

@@ -9,8 +9,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
-from .memory import model_state_inputs, model_state_bytes, model_state_parts, model_sub_groups
-from .memory_peak import ZeroAllocations, predict_peak
+from .model_state import model_state_inputs, model_state_bytes, model_state_parts, model_sub_groups
+from .peak import ZeroAllocations, predict_peak
 
 
 @dataclass(frozen=True)
@@ -220,7 +220,7 @@ def zero3_offload_ratio(sub_groups_offloaded, sub_groups):
 
 
 def _optimizer_bytes(name):
-    from .memory import optimizer_state_bytes
+    from .model_state import optimizer_state_bytes
     return optimizer_state_bytes(str(name))
 
 

@@ -23,8 +23,9 @@ import atexit
 import os
 from pathlib import Path
 
-from .cgroup_files import (CGROUP_FS, PREFIX, UNLIMITED_V1, Hierarchy, cgroup_name, find_hierarchy,  # noqa: F401
-                           memory_limit, memory_limit_file, owner_pid, parse_memory_limit, placement, proc_cgroup_path)
+from ..measure.cgroup_files import (CGROUP_FS, PREFIX, UNLIMITED_V1, Hierarchy, cgroup_name, find_hierarchy,
+                                    memory_limit, memory_limit_file, owner_pid, parse_memory_limit, placement,
+                                    proc_cgroup_path)
 
 
 def _alive(pid):

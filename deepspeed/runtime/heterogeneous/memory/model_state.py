@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from .devices import BYTES_PER_GB
+from ..measure.devices import BYTES_PER_GB
 
 # Optimizer state bytes per parameter, by optimizer class name (lower case). Unknown optimizers
 # are assumed to keep two fp32 states, like Adam: over-estimating memory costs throughput,

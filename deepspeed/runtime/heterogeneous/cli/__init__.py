@@ -1,0 +1,7 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Command-line entry points: ``deepspeed env_report --heterogeneous`` (``env_report``), the
+launcher's checks and signal forwarding (``launcher``), and process exit after an error
+(``process_exit``).
+
+May import every subpackage below it.
+"""
