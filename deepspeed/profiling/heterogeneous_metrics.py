@@ -36,7 +36,7 @@ Definitions (sums run over the profiled steps; ``N`` data-parallel ranks):
 
 import math
 
-from deepspeed.runtime.heterogeneous.agreement import merge_replicas as merge_model_parallel_peers
+from deepspeed.runtime.heterogeneous.cluster.agreement import merge_replicas as merge_model_parallel_peers
 
 __all__ = ["HEALTH_TARGETS", "METRICS_VERSION", "compute_metrics", "health_status", "memory_balance",
            "merge_replicas", "split_collective_time"]

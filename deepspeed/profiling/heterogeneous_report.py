@@ -71,7 +71,7 @@ def format_metrics(metrics):
     if metrics.get("topology"):
         lines.append(f"topology: {metrics['topology']['describe']}")
     if metrics.get("plan") is not None:
-        from deepspeed.runtime.heterogeneous.planner import Plan
+        from deepspeed.runtime.heterogeneous.planning.planner import Plan
         names = [r["device"] for r in metrics["ranks"]]
         lines += ["plan in force:", Plan.from_dict(metrics["plan"]).format_table(names)]
     events = metrics["rebalance_events"]

@@ -18,8 +18,8 @@ candidates within a stage by prediction and lets real experiments rank the stage
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-from deepspeed.runtime.heterogeneous.memory import model_state_bytes
-from deepspeed.runtime.heterogeneous.planner import TimeModel, plan_micro_batches
+from deepspeed.runtime.heterogeneous.memory.model_state import model_state_bytes
+from deepspeed.runtime.heterogeneous.planning.planner import TimeModel, plan_micro_batches
 
 SPEED_SPREAD_HETEROGENEOUS = 0.25
 """Ranks whose per-sample times differ by more than this are treated as different devices."""

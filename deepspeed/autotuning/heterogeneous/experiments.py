@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.heterogeneous.devices import cgroup_memory_limit, rank_memory_capacity
+from deepspeed.runtime.heterogeneous.measure.devices import cgroup_memory_limit, rank_memory_capacity
 
 
 @dataclass
@@ -70,7 +70,7 @@ def _rank_profile(engine):
     runtime = engine._heterogeneous_runtime() if hasattr(engine, "_heterogeneous_runtime") else None
     if runtime is None or not runtime.history or runtime.settings.load_balancing_strategy != "compute_aware":
         return None
-    from deepspeed.runtime.heterogeneous.memory import engine_model_state_inputs, fit_activation_model
+    from deepspeed.runtime.heterogeneous.memory.model_state import engine_model_state_inputs, fit_activation_model
     rank = runtime.rank
     measured = [(m, b) for step in runtime.history for m, _, b in step[rank]["samples"] if b is not None]
     activations = fit_activation_model(measured) if measured else None
@@ -154,5 +154,5 @@ def _finish(engine, marks):
         print(f"Autotuning: wrote metrics of {len(intervals)} steps to {os.path.abspath(path)}", flush=True)
     dist.barrier()
     # Not sys.exit: interpreter finalization can abort a gloo rank after the metrics were written.
-    from deepspeed.runtime.heterogeneous.process_exit import end_process
+    from deepspeed.runtime.heterogeneous.cli.process_exit import end_process
     end_process(0)

@@ -107,7 +107,7 @@ class HeterogeneousAutotuner(TuningSearch, TuningOutputs):
         """The fork's blocks as every experiment's ranks will read them (per-rank lists such as
         emulation speeds against the ranks this command starts), before anything is launched. The
         plan itself (strategy, micro_batch_sizes) is each experiment's own."""
-        from deepspeed.runtime.heterogeneous.config import load_heterogeneous_settings
+        from deepspeed.runtime.heterogeneous.config.settings import load_heterogeneous_settings
         config = copy.deepcopy(self.user_config)  # the loader moves a top-level "scheduler" alias
         block = config.get("heterogeneous_config")
         if isinstance(block, dict):

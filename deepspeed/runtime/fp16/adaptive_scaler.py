@@ -238,7 +238,7 @@ def zero_partition_gradients(optimizer):
 def overflow_and_max_abs(grads):
     """This rank's ``[non-finite flag, max |g|]`` over ``grads`` as a float32 tensor on the device,
     ready for one MAX all-reduce. One fused pass when the native op is loaded."""
-    from deepspeed.runtime.heterogeneous.native import unscale_maxabs_
+    from deepspeed.runtime.heterogeneous.measure.native import unscale_maxabs_
     max_abs, nonfinite = unscale_maxabs_([g for g in grads if g is not None and g.numel()], 1.0)
     return torch.tensor([1.0 if nonfinite else 0.0, max_abs], dtype=torch.float32,
                         device=get_accelerator().current_device_name())
