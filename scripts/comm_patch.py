@@ -1,7 +1,7 @@
 """patches/heterogeneous_comm_optimization.patch: the communication feature as one git-apply patch.
 
-The seed shipped its communication work as ``heterogeneous_comm_optimization.patch``, applied to
-a pristine DeepSpeed with ``git apply`` and built with ``python setup.py build_ext --inplace``.
+Users are promised the communication work as ``heterogeneous_comm_optimization.patch``, applied
+to a pristine DeepSpeed with ``git apply`` and built with ``python setup.py build_ext --inplace``.
 This module produces that file from the series (``make dist``) and verifies it (``make check``).
 
 What "exactly the communication feature" means. The feature (hierarchical gradient reduction,
@@ -40,8 +40,8 @@ BASE_PATCHES = ("config-heterogeneous-blocks.patch", "env-report-heterogeneous.p
 
 
 def patches_needed(metas, seeds=(FEATURE_PATCH, ) + BASE_PATCHES):
-    """The series patches (in series order) the feature needs: the seeds and, transitively, every
-    earlier patch that changes a file an included patch changes."""
+    """The series patches (in series order) the feature needs: ``seeds`` (the patches it starts
+    from) and, transitively, every earlier patch that changes a file an included patch changes."""
     names = list(metas)
     missing = [name for name in seeds if name not in metas]
     if missing:

@@ -71,8 +71,8 @@ stage accelerator_tests 300 "$python" -m pytest -q -rs --timeout=240 \
   tests/unit/heterogeneous/test_fused_unscale.py tests/unit/heterogeneous/test_native.py \
   tests/unit/heterogeneous/test_devices.py tests/unit/heterogeneous/test_adaptive_scaler.py
 
-# Issue 14 item 7: on an asynchronous device a collective returns once enqueued, so the fork
-# synchronises the device around collectives while micro-steps are timed. One rank (one GPU):
+# On an asynchronous device a collective returns once enqueued, so the fork synchronises
+# the device around collectives while micro-steps are timed. One rank (one GPU):
 # compute queued before a collective must be counted outside the collective clock, and the
 # collective's own time inside it.
 stage comm_clock_sync 120 env MASTER_ADDR=127.0.0.1 MASTER_PORT=29517 RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 \
@@ -110,7 +110,7 @@ comm_clock.synchronize_collectives(False)
 assert inside < 0.2 * total and total - inside >= 0.8 * alone, (alone, total, inside)
 EOF
 
-# Issue 13: ZeRO-3 twin-flow (offload_optimizer.ratio 0.5 over four sub-groups) resumes exactly:
+# ZeRO-3 twin-flow (offload_optimizer.ratio 0.5 over four sub-groups) resumes exactly:
 # on a GPU the first two sub-groups stay on the device and backup_optimizer (torch's AdamW) steps
 # them; zero3-twin-flow-checkpoint.patch keeps their moments in the checkpoint. One rank.
 stage twin_flow_resume 300 env MASTER_ADDR=127.0.0.1 MASTER_PORT=29518 RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 \
@@ -153,7 +153,7 @@ print("resumed vs uninterrupted, largest difference:", diff)
 assert diff <= 1e-6, diff
 EOF
 
-# Issue 22: the memory model's predicted peak against what the caching allocator reserved
+# The memory model's predicted peak against what the caching allocator reserved
 # (max_memory_reserved), ZeRO-2 and ZeRO-3 on one GPU, a 28M-parameter MLP, fp32 Adam. Prints
 # the ratio per stage; fails when the device peak is more than 10% above the prediction.
 stage memory_peak 300 env MASTER_ADDR=127.0.0.1 MASTER_PORT=29519 RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 \

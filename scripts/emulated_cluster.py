@@ -20,7 +20,7 @@ fork across hosts without a second machine. Each host gets:
   (placed as ``deepspeed/runtime/heterogeneous/emulation/cgroups.py`` places a rank's), which the host's
   launcher joins before it enters the namespace, so every process of the host (launcher, ranks,
   loader workers) shares one quota, as on a real machine. Its name carries no decimal pid, so
-  ``cgroups.memory_limit`` counts it as a limit from outside (a rank plans within its host's
+  ``cgroup_files.memory_limit`` counts it as a limit from outside (a rank plans within its host's
   memory) and the fork's per-rank emulation cgroups nest inside it. ``ip netns exec`` mounts the
   namespace's own sysfs over ``/sys``, which hides ``/sys/fs/cgroup``; the wrapper mounts the
   machine's cgroup hierarchies there again, so that a rank sees its host's memory limit and the
@@ -72,7 +72,7 @@ if str(REPO_ROOT) not in sys.path:
 PREFIX = "dsh"
 # dsh-<owner pid, base 36>-<run, base 36>-<br | v<k> | h<k>>; interface names have 15 characters.
 NAME_RE = re.compile(r"^dsh-([0-9a-z]+)-([0-9a-z]+)-(br|v\d+|h\d+)$")
-# deepspeed-hetero-cluster-<owner pid, base 36>-<run>-host<k>: not a per-rank cgroup of cgroups.py
+# deepspeed-hetero-cluster-<owner pid, base 36>-<run>-host<k>: not a per-rank cgroup of emulation/cgroups.py
 # (whose names carry a decimal pid), so a rank counts its host's memory limit as one set from outside.
 CGROUP_PREFIX = "deepspeed-hetero-cluster-"
 CGROUP_RE = re.compile(r"^deepspeed-hetero-cluster-([0-9a-z]+)-([0-9a-z]+)-host\d+$")

@@ -30,7 +30,7 @@ Definitions (sums run over the profiled steps; ``N`` data-parallel ranks):
   else of their peaks; 1.0 means every rank is equally full.
 - Throughput: ``sum_{i,s} samples_{i,s} / sum_s T_s`` samples/s (the global batch over the mean
   step time).
-- Health targets from the seed: utilisation > 75% (else LOW), communication share < 25% (else
+- Health targets: utilisation > 75% (else LOW), communication share < 25% (else
   HIGH), memory balance > 0.8 (else LOW); ``n/a`` when a value is unknown.
 """
 
@@ -54,7 +54,7 @@ _RECORD_FIELDS = ("compute_s", "forward_s", "backward_s", "optimizer_s", "collec
 
 
 def health_status(name, value):
-    """'ok', 'LOW' or 'HIGH' for ``value`` against the seed's target ``name``; 'n/a' for None."""
+    """'ok', 'LOW' or 'HIGH' for ``value`` against the health target ``name``; 'n/a' for None."""
     target, above = HEALTH_TARGETS[name]
     if value is None:
         return "n/a"

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Hierarchical gradient reduction vs upstream's flat all-reduce, on emulated multi-host clusters.
 
-Issue 14's benchmark. Upstream all-reduces ZeRO-1/2 gradient buckets over one flat data-parallel
+Upstream all-reduces ZeRO-1/2 gradient buckets over one flat data-parallel
 group, so a slow link between hosts carries as much as any link inside a host; the fork's
 ``heterogeneous_config.communication.hierarchical_reduction`` (``"auto"``: on across hosts)
 reduces inside each host first and sends between host leaders only the gradient slices the other

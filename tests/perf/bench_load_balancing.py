@@ -16,7 +16,7 @@ profiling steps, then the measured plan). Two yardsticks:
   compute speed differed. ``fraction_of_ceiling = compute_aware / ceiling`` isolates what the
   heterogeneity itself costs, target 0.95 for every stage.
 
-Emulation modes (``emulation.py``): ``auto`` (a CPU-quota cgroup where the machine allows it,
+Emulation modes (``emulation/emulator.py``): ``auto`` (a CPU-quota cgroup where the machine allows it,
 else time dilation) for every stage; ZeRO-3 is measured in both modes, because they differ
 exactly where ZeRO-3 spends its time: the cgroup also throttles the slow rank's collective
 processing (a CPU-bound interconnect), time dilation only its forward+backward (collectives and

@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Each rank carries the ZeRO state its memory allows: a rank under a physical memory limit trains
-where even slices die, with a lower peak, at nearly the speed memory would otherwise allow (issue 13).
+where even slices die, with a lower peak, at nearly the speed memory would otherwise allow.
 
 Workload: 2 ranks, ZeRO-2 (``--stage 1``: ZeRO-1), Adam (torch's), fp32, a parameter-heavy MLP
 (12 x Linear(2048, 2048): 50M parameters, 200 MB), global batch 8 split [4, 4], one torch thread
-per rank. Parameter-heavy so that the optimizer step is a real part of the step (the issue asks
+per rank. Parameter-heavy so that the optimizer step is a real part of the step (target
 >= 20%): a layout that gives rank 0 more of the state gives it more of the optimizer's work, and
 the throughput figure must see that cost. Two fractions are printed: ``engine.step()`` (DeepSpeed's
 optimizer step: gradient norm, Adam, copy-back, all-gather of the updated parameters; the target)
@@ -24,7 +24,7 @@ be reused, uncounted, by the next):
   offload yet, so every rank's state is in its own memory, and the pool's plan is recorded).
 - ``upstream, no limit`` (even slices) and ``fork shares, no limit`` (the shares the limited run
   chose, given as a list): the references. Rank 1's peak with the shares against its peak with
-  even slices, at the same global batch, is the saving (target >= 38%, the seed's figure).
+  even slices, at the same global batch, is the saving (target >= 38%).
 - side by side, no limit: one engine with even slices and one with the shares in the same two
   processes, trained in alternating blocks (ABBA). Throughput of the shares against the ideal of
   the fitting configuration, even slices without a memory limit (what this cluster trains at when
@@ -74,8 +74,8 @@ GLOBAL_BATCH = sum(MICRO_BATCHES)
 # Rank 1's emulated memory per ZeRO stage: its cgroup limit (+ 256 MiB) must sit between rank 1's
 # peak with even slices (ZeRO-2 ~930-990 MiB, ZeRO-1 ~980-1100) and what the fork predicts it needs
 # with a small share at the default threshold (memory_peak: the flat parameters, 200 MB, and the
-# buffers count). ZeRO-2's 0.6 GiB is test_memory_limits.py's, run this stop; ZeRO-1's 0.75 GiB is
-# not yet re-measured (ZeRO-1 also holds every gradient, 200 MB, whatever its share).
+# buffers count). ZeRO-2's 0.6 GiB is test_memory_limits.py's; ZeRO-1's 0.75 GiB is not checked
+# against the predicted peak (ZeRO-1 also holds every gradient, 200 MB, whatever its share).
 MEMORY_GB = {2: [4.0, 0.6], 1: [4.0, 0.75]}
 # heterogeneous_memory.hbm_utilization_threshold: the default; the fork plans with its predicted
 # peak (memory_peak: buffers and what is in use at the start included), so no room is held back.

@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Predicted against measured memory peaks, per rank (issue 22).
+"""Predicted against measured memory peaks, per rank.
 
 For each row, two fresh ranks train 3 steps with the fork's memory pool on
 (``heterogeneous_memory.enabled``, even ZeRO shares, uniform split) and the row's ZeRO stage,
 dtype, optimizer and offload setting. Each rank runs in a memory cgroup of its own, joined just
 before ``deepspeed.initialize`` (a limit far above the run's needs: it measures, it never kills),
-so the fork's ``memory_meter`` reads the cgroup. The prediction is the pool's
-``predicted_peak_bytes`` for the rank (``memory_peak``: what was in use as the engine started,
+so the fork's ``memory/meter.py`` reads the cgroup. The prediction is the pool's
+``predicted_peak_bytes`` for the rank (``memory/peak.py``: what was in use as the engine started,
 DeepSpeed's allocations at its busiest phase, and the activations measured at the first step);
 the measurement is the cgroup's peak (``memory.max_usage_in_bytes``, read and reset at the end of
 each phase: initialize, forward, backward, step; the largest). The ratio is

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Per-rank NVMe offload under a physical memory limit (issue 13, item 3): a ZeRO-3 rank whose
+"""Per-rank NVMe offload under a physical memory limit: a ZeRO-3 rank whose
 memory cannot hold its optimizer state puts it on NVMe, trains where upstream is killed, and its
 memory cgroup shows the saving.
 

@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Plans a user can trust: compute_aware must never be much worse than the uniform split.
 
-Issue 12: on a small, communication-dominated model a rank measures little compute (it mostly
-waits in collectives), and noise then decided the plan: two identical CPU ranks got [25, 7],
-[17, 15], [5, 27], [31, 1] in repeated runs, and with rank 1 throttled to 0.4 one run gave the
-slow rank 31 of 32 samples.
+On a small, communication-dominated model a rank measures little compute (it mostly waits in
+collectives), so a planner that trusts every measurement splits noise: two identical CPU ranks
+can get [25, 7], [17, 15], [5, 27], [31, 1] in repeated runs, and with rank 1 throttled to 0.4
+the slow rank can get 31 of 32 samples. The fork's noise gate must keep such plans out.
 
 Workloads, 2 ranks, ZeRO-1, global batch 32, one torch thread per rank:
 
@@ -14,7 +14,7 @@ Workloads, 2 ranks, ZeRO-1, global batch 32, one torch thread per rank:
 - compute-dominated: the small GPT of bench_load_balancing.py, rank 1 at 0.4, once: compute_aware
   must keep today's gain over uniform.
 
-Each run trains with compute_aware and 3 profiling steps (the default until issue 11), past
+Each run trains with compute_aware and 3 profiling steps (``PROFILE_STEPS``), past
 the post-profiling check (check_interval steps after profiling, where a switch that made the step
 slower is reverted). Then, in the same processes, it alternates blocks of BLOCK steps at the plan
 compute_aware settled on and at the uniform split (the same engine switching plans at step
@@ -41,7 +41,7 @@ from harness import run_subcases  # noqa: E402
 GLOBAL_BATCH = 32
 SLOW = 0.4
 REPEATS = 3
-PROFILE_STEPS = 3  # the default until issue 11 (now 5); its results were measured with 3
+PROFILE_STEPS = 3  # below the default (5): fewer measurements per rank, the harder case for the gate
 CHECK_INTERVAL = 20  # the default: the post-profiling check runs 20 steps after profiling
 BLOCK = {"mlp": 4, "gpt": 3}
 ROUNDS = {"mlp": 20, "gpt": 2}

@@ -1,13 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """How often profiling's noise gate moves work, with 3 profiling steps and with 5 (the default).
 
-Issue 11: in a fresh-clone CI run two equal ranks got [12, 4] after profiling: rank 1's one step
-at the start-up plan after the warm-up ran 1.44x rank 0's. The gate reads the ranks' times under
-the start-up plan with the relative standard error of each rank's level over all its fitted
-micro-steps; a single step's own noise is sqrt(n) times larger. This benchmark measures, per
-speed ratio, how often the plan after profiling moves work, and on the same recorded
-measurements what the stricter reading (one step's noise) would have decided: the two readings
-side by side on identical data, which is what decided to keep the gate as it is (see README).
+One noisy step can move work between equal ranks: two equal ranks get [12, 4] after profiling when
+rank 1's one step at the start-up plan after the warm-up runs 1.44x rank 0's. The gate reads the
+ranks' times under the start-up plan with the relative standard error of each rank's level over all
+its fitted micro-steps; a single step's own noise is sqrt(n) times larger. This benchmark measures,
+per speed ratio, how often the plan after profiling moves work, and on the same recorded
+measurements what the stricter reading (one step's noise) would have decided: the two readings side
+by side on identical data, the evidence for the gate's reading (docs/benchmarks.md).
 
 Workload: the rebalancing test's MLP (512 -> 2048 -> 512, tanh), ZeRO-1, global batch 16, two
 ranks, gas 1, speeds emulated by time dilation; scenarios: equal ranks, rank 1 at 0.4, rank 1 at
@@ -16,8 +16,8 @@ in 4; a rank at 0.4 or 0.25 is detected (work moved to rank 0) in at least 3 run
 
     python tests/perf/bench_profiling_gate.py [--repeats N] [--profile-steps K]   (from the repository root)
 
-``--profile-steps`` (default 3, the default of ``heterogeneous_config.profile_steps`` until issue
-11, now 5) writes ``profiling_gate.json`` for 3 and ``profiling_gate_<K>.json`` otherwise.
+``--profile-steps`` (default 3; ``heterogeneous_config.profile_steps`` defaults to 5) writes
+``profiling_gate.json`` for 3 and ``profiling_gate_<K>.json`` otherwise.
 """
 
 import json

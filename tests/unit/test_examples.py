@@ -2,10 +2,10 @@
 """The README's examples run as written, and the README shows exactly the files under examples/.
 
 A fenced block in README.md preceded by a line ``<!-- example: examples/... -->`` must equal that
-file (less the file's SPDX line); unmarked blocks are not checked. Each example file runs here: the
-seed config under the real ``deepspeed`` launcher, the Python snippets on 2 ranks in one spawned
-group, ``env_report.sh`` as a shell script, and ``train.py`` as a plain ``python`` process with no
-launcher variables (no mpi4py needed).
+file (less the file's SPDX line); unmarked blocks are not checked. Each example file runs here:
+``examples/configs/seed.json`` under the real ``deepspeed`` launcher, the Python snippets on 2 ranks
+in one spawned group, ``env_report.sh`` as a shell script, and ``train.py`` as a plain ``python``
+process with no launcher variables (no mpi4py needed).
 """
 
 import json

@@ -99,7 +99,7 @@ def classify(returncode, stderr_text, stdout_text="", metrics_present=False, tim
 
 
 def format_summary(outcomes, metric, stages):
-    """The seed's table: one row per ZeRO stage and a global-best row."""
+    """The summary table: one row per ZeRO stage and a global-best row."""
     header = ("tuning space", "experiments", f"best metric value ({metric})", "best experiment name")
     rows = []
     for stage in stages:

@@ -100,8 +100,8 @@ class AdaptiveLossScaler(DynamicLossScaler):
         self._observed = None
 
     def __setstate__(self, state):
-        # Checkpoints of earlier revisions pickled the scaler whole (now: saved_loss_scaler / state_dict);
-        # the oldest of them lack the recovery state.
+        # A checkpoint may hold the scaler pickled whole rather than as saved_loss_scaler / state_dict
+        # writes it, and without the recovery state: that state then starts at its defaults.
         self.__dict__.update({"_recovery_steps": MARGIN_RECOVERY_STEPS, "_lowered": False, **state})
 
     def observe(self, reduced):

@@ -11,7 +11,7 @@ optimizer for the time of its ``state_dict()``, ``backup_state_from_loaded`` giv
 ``load_state_dict``, whichever optimizer saved it (another ratio, another rank's placement). The
 format is upstream's: pristine upstream loads such a checkpoint (the extra entries sit unused in
 its CPU optimizer's state, a second copy of those moments on the partitions' device), and a
-checkpoint without them loads as before.
+checkpoint without them loads as upstream loads it.
 """
 
 

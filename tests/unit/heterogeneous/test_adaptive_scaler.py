@@ -115,7 +115,7 @@ def test_state_survives_pickling_as_zero_checkpoints_store_it():
     restored = pickle.loads(pickle.dumps(scaler))
     assert restored.state_summary() == scaler.state_summary()
     assert step(restored, 0.1) == step(scaler, 0.1)
-    # A checkpoint of the previous revision holds no recovery state; it loads and runs on.
+    # A saved scaler without the recovery state (an older checkpoint's) loads and runs on.
     del scaler.__dict__["_recovery_steps"], scaler.__dict__["_lowered"]
     restored = pickle.loads(pickle.dumps(scaler))
     assert step(restored, overflow=True) and step(restored, 0.1) == scaler.cur_scale / 2

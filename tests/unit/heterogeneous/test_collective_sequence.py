@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Every rank issues the same collectives (docs/architecture.md §5), whatever its own micro-batch.
 
-Each rank records its sequence of ``deepspeed.comm`` collectives (``collective_log``) from
+Each rank records its sequence of ``deepspeed.comm`` collectives (``measure/collective_log.py``) from
 ``deepspeed.initialize`` to the last step; the parent compares the ranks' sequences op by op:
 the op, the group, every tensor's shape and dtype, the reduce op and root, async or not. Cases:
 an uneven manual plan in ZeRO 0-3 with accumulation and clipping; compute_aware with profiling

@@ -26,7 +26,7 @@ def test_defaults_are_off_and_match_design():
     settings = parse({})
     assert not settings.enabled
     assert settings.config.load_balancing_strategy == "compute_aware"
-    assert settings.config.profile_steps == 5  # 3 until issue 11 (bench_profiling_gate.py)
+    assert settings.config.profile_steps == 5  # 3: too few to tell noise from fixed cost (bench_profiling_gate.py)
     assert settings.config.scheduler.imbalance_threshold == 0.1
     assert settings.config.scheduler.check_interval == 20
     assert not settings.config.scheduler.dynamic_rebalancing

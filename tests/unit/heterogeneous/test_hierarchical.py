@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Hierarchical gradient reduction (``hierarchical.py``): the layouts, the reducer against the
+"""Hierarchical gradient reduction (``comm/hierarchical.py``): the layouts, the reducer against the
 flat all-reduce on real gloo ranks with faked hosts, and ZeRO training through it that equals
 the single-process reference.
 

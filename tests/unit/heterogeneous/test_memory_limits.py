@@ -10,7 +10,7 @@ upstream's even slices; the fork's predicted peak (the flat parameters alone are
 
 - Upstream (the fork off, the rank put under the same limit by the test): the kernel kills rank 1.
 - The fork with ``heterogeneous_memory.enabled`` (``zero_partitions: "auto"``) at the default
-  threshold (0.85): rank 1's share follows its memory (the predicted peak, ``memory_peak``), it
+  threshold (0.85): rank 1's share follows its memory (the predicted peak, ``memory/peak.py``), it
   trains, and the parameters equal single-process training.
 - The fork with even slices (``zero_partitions: "even"``) is refused by the fork's own memory
   check before the kernel would kill it (tests/perf/bench_memory.py reports it).

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The memory model's arithmetic (``memory_peak``), its use by the pool, the reaction to a measured
-peak over budget (``profiling.measured_peak_limit``) and the meter's sources. Pure: no processes.
+"""The memory model's arithmetic (``memory/peak.py``), its use by the pool, the reaction to a measured
+peak over budget (``planning/profiling.measured_peak_limit``) and the meter's sources. Pure: no processes.
 Expected values are written out from the allocations each phase lists (docs/memory.md)."""
 
 import pytest

@@ -36,9 +36,10 @@ def test_budgets_come_from_sizes_bytes_devices_and_the_threshold():
     pool = HeterogeneousMemoryPool(hbm_devices=["80GB", 24 * GIB, None, device(3, 16)], hbm_utilization_threshold=0.5)
     assert pool.capacities == [80 * 10**9, 24 * GIB, None, 16 * GIB]
     assert pool.budgets == [40 * 10**9, 12 * GIB, None, 8 * GIB]
-    # The seed's call: the config's default threshold, the host budget parsed like the config's.
-    seed = HeterogeneousMemoryPool(hbm_devices=["80GB", "24GB"], cpu_memory_limit="64GB")
-    assert seed.utilization == 0.85 and seed.host_budget == 64 * 10**9
+    # The documented call (sizes as strings): the config's default threshold, the host budget
+    # parsed like the config's.
+    documented = HeterogeneousMemoryPool(hbm_devices=["80GB", "24GB"], cpu_memory_limit="64GB")
+    assert documented.utilization == 0.85 and documented.host_budget == 64 * 10**9
     # A CPU rank's reported memory is the host's RAM, shared: no limit of its own.
     assert HeterogeneousMemoryPool([device(0, 512, shared=True)]).capacities == [None]
 

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """A rank under a memory limit set from outside trains at the default threshold (0.85) and equals
-single-process training, where upstream's even shares need more than the limit allows (issue 22).
+single-process training, where upstream's even shares need more than the limit allows.
 
 Two ranks, a model no other test uses and whose activations outweigh its state, as in long-sequence
 training: eight MLP blocks (LayerNorm(64), Linear(64, 1024), GELU, Linear(1024, 64)) over 64 tokens
@@ -13,9 +13,9 @@ limit would hold it; the cgroup's name is not the fork's, so the fork reads it a
   its peak for the stage.
 - The fork, ``heterogeneous_memory: {enabled: true}`` at the default threshold, compute-aware:
   rank 1's limit is 85% and then 60% of that peak. Before anything was measured, the first step
-  gives rank 1 its room's proportion of the batch (``memory.startup_memory_limits``); that step
+  gives rank 1 its room's proportion of the batch (``memory/model_state.startup_memory_limits``); that step
   measures its activations, and the plan after it gives rank 1 what its predicted peak
-  (``memory_peak``) allows within 85% of the limit. It trains in ZeRO-1, 2 and 3, its measured
+  (``memory/peak.py``) allows within 85% of the limit. It trains in ZeRO-1, 2 and 3, its measured
   peak stays under the limit, and the parameters equal single-process training.
 
 Needs root and the memory controller; skips with the reason elsewhere, never in CI.

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The planner: time models, exact integer splits, memory limits, manual plans, seed helpers (pure logic)."""
+"""The planner: time models, exact integer splits, memory limits, manual plans, prior-score helpers (pure logic)."""
 
 import itertools
 import json
@@ -308,7 +308,7 @@ def test_plan_weights_round_trip_and_table():
         Plan((5, 3), (2, 2), 17, "manual", (1.0, 1.0))
 
 
-# Seed helpers
+# Prior-score helpers (behind the engine's scheduling API)
 
 
 def _description(name, score, source="spec"):

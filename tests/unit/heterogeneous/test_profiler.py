@@ -231,7 +231,7 @@ def test_two_ranks_see_the_same_profile(tmp_path):
     assert 0 < metrics["memory_balance"] <= 1 and metrics["samples_per_s"] > 0
     assert metrics["plan"]["micro_batch_sizes"] == fast["plan"] and sum(fast["plan"]) == 16
     assert fast["loaded"] == metrics
-    # Rank 0 printed the report, with a status for each of the seed's targets; rank 1 printed nothing.
+    # Rank 0 printed the report, with a status for each health target; rank 1 printed nothing.
     assert fast["printed"].strip() == fast["text"] and slow["printed"] == ""
     health = fast["text"].split("health targets:")[1].splitlines()
     for name in ("heterogeneous utilisation", "communication share", "memory balance"):

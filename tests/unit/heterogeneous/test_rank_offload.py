@@ -1,13 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Per-rank offload (issue 13 item 3): with ``heterogeneous_memory.enabled`` and
+"""Per-rank offload: with ``heterogeneous_memory.enabled`` and
 ``zero_optimization.heterogeneous_offload.cpu_offload``, a ZeRO-1/2 rank whose even shard does not
 fit its device keeps its optimizer state on the host while the rank with room keeps its own on
 the device. Both train exactly as one process on the global batch, and both issue the same
-collectives (upstream's offloaded path reduced the gradient norm as a [1]-tensor where the device
-path reduces a 0-d one, forced contiguous gradients on the offloading rank alone, and ZeRO-1 +
-bf16 chose another optimizer there). Checked by reverting each fix alone: without the first two
-the ranks hang in mismatched collectives until the group times out; without the norm's shape the
-comparison of the sequences fails.
+collectives (upstream's offloaded path reduces the gradient norm as a [1]-tensor where the device
+path reduces a 0-d one, forces contiguous gradients on the offloading rank alone, and ZeRO-1 + bf16
+chooses another optimizer there; the fork aligns all three). Each alignment is needed: without
+either of the first two the ranks hang in mismatched collectives until the group times out;
+without the norm's shape the comparison of the sequences fails.
 
 Memory is emulated by accounting (``emulation.mode: dilation``): on the CPU accelerator the host
 and the "device" are the same RAM, so a memory cgroup cannot tell them apart."""
@@ -24,7 +24,7 @@ SIZES = [5, 3]
 
 
 def _peak(model, stage, offloaded, bf16=False, torch_adam=True, share=0.5, contiguous_gradients=True):
-    """Rank 1's predicted peak (``memory_peak``) on its emulated device for ``model`` under the
+    """Rank 1's predicted peak (``memory/peak.py``) on its emulated device for ``model`` under the
     tests' configs: upstream's default buckets (the model is smaller than any), ``overlap_comm`` as
     upstream resolves it, an emulated device apart from the host (accounting: ``mode: dilation``).
     The capacities below are built from it: what the pool must decide is the subject, not the bytes."""

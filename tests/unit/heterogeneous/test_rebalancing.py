@@ -88,7 +88,7 @@ def test_rebalancer_follows_a_real_slow_down_and_keeps_the_plan_when_nothing_cha
 
 
 def test_a_predicted_gain_within_the_measured_noise_moves_nothing():
-    """Issue 11: the steady case moved one sample on noise once. Here the interval means say rank 1
+    """A steady run must not move a sample on noise. Here the interval means say rank 1
     got 50% slower, so a one-sample move [11, 5] -> [12, 4] predicts a 20% gain (above the 10%
     threshold) on every check; but rank 1's per-step times scatter by +-35%, so the gain is within
     the noise. Measured without scatter, the same means do move the sample."""
@@ -123,7 +123,8 @@ def test_interval_noise_is_the_standard_error_of_both_intervals():
 
 
 def test_the_profiling_spread_reaches_the_last_rank_of_an_odd_world():
-    """Issue 11: ranks paired as (0, 1), (2, 3), ... left the last rank of an odd world at one size."""
+    """Profiling spreads every rank's sizes, the last rank of an odd world included (pairing ranks
+    as (0, 1), (2, 3), ... would leave it at one size)."""
     for sizes in ([8, 8, 8], [6, 6, 6, 6, 8], [12, 3, 9]):
         seen = [{s} for s in sizes]
         spread = spread_profiling_sizes(sizes, seen)
@@ -137,9 +138,9 @@ def test_the_profiling_spread_reaches_the_last_rank_of_an_odd_world():
 
 
 def test_monitoring_synchronises_the_device_once_per_step(monkeypatch):
-    """Issue 11: dynamic rebalancing synchronised the device 2-3 times per micro-step. Its
-    monitoring now times whole steps (one synchronisation at the step's end); profiling keeps
-    the per-micro-step path. Every micro-step gets its share of the step, optimizer included."""
+    """Dynamic rebalancing's monitoring times whole steps: one device synchronisation at the step's
+    end, not 2-3 per micro-step; profiling keeps the per-micro-step path. Every micro-step gets its
+    share of the step, optimizer included."""
     from deepspeed.runtime.heterogeneous.measure import timing
 
     synchronisations = []
@@ -239,9 +240,9 @@ def test_speed_change_is_followed_within_two_checks_and_training_stays_exact():
     cases = [
         # Rank 0 runs at 0.4 of rank 1's speed; at step 13 it is the fast one and rank 1 drops to 0.3.
         # Whatever profiling chose (work moved to rank 1, or [8, 8] kept), following the change
-        # moves work to rank 0. Equal ranks at start-up made the test depend on profiling keeping
-        # [8, 8]: with 3 profiling steps, a noise-driven plan close to the one the change calls for
-        # left nothing to follow (issue 11; test_plan_trust covers the gate on equal ranks). The
+        # moves work to rank 0. Unequal ranks at start-up keep the test independent of profiling:
+        # with equal ranks, a noise-driven plan close to the one the change calls for would leave
+        # nothing to follow (test_plan_trust covers the gate on equal ranks). The
         # change comes after the check at step 11: the switch after profiling is judged at step 7
         # and may be reverted there (on this fixed-cost-dominated model [4, 12] can be no faster
         # than [8, 8]), and the plan's baseline interval (steps 8-11 then) must not contain it.
@@ -264,7 +265,7 @@ def test_speed_change_is_followed_within_two_checks_and_training_stays_exact():
     # A move whose predicted gain is within the measured noise is refused (the policy's gate,
     # test_a_predicted_gain_within_the_measured_noise_moves_nothing). One move can still come when
     # the plan's first interval paid one-off costs at its new sizes, which later intervals read as
-    # a speed-up (a fresh-clone CI run: [12, 4] -> [13, 3] at step 15, then 14.6% faster). It must
+    # a speed-up (e.g. [12, 4] -> [13, 3] at step 15, then 14.6% faster). It must
     # be kept by the switch check and not undone: at most one event, no revert, no slower step.
     # (The check of the switch after profiling, at step 7, may revert it: that is its job.)
     judged = [event for event in steady[0]["judged"] if event[0] > 3 + CHECK_INTERVAL]
@@ -277,7 +278,7 @@ def test_speed_change_is_followed_within_two_checks_and_training_stays_exact():
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("dying_rank", [1, 0])
 def test_a_rank_dying_at_a_rebalancing_check_stops_the_other_with_its_name(dying_rank):
-    """The survivor's PlanAgreementError names the rank that failed, not only itself (issue 11)."""
+    """The survivor's PlanAgreementError names the rank that failed, not only itself."""
     with pytest.raises(AssertionError) as info:
         # ZeRO-0 without clipping: after backward's all-reduce, the next collective is the gather of
         # the interval's measurements at the check; the first check is after the 3 profiling steps
@@ -317,8 +318,8 @@ def _reschedule(rank, world_size):
         bad = None
     except ValueError as exc:
         bad = str(exc)
-    # Issue 12: a predicted gain of 6% ([9, 7] for busy times 1.0 and 1.2) is below the 10%
-    # threshold automatic rebalancing applies; on demand it used to move work anyway.
+    # A predicted gain of 6% ([9, 7] for busy times 1.0 and 1.2) is below the 10% threshold:
+    # a rebalance on demand keeps the plan, as automatic rebalancing does.
     below = list(engine.reschedule_workload({"busy_seconds": [1.0, 1.2]}).micro_batch_sizes)
     # Rank 1 reports three times rank 0's busy time for the same share: it gets about a quarter.
     after = list(engine.reschedule_workload({"busy_seconds": [1.0, 3.0]}).micro_batch_sizes)

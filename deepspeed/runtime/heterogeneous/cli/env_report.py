@@ -45,7 +45,7 @@ def communication_optimization_active(settings, topology=None):
     hierarchical reduction, link-aware buckets, inter-host compression) is in force under
     `settings` on `topology`. Every part needs ranks on more than one host, which a report from a
     config on one host does not have (topology None): False there, and the line after it says what
-    ``auto`` would switch on (``communication.communication_status``)."""
+    ``auto`` would switch on (``comm/status.communication_status``)."""
     return communication_status(settings, topology)[0]
 
 
@@ -71,7 +71,7 @@ def _device_rows(settings):
     """(DeviceDescription, memory emulated?, speed emulated?) per local device, or per emulated
     rank when the enabled config emulates a cluster on this host's devices.
 
-    Each row is described as the runtime describes its rank (``batch.gather_devices``): this
+    Each row is described as the runtime describes its rank (``cluster/ranks.gather_devices``): this
     host's device with the rank's emulated capacity. Unlike the runtime, the report benchmarks a
     device the table does not know, to show its measured score, and scales a score by the rank's
     emulated speed, which the runtime only meets when it profiles."""
@@ -172,7 +172,7 @@ def heterogeneous_report(config_path=None, file=None, model_parameters=None):
             defaults; otherwise disabled).
         file: where to print. Default None: sys.stdout at call time.
         model_parameters: with a config, the model's parameter count: the report then shows the
-            memory placement the config would get (``memory_placement.config_placement_lines``).
+            memory placement the config would get (``config_placement_lines``).
 
     Raises ValueError, before printing anything, when the config or the environment is invalid.
     """
@@ -258,8 +258,8 @@ def config_placement_lines(param_dict, settings, rows, num_parameters=None):
     spec = ModelStateSpec.for_config_dict(param_dict, num_parameters, half, world=len(rows),
                                           emulated_device=any(emulated for _, emulated, _ in rows))
     memory = settings.memory
-    # As the runtime counts them (batch.memory_capacities): an emulated capacity, else the device's
-    # own; the CPU accelerator's shared host RAM is no rank's limit.
+    # As the runtime counts them (memory/pool.memory_capacities): an emulated capacity, else the
+    # device's own; the CPU accelerator's shared host RAM is no rank's limit.
     capacities = [d.memory_bytes if emulated or not d.shared_host_memory else None for d, emulated, _ in rows]
     pool = HeterogeneousMemoryPool(capacities, cpu_memory_limit=memory.cpu_memory_limit_bytes,
                                    hbm_utilization_threshold=memory.hbm_utilization_threshold,

@@ -13,9 +13,9 @@ def end_process(code=0):
     Interpreter finalization is skipped on purpose. gloo's worker threads can still hold async
     work objects whose tensors need the GIL to be freed; freed while the interpreter is torn down,
     they abort the process ("terminate called without an active exception", exit -6) after all of
-    its work was done. ``destroy_process_group`` before a normal exit made that rarer, not
-    impossible: it still aborted a launcher-run rank in CI now and then, and the launcher then
-    reports the whole job as failed.
+    its work was done. ``destroy_process_group`` before a normal exit makes that rarer, not
+    impossible: a launcher-run rank can still abort there, and the launcher then reports the whole
+    job as failed.
     """
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():

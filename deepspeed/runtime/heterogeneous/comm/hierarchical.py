@@ -296,8 +296,9 @@ def reducer_for(group):
 
 
 def engine_hosts(state, world_size):
-    """The host of each data-parallel rank from the fork's discovered topology (``topology.py``:
-    the launcher's node rank, which an emulation sets per host), else None (one host)."""
+    """The host of each data-parallel rank from the fork's discovered topology
+    (``cluster/topology.py``: the launcher's node rank, which an emulation sets per host), else None
+    (one host)."""
     topology = getattr(state, "topology", None)
     return None if topology is None else tuple(topology.hosts)
 

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The fork's pydantic blocks: ``heterogeneous_config`` (with its scheduler, emulation and
 communication sub-blocks), ``heterogeneous_memory`` and ``zero_optimization.heterogeneous_offload``.
-Every model forbids unknown keys; ``config.py`` loads them and words their errors."""
+Every model forbids unknown keys; ``settings.py`` loads them and words their errors."""
 
 import re
 from typing import Annotated, Dict, List, Literal, Optional, Union
@@ -18,7 +18,8 @@ class SchedulerConfig(DeepSpeedConfigModel):
     """``heterogeneous_config.scheduler``: how and when the work split is revised."""
 
     type: Optional[Strategy] = None
-    """Seed-style name of the strategy; when given it must agree with load_balancing_strategy."""
+    """The strategy, named in the scheduler block (as the top-level ``scheduler`` block names it);
+    when given it must agree with load_balancing_strategy."""
     dynamic_rebalancing: bool = False
     """Re-plan during training when measured speeds drift (also on with DS_ADAPTIVE_SCHEDULING=true)."""
     imbalance_threshold: float = Field(0.1, gt=0.0, lt=1.0)
@@ -93,22 +94,22 @@ class CommunicationConfig(DeepSpeedConfigModel):
     """``heterogeneous_config.communication``: how gradients travel on a cluster of several hosts.
 
     The exact parts are on by default (``auto``) wherever they can matter: the fork is enabled and
-    the data-parallel ranks span more than one host (``topology``); a user turns them off with
-    ``false``. Compression is not exact, hence opt-in."""
+    the data-parallel ranks span more than one host (``cluster/topology.py``); a user turns them off
+    with ``false``. Compression is not exact, hence opt-in."""
 
     hierarchical_reduction: AutoOrBool = "auto"
-    """ZeRO-0/1/2 gradient all-reduce in three steps: inside each host, shards between hosts,
-    inside each host again (``hierarchical.py``). Equal to the flat all-reduce up to summation
-    order. ``true`` where it cannot apply (data-parallel group smaller than the world) is an error."""
+    """ZeRO-0/1/2 gradient all-reduce in three steps: inside each host, shards between hosts, inside
+    each host again (``comm/hierarchical.py``). Equal to the flat all-reduce up to summation order.
+    ``true`` where it cannot apply (data-parallel group smaller than the world) is an error."""
     compress_inter_host: Union[Literal["bf16", "fp16"], bool] = False
     """Send the inter-host step of the hierarchical reduction in bf16 or fp16 (in-host steps stay in
     the gradient's dtype). Not exact: the sum between hosts is rounded to 8 (bf16) or 11 (fp16)
     mantissa bits. Needs hierarchical_reduction in force."""
     link_aware_buckets: AutoOrBool = "auto"
-    """ZeRO's gradient bucket size from the slowest measured inter-host link (``link_buckets.py``)
-    instead of upstream's one default for every link; the same size on every rank, and a size the
-    config sets itself is kept. ``auto``: on when the fork is enabled and the ranks span more than
-    one host."""
+    """ZeRO's gradient bucket size from the slowest measured inter-host link
+    (``comm/link_buckets.py``) instead of upstream's one default for every link; the same size on
+    every rank, and a size the config sets itself is kept. ``auto``: on when the fork is enabled and
+    the ranks span more than one host."""
 
     @field_validator("compress_inter_host", mode="before")
     @classmethod
@@ -134,9 +135,9 @@ class HeterogeneousConfig(DeepSpeedConfigModel):
     micro_batch_sizes: Optional[Union[List[PositiveInt], Dict[str, PositiveInt]]] = None
     """manual strategy: one micro-batch size per data-parallel rank, or a map device name -> size."""
     profile_steps: int = Field(5, ge=0)
-    """Steps timed at start-up to replace the spec-sheet prior with measured speeds. 5 by default
-    (was 3): with 3 and gas 1 each rank has two micro-steps, too few to tell its noise from its
-    fixed cost (tests/perf/bench_profiling_gate.py, issue 11)."""
+    """Steps timed at start-up to replace the spec-sheet prior with measured speeds. 5 by default:
+    with 3 and gas 1 each rank has two micro-steps, too few to tell its noise from its fixed cost
+    (tests/perf/bench_profiling_gate.py)."""
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     emulation: Optional[EmulationConfig] = None
     check_fed_batch: bool = True

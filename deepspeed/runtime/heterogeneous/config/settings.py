@@ -7,7 +7,7 @@ Blocks (README, "Using it")::
     "heterogeneous_memory": {...}                       -> HeterogeneousMemoryConfig
     "zero_optimization": {"heterogeneous_offload": {}}  -> HeterogeneousOffloadConfig
 
-The models live in ``config_blocks.py`` (re-exported here); this module loads them, words their
+The models live in ``blocks.py`` (re-exported here); this module loads them, words their
 errors, reads the environment switches and spots misspelled blocks. Upstream silently ignores
 unknown top-level keys, so a typo in the fork's blocks would switch a feature off without a word;
 every model forbids unknown keys and every error names the full key path and what is allowed.
@@ -140,9 +140,9 @@ def load_heterogeneous_settings(param_dict, world_size=None, environ=None):
     """Parse the fork's blocks of a ds_config dict.
 
     Args:
-        param_dict: the ds_config as a dict. The seed-style top-level ``"scheduler": {"type":
-            "compute_aware", ...}`` is *removed* from it (it is the LR scheduler's key); pass a
-            copy if the caller's dict must stay intact.
+        param_dict: the ds_config as a dict. A top-level ``"scheduler": {"type": "compute_aware",
+            ...}`` block (an alias of ``heterogeneous_config.scheduler``) is *removed* from it (the
+            key is the LR scheduler's); pass a copy if the caller's dict must stay intact.
         world_size: data-parallel world size, to check per-rank lists; None skips that check.
         environ: the environment to read DS_HETEROGENEOUS_ENV / DS_ADAPTIVE_SCHEDULING from
             (default ``os.environ``).

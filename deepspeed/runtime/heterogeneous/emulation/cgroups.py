@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Linux cgroups of one process: the mechanics behind an emulated rank's speed and memory
-(``emulation.py``), and the memory limit a process already runs under (``devices.py``).
+(``emulator.py``). Reading cgroups (where they are mounted, the memory limit a process already
+runs under) is ``measure/cgroup_files.py``'s.
 
 A rank that emulates a device moves itself into a cgroup of its own, ``deepspeed-hetero-<pid>``
 (``-rank<r>`` appended when it knows its rank, so that a report after its death can name it):

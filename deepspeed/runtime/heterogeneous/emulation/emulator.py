@@ -18,7 +18,7 @@ device's speed, by one of two means:
 ``auto`` picks cgroup where the machine allows it, else dilation. The balancing code never reads
 these settings: it sees only the (slowed) times it measures.
 
-``emulation.memory_gb[r]`` is always enforced by accounting (``emulated_limits.py``: predicted
+``emulation.memory_gb[r]`` is always enforced by accounting (``limits.py``: predicted
 model state + measured activations against the capacity). Where ``mode`` lets the emulation use
 cgroups ('auto' where the machine allows it, 'cgroup' always), the rank also joins a memory cgroup
 at the engine's start (``start_memory_limit``): beyond ``memory_gb`` GiB plus a fixed allowance for

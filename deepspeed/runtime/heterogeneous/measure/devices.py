@@ -6,10 +6,10 @@ A built-in table of datasheet rates gives known accelerators a prior score; an u
 unit (TFLOP/s) so that the two kinds of score can sit side by side in one plan. Profiling on the
 real model replaces both later (docs/architecture.md §4.1).
 
-The runtime (``batch.gather_devices``) and ``ds_report --heterogeneous`` both describe a rank's
-device with ``describe_local_device`` at ``local_device_index`` / ``local_device_count``, with
-``emulated_memory_bytes`` in place of the capacity; ``rank_memory_capacity`` is what one rank may
-use of it. On the CPU accelerator a memory cgroup limit below the host's RAM is the capacity
+The runtime (``cluster/ranks.gather_devices``) and ``ds_report --heterogeneous`` both describe a
+rank's device with ``describe_local_device`` at ``local_device_index`` / ``local_device_count``,
+with ``emulated_memory_bytes`` in place of the capacity; ``rank_memory_capacity`` is what one rank
+may use of it. On the CPU accelerator a memory cgroup limit below the host's RAM is the capacity
 (``cpu_memory_capacity``).
 """
 
@@ -260,8 +260,8 @@ def cpu_memory_capacity(reported_bytes, shared, cgroup_limit):
     ranks of its host share it.
 
     The accelerator reports the host's RAM (shared). A memory cgroup limit below it
-    (``cgroups.memory_limit``: a job scheduler's per-task limit, a container's, one set by hand)
-    is this process's own limit, and plans must fit it: it replaces the RAM and is not shared.
+    (``cgroup_files.memory_limit``: a job scheduler's per-task limit, a container's, one set by
+    hand) is this process's own limit, and plans must fit it: it replaces the RAM and is not shared.
     Ranks that share one limited cgroup each plan for the whole of it; give each its own, or set
     ``emulation.memory_gb``.
     """

@@ -9,7 +9,7 @@ memory decides what fits. Here rank r owns a share ``f_r`` instead. Two decision
   rank at once after the gradient reduction, so a rank's step time is its share over its speed:
   shares proportional to speed equalise it) and its memory (a share may not exceed what the rank's
   room holds; the excess goes to ranks with room, in proportion to their speed).
-  ``HeterogeneousMemoryPool.place`` (``memory_pool.py``) calls it for an engine, together with
+  ``HeterogeneousMemoryPool.place`` (``pool.py``) calls it for an engine, together with
   the offload decision for ranks whose share still does not fit.
 - ``partition_bounds``: where each rank's slice of one flat group starts and how long it is. Every
   boundary sits on a multiple of the alignment upstream keeps for its collectives, every slice is

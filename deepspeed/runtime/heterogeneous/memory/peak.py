@@ -2,8 +2,8 @@
 """What DeepSpeed 0.19.8 allocates on one rank, phase by phase, and the peak it reaches
 (docs/memory.md). Pure: byte arithmetic from sizes and settings, no tensors, no collectives.
 
-The model-state count of ``memory.model_state_parts`` (parameters, gradients, optimizer state and
-master copy of a rank's ZeRO share) is what a rank *keeps*. A rank dies at what it holds at its
+The model-state count of ``model_state.model_state_parts`` (parameters, gradients, optimizer state
+and master copy of a rank's ZeRO share) is what a rank *keeps*. A rank dies at what it holds at its
 busiest moment, which adds the buffers upstream allocates around those states. Each phase below
 lists the allocations that are alive together at the moment the phase peaks, named after the
 upstream code that makes them:
@@ -107,7 +107,7 @@ class PeakPrediction:
 
     phases: Dict[str, Dict[str, float]]
     baseline_bytes: float = 0.0
-    """In use before the engine started (``memory_meter.current_bytes``); part of every phase."""
+    """In use before the engine started (``meter.current_bytes``); part of every phase."""
     activation_bytes: float = 0.0
 
     def phase_bytes(self, phase):
@@ -124,7 +124,7 @@ class PeakPrediction:
     @property
     def buffer_bytes(self):
         """What the peak phase holds beyond the kept model state and activations: DeepSpeed's
-        buffers and temporaries (what ``memory.model_state_bytes`` leaves out)."""
+        buffers and temporaries (what ``model_state.model_state_bytes`` leaves out)."""
         return sum(v for k, v in self.phases[self.peak_phase].items() if k not in _KEPT)
 
     def describe(self):

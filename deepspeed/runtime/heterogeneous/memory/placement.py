@@ -1,16 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The memory pool's two users (``memory_pool.py``): the engine's placement as it starts
-(``place_engine_state``, then ``apply_rank_offload`` for the ranks it offloads) and the env report's
-placement for a ds_config (``config_placement_lines``, ``parse_parameter_count`` for
-``--model-parameters``). Both decide through ``engine_placement``, so the report shows what the
-engine would do."""
+"""The placement decision the memory pool's (``pool.py``) two users share: the engine's as it starts
+(``startup.place_engine_state``, then ``startup.apply_rank_offload`` for the ranks it offloads) and
+the env report's for a ds_config (``cli/env_report.config_placement_lines``,
+``parse_parameter_count`` for ``--model-parameters``). Both decide through ``engine_placement``, so
+the report shows what the engine would do."""
 
 from .pool import NVME
 from .spec import zero3_offload_ratio
 
 
 def refuse_unfit_peaks(pool, placement, offload_allowed):
-    """Stop every rank, before DeepSpeed allocates, when a rank's predicted peak (``memory_peak``,
+    """Stop every rank, before DeepSpeed allocates, when a rank's predicted peak (``peak.py``,
     activations not yet counted) passes its budget whatever the pool chose: the profiling steps
     would find no plan either, and under a physical limit the rank would be killed. Every rank
     holds the same placement, so every rank raises the same error."""

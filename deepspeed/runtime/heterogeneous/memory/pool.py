@@ -14,9 +14,10 @@ same memory. The pool holds both budgets and makes the placement decision in one
 
 Budgets:
 - ``hbm_devices``: one entry per data-parallel rank: a size (``"80GB"``, ``"24GiB"``, bytes, read
-  with ``config.parse_bytes``), a gathered ``DeviceDescription`` (its capacity, name, host and
-  prior speed; a CPU rank's shared host RAM counts as no limit), or None (no limit known). A rank
-  may fill ``hbm_utilization_threshold`` (default: the config's, 0.85) of its device.
+  with ``config/settings.parse_bytes``), a gathered ``DeviceDescription`` (its capacity, name,
+  host and prior speed; a CPU rank's shared host RAM counts as no limit), or None (no limit
+  known). A rank may fill ``hbm_utilization_threshold`` (default: the config's, 0.85) of its
+  device.
 - ``cpu_memory_limit``: the hard host budget of one node (host RAM is shared by the node's ranks),
   a size or None (no limit). ``hosts`` says which ranks share a node (default: the devices' host
   names, else one node).
@@ -39,10 +40,11 @@ numbers; ``strict=False`` records it in ``placement.problems`` instead.
 
 Parameters, gradients and activations always stay on the device. The pool decides and reports:
 it allocates nothing and runs no collective, so every rank reaches the same placement from the
-same inputs. Its two users live in ``memory_placement.py``: the engine builds one when
-``heterogeneous_memory.enabled`` (``place_engine_state``, kept as ``state.memory_pool``), and
-``deepspeed env_report --heterogeneous --config ds_config.json --model-parameters N`` prints the
-placement a config would get (``config_placement_lines``).
+same inputs. Its two users decide through ``placement.engine_placement``: the engine builds one
+when ``heterogeneous_memory.enabled`` (``startup.place_engine_state``, kept as
+``state.memory_pool``), and ``deepspeed env_report --heterogeneous --config ds_config.json
+--model-parameters N`` prints the placement a config would get
+(``cli/env_report.config_placement_lines``).
 """
 
 import math
@@ -91,13 +93,13 @@ class RankPlacement:
     slack_bytes: float = 0.0
     """What rounding the shares to millionths may add over a budget they were cut to fit."""
     baseline_bytes: float = 0.0
-    """In use on the device when the engine started (``memory_meter``): the interpreter, the model."""
+    """In use on the device when the engine started (``meter.py``): the interpreter, the model."""
     predicted_peak_bytes: Optional[int] = None
-    """The rank's predicted peak (``memory_peak``): baseline, model state, activations and
+    """The rank's predicted peak (``peak.py``): baseline, model state, activations and
     DeepSpeed's buffers at the busiest phase; None where the allocations are unknown."""
     peak_phase: Optional[str] = None
     measured_peak_bytes: Optional[int] = None
-    """The peak the rank measured (``memory_meter``), None until measured."""
+    """The peak the rank measured (``meter.py``), None until measured."""
 
     @property
     def offloaded_bytes(self):
@@ -212,7 +214,7 @@ class HeterogeneousMemoryPool:
     @classmethod
     def from_state(cls, state, world_size):
         """The pool of a running job: the gathered devices' capacities (emulated ones included,
-        ``batch.memory_capacities``), the topology's nodes and the ``heterogeneous_memory`` block."""
+        ``memory_capacities``), the topology's nodes and the ``heterogeneous_memory`` block."""
         # A device that reports no memory (0) has no known limit, as in the planner.
         capacities = [c if c else None for c in memory_capacities(state) or [None] * world_size]
         speeds = known_speeds(state.devices) if state.devices and len(state.devices) == world_size else None
@@ -235,7 +237,7 @@ class HeterogeneousMemoryPool:
                 the room left then still has to hold them).
             cpu_offload, nvme_offload: where a rank that does not fit may offload its optimizer state.
             baseline_bytes: per rank, the bytes in use on its device before the engine allocates
-                (``memory_meter``); None: 0. Counted in the predicted peak.
+                (``meter.py``); None: 0. Counted in the predicted peak.
             strict: raise ``MemoryPlacementError`` for what cannot be placed; False: record it.
         """
         world = self.world_size
@@ -418,7 +420,7 @@ class HeterogeneousMemoryPool:
 
     def record_measured_peaks(self, peaks):
         """Record each rank's measured peak (bytes, None where unknown) in the placement the
-        report shows (``memory_meter``; gathered from every rank by the runtime)."""
+        report shows (``meter.py``; gathered from every rank by the runtime)."""
         if self.placement is None:
             return
         ranks = tuple(r if peak is None else replace(r, measured_peak_bytes=int(peak))

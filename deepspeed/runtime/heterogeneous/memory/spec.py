@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``ModelStateSpec``: what the memory pool (``memory_pool.py``) places, counted as the planner
-counts model state (``memory.model_state_bytes``): the trainable parameters, the ZeRO stage, the
-bytes per parameter of weights, gradients, optimizer state and master copy, whether upstream's
+"""``ModelStateSpec``: what the memory pool (``pool.py``) places, counted as the planner counts
+model state (``model_state.model_state_bytes``): the trainable parameters, the ZeRO stage, the bytes
+per parameter of weights, gradients, optimizer state and master copy, whether upstream's
 ``offload_optimizer`` already moves every rank's optimizer off the device, and ZeRO-3's optimizer
 sub-groups, which a rank offloads whole (``zero3_offload_fraction``, ``zero3_offload_ratio``)."""
 
@@ -22,7 +22,7 @@ class ModelStateSpec:
     param_bytes: int = 4
     """Bytes per parameter and gradient in the training dtype (2 under fp16/bf16)."""
     optimizer_bytes: int = 8
-    """Optimizer state per parameter (Adam: 8; ``memory.optimizer_state_bytes``)."""
+    """Optimizer state per parameter (Adam: 8; ``model_state.optimizer_state_bytes``)."""
     master_bytes: int = 0
     """The fp32 master copy under fp16/bf16 (4); ZeRO 1-3 count 4 whatever it says."""
     optimizer_device: Optional[str] = None
@@ -36,7 +36,7 @@ class ModelStateSpec:
     below 1 steps the offloaded ones with ``DeepSpeedCPUAdam``, which only an Adam-type optimizer
     gets); False: a rank that must offload offloads all of its optimizer state."""
     allocations: Optional[ZeroAllocations] = None
-    """What sizes DeepSpeed's buffers (``memory_peak``); None: the model state alone is counted."""
+    """What sizes DeepSpeed's buffers (``peak.py``); None: the model state alone is counted."""
 
     def __post_init__(self):
         if self.zero_stage not in (0, 1, 2, 3):
@@ -54,7 +54,7 @@ class ModelStateSpec:
         return model_state_parts(self.num_parameters, self.zero_stage, world, share=share, **self._inputs())
 
     def device_bytes(self, world, share, offloaded=False, largest_share=None):
-        """Bytes on the device: the predicted peak (``memory_peak``) when the allocations are known,
+        """Bytes on the device: the predicted peak (``peak.py``) when the allocations are known,
         without baseline and activations, which differ per rank; else the model state."""
         if self.allocations is not None:
             return self.peak(share, offloaded, largest_share=largest_share).peak_bytes
@@ -62,7 +62,7 @@ class ModelStateSpec:
                                  optimizer_offloaded=offloaded or self.optimizer_device is not None, **self._inputs())
 
     def peak(self, share, offloaded=0.0, activation_bytes=0.0, baseline_bytes=0.0, largest_share=None):
-        """``memory_peak.predict_peak`` of a rank (``allocations`` must be known)."""
+        """``peak.predict_peak`` of a rank (``allocations`` must be known)."""
         offloaded = 1.0 if self.optimizer_device is not None else float(offloaded)
         return predict_peak(self.allocations, share=share if self.zero_stage in (1, 2) else None, offloaded=offloaded,
                             activation_bytes=activation_bytes or 0.0, baseline_bytes=baseline_bytes or 0.0,
@@ -71,9 +71,9 @@ class ModelStateSpec:
     @classmethod
     def for_engine(cls, ds_config, model, optimizer=None, emulated_device=False):
         """The state of ``model`` under a ``DeepSpeedConfig``, counted as the planner counts it
-        (``memory.config_model_state_bytes``): the client's optimizer instance, else the config's.
-        ``emulated_device``: the rank's capacity is emulated by accounting, a device apart from the
-        host even on the CPU accelerator."""
+        (``model_state.config_model_state_bytes``): the client's optimizer instance, else the
+        config's. ``emulated_device``: the rank's capacity is emulated by accounting, a device apart
+        from the host even on the CPU accelerator."""
         import torch
         client = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
         if client is None:
@@ -92,7 +92,7 @@ class ModelStateSpec:
     @classmethod
     def for_config_dict(cls, param_dict, num_parameters, half, world=None, emulated_device=True):
         """The state of a model of ``num_parameters`` under a ds_config dict (no engine, no model),
-        with DeepSpeed's buffers (``memory_peak``) on ``world`` data-parallel ranks when known; the
+        with DeepSpeed's buffers (``peak.py``) on ``world`` data-parallel ranks when known; the
         tensors' sizes are not known, so no gradient of a largest parameter is counted in flight,
         and nothing is in use at the start. ``emulated_device``: a device apart from the host."""
         from types import SimpleNamespace

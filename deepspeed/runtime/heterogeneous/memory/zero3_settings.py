@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Heterogeneity-aware ZeRO-3 settings (issue 14 item 8): fewer collectives per step. Pure, except
+"""Heterogeneity-aware ZeRO-3 settings: fewer collectives per step. Pure, except
 ``configure_zero3_settings``, which only prints.
 
 On a mixed cluster every collective is a point where the faster ranks wait for the slowest, and

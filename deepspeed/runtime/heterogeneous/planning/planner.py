@@ -7,7 +7,8 @@ global batch so that ``sum(mbs_i * gas_i) == train_batch_size`` exactly and the 
 predicted step time is minimal within each rank's memory limit. Pure logic: the engine gathers
 the inputs and broadcasts the resulting Plan as JSON.
 
-This module holds the entry points: ``plan_micro_batches`` and the seed's prior-score helpers.
+This module holds the entry points: ``plan_micro_batches`` and the prior-score helpers behind the
+engine's scheduling API (``engine.py``).
 The pieces live apart, one concern each, and are re-exported here for the rest of the fork:
 
 - ``plan.py``: the ``Plan`` type, its JSON form and its printed table;
@@ -108,7 +109,7 @@ def plan_micro_batches(time_models,
 
 
 def device_score(device):
-    """Prior speed of one device in TFLOP/s: the seed's ``engine._get_device_score(dev)``.
+    """Prior speed of one device in TFLOP/s (``engine._get_device_score(dev)`` returns it).
 
     Args:
         device: a DeviceDescription or its dict (its ``spec_score``: from the datasheet table or
@@ -135,7 +136,7 @@ def device_score(device):
 
 
 def distribute_workload(normalized_scores, train_batch_size, gradient_accumulation_steps=1):
-    """Micro-batch sizes proportional to the scores: the seed's ``engine._distribute_workload``.
+    """Micro-batch sizes proportional to the scores (behind ``engine._distribute_workload``).
 
     Largest-remainder rounding of ``(train_batch_size / gas) * score_i``, each size at least 1,
     summing exactly to ``train_batch_size / gas``. Scores need not sum to 1 (they are normalised).
@@ -166,7 +167,8 @@ def distribute_workload(normalized_scores, train_batch_size, gradient_accumulati
 
 
 def schedule_heterogeneous_tasks(devices, train_batch_size, gradient_accumulation_steps=1):
-    """A compute_aware Plan from the devices' prior scores: the seed's ``engine.schedule_heterogeneous_tasks``.
+    """A compute_aware Plan from the devices' prior scores (behind
+    ``engine.schedule_heterogeneous_tasks``).
 
     Args:
         devices: one entry per data-parallel rank, anything ``device_score`` accepts. If any

@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """From the profiling steps to a plan (docs/architecture.md §4.1, 4.4): pure functions, no processes.
 
-A profiling step's measurements, pooled over the ranks (``agreement.merge_replicas``), are one
-entry per data-parallel rank: ``{"samples": [(mbs, seconds, activation bytes or None), ...],
-"step_overhead": seconds, "state_bytes": bytes, "wall": seconds}``. ``history`` is the list of
-those steps.
+A profiling step's measurements, pooled over the ranks (``cluster/agreement.merge_replicas``), are
+one entry per data-parallel rank: ``{"samples": [(mbs, seconds, activation bytes or None), ...],
+"step_overhead": seconds, "state_bytes": bytes, "wall": seconds}``. ``history`` is the list of those
+steps.
 
-A plan must be one a user can trust (issue 12): never a split of noise, never absurd, and checked
+A plan must be one a user can trust: never a split of noise, never absurd, and checked
 after the switch (``rebalance.Rebalancer.judge_switch``). ``trusted_plan`` keeps the start-up
 plan unless two ranks' speeds differ beyond the noise of their own measurements, and caps what a
 fitted fixed cost may move; the last profiling step runs the start-up plan again, the reference
@@ -110,9 +110,9 @@ def _scatter_about_line(points):
     The noise is the measurements' scatter about the line that describes them best, not about the
     planner's model: where a rank's time hardly grows with its samples (a fixed cost dominates, as
     on a throttled rank whose per-micro-step overhead is slowed too), the fit falls back to
-    proportional time for planning (``fit_time_model``, ``plausible_time_model``), and read
-    against that model 2 samples taking as long as 8 counted as 300% noise: the gate then kept
-    [8, 8] for a rank at a quarter of the other's speed (issue 11, ``bench_profiling_gate.py``).
+    proportional time for planning (``fit_time_model``, ``plausible_time_model``), and read against
+    that model 2 samples taking as long as 8 would count as 300% noise: the gate would keep [8, 8]
+    for a rank at a quarter of the other's speed (``tests/perf/bench_profiling_gate.py``).
     """
     if len(points) < 3 or len({m for m, _ in points}) < 2:
         return None
