@@ -82,7 +82,11 @@ def test_two_ranks_take_the_smaller_ranks_sizes_and_train_exactly():
     cases = [dict(stage=2, zero_extra={}), dict(stage=3, zero_extra={}),
              dict(stage=2, zero_extra={"reduce_bucket_size": 4096})]
     results = run_subcases(chunked_run, cases, world_size=2, timeout=300)
-    expected = adaptive_chunk_sizes([16 * GIB, 8 * GIB], {})
+    # The smaller rank's 8 GiB (8,589,934,592 bytes) in 4-byte elements, each size rounded down to
+    # a multiple of 1024: 2% -> 42,949,672 -> 42,949,632; 1% -> 21,474,836 -> 21,474,304;
+    # 5% -> 107,374,182 -> 107,373,568.
+    expected = {"reduce_bucket_size": 42_949_632, "allgather_bucket_size": 42_949_632,
+                "stage3_prefetch_bucket_size": 21_474_304, "stage3_max_live_parameters": 107_373_568}
     inputs = torch.cat([b[0] for b in batches()])
     targets = torch.cat([b[1] for b in batches()])
     reference = adam_mse_reference(make_model(), inputs, targets, [list(range(16 * k, 16 * k + 16)) for k in range(3)],

@@ -12,9 +12,7 @@ import torch
 from deepspeed.runtime.heterogeneous import HeterogeneousMemoryPool, MemoryPlacementError, ModelStateSpec
 from deepspeed.runtime.heterogeneous.config.settings import load_heterogeneous_settings
 from deepspeed.runtime.heterogeneous.measure.devices import BYTES_PER_GB, DeviceDescription
-from deepspeed.runtime.heterogeneous.memory.model_state import model_state_bytes
 from deepspeed.runtime.heterogeneous.cli.env_report import config_placement_lines, parse_parameter_count
-from deepspeed.runtime.heterogeneous.memory.partitions import choose_partition_shares
 
 GIB = BYTES_PER_GB
 # 1e9 parameters, bf16 with Adam: 2 GB of parameters, 2 GB of gradients, 12 GB of optimizer state
@@ -68,21 +66,43 @@ def test_bad_budgets_are_refused_by_name(kwargs, named):
 # -- ZeRO-1/2 shares -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_auto_shares_are_the_partition_rule_with_each_ranks_room(stage):
-    """Before the pool the engine chose shares with ``choose_partition_shares`` from each rank's
-    budget minus what it holds whatever its share; the pool's decision must be that one."""
-    capacities, utilization, speeds = [80 * GIB, 24 * GIB, 40 * GIB], 0.85, [3.0, 1.0, 2.0]
+@pytest.mark.parametrize("stage, small_capacity", [(1, 11 * 10**9), (2, 7.5 * 10**9)])
+def test_auto_shares_follow_speed_within_each_ranks_room(stage, small_capacity):
+    """Shares follow the speeds (3 : 1 : 2) until a rank's room caps its share; what the capped
+    rank cannot take goes to the others in proportion to their speeds.
+
+    1e9 parameters, bf16 Adam, 3 ranks, threshold 0.5. Held whole on every rank: the parameters
+    (2 GB) and, in ZeRO-1, the gradients (2 GB); partitioned: optimizer state and master copy
+    (12 GB) and, in ZeRO-2, the gradients (2 GB):
+
+        ZeRO-1: held 4 GB, partitioned 12 GB; rank 1: 11 GB * 0.5 = 5.5 GB budget,
+                room 5.5 - 4 = 1.5 GB = 0.125 of 12 GB
+        ZeRO-2: held 2 GB, partitioned 14 GB; rank 1: 7.5 GB * 0.5 = 3.75 GB budget,
+                room 3.75 - 2 = 1.75 GB = 0.125 of 14 GB
+
+    Rank 1's speed share, 1/6 = 0.167, is over its cap 0.125, so it gets 0.125. Ranks 0 and 2
+    split the other 0.875 as 3 : 2: 0.875 * 3/5 = 0.525 and 0.875 * 2/5 = 0.35, within their
+    rooms (rank 0: 40 GB - held, rank 2: 20 GB - held, both more than the whole state)."""
     spec = ModelStateSpec(zero_stage=stage, **BF16_1B)
-    pool = HeterogeneousMemoryPool(capacities, hbm_utilization_threshold=utilization, speeds=speeds)
+    pool = HeterogeneousMemoryPool([80 * 10**9, small_capacity, 40 * 10**9], hbm_utilization_threshold=0.5,
+                                   speeds=[3.0, 1.0, 2.0])
     placement = pool.place(spec)
-    inputs = dict(param_bytes=2, optimizer_bytes=8, master_bytes=4)
-    held = model_state_bytes(10**9, stage, 3, share=0.0, **inputs)
-    total = model_state_bytes(10**9, stage, 3, share=1.0, **inputs) - held
-    expected = choose_partition_shares(speeds, [c * utilization - held for c in capacities], total)
-    assert placement.partition_shares == expected
+    assert placement.partition_shares == (0.525, 0.125, 0.35)
+    assert [r.share for r in placement.ranks] == [0.525, 0.125, 0.35]
     assert placement.offloaded_ranks == [] and all(r.fits for r in placement.ranks)
-    assert [r.share for r in placement.ranks] == list(expected)
+    # Rank 1 is full: its held state plus its share of the partitioned state is its whole budget.
+    held, partitioned = {1: (4e9, 12e9), 2: (2e9, 14e9)}[stage]
+    assert placement.ranks[1].device_bytes == pytest.approx(held + 0.125 * partitioned) == small_capacity * 0.5
+
+
+def test_auto_shares_are_the_speeds_where_every_room_is_large_enough():
+    """Capacities [80, 24, 40] GiB at 0.85, ZeRO-2 (held 2 GB, partitioned 14 GB): the smallest
+    room, 24 GiB * 0.85 - 2 GB = 19.9 GB, holds more than the whole state, so no room caps a
+    share and the shares are the speeds' 3 : 1 : 2, rounded to millionths (the last share takes
+    what rounding the others leaves: 1 - 0.5 - 0.166667 = 0.333333)."""
+    pool = HeterogeneousMemoryPool([80 * GIB, 24 * GIB, 40 * GIB], hbm_utilization_threshold=0.85,
+                                   speeds=[3.0, 1.0, 2.0])
+    assert pool.place(ModelStateSpec(zero_stage=2, **BF16_1B)).partition_shares == (0.5, 0.166667, 0.333333)
 
 
 def test_the_memory_limit_tests_rank_gets_a_small_share():
@@ -171,19 +191,18 @@ def test_zero3_offload_ratio_makes_upstream_offload_exactly_that_many_sub_groups
 
 
 def test_zero3_offloads_the_fewest_whole_sub_groups_that_fit_the_last_first():
-    quarters = (0.4, 0.1, 0.3, 0.2)  # upstream offloads the last sub-groups first
+    """4e9 parameters, ZeRO-3, bf16 Adam, 2 ranks: rank 1 holds 4 GB of parameters, 4 GB of
+    gradients and 24 GB of optimizer state and master copy, 32 GB for a budget of 20 GiB
+    (21.47 GB): 10.53 GB must leave the device, 10.53 / 24 = 0.439 of its optimizer state.
+    Upstream offloads the last sub-groups first: the last one (0.2: 4.8 GB) is not enough, the
+    last two (0.2 + 0.3 = 0.5: 12 GB) are."""
+    quarters = (0.4, 0.1, 0.3, 0.2)
     spec = ModelStateSpec(zero_stage=3, sub_groups=quarters, **BF16_4B)
     pool = HeterogeneousMemoryPool([80 * GIB, 20 * GIB], hbm_utilization_threshold=1.0)
-    hundredths = HeterogeneousMemoryPool([80 * GIB, 20 * GIB], hbm_utilization_threshold=1.0).place(
-        ModelStateSpec(zero_stage=3, **BF16_4B)).ranks[1].offload_fraction
     rank = pool.place(spec).ranks[1]
-    held = 0.0
-    for count, part in enumerate(reversed(quarters), start=1):
-        held += part
-        if held >= hundredths - 0.01:
-            break
-    assert (rank.offload_sub_groups, rank.offload_fraction) == (count, pytest.approx(held)) and rank.fits
-    assert 0 < count < 4
+    assert (rank.offload_sub_groups, rank.offload_fraction) == (2, pytest.approx(0.5)) and rank.fits
+    # Without known sub-groups the fraction goes in hundredths: 0.44, the first at or above 0.439.
+    assert pool.place(ModelStateSpec(zero_stage=3, **BF16_4B)).ranks[1].offload_fraction == pytest.approx(0.44)
     # Without DeepSpeedCPUAdam upstream's ratio must be 1: all of it.
     whole = pool.place(ModelStateSpec(zero_stage=3, sub_groups=quarters, partial_offload=False, **BF16_4B)).ranks[1]
     assert (whole.offload_fraction, whole.offload_sub_groups) == (1.0, 4)
