@@ -111,13 +111,11 @@ class HeterogeneousProfiler:
         mine = {"dp_rank": runtime.rank, "records": records, "peak_bytes": self._peak_bytes(records),
                 # Only rank 0 fills in the observed gain of an event: every rank takes rank 0's.
                 "events": [_event_dict(e) for e in runtime.events if self.start_step < e.step <= runtime.steps]}
-        gathered = [None] * dist.get_world_size()
         try:
-            dist.all_gather_object(gathered, mine)
+            gathered = runtime.agreement.gather_from_every_rank(mine, "the other ranks' profiler records")
         except Exception as exc:
-            raise RuntimeError(f"HeterogeneousProfiler.stop_profile(): data-parallel rank {runtime.rank} could not "
-                               f"gather the other ranks' records; every rank must call stop_profile() at the same "
-                               f"step, and a peer failed or timed out ({exc})") from exc
+            raise RuntimeError(f"HeterogeneousProfiler.stop_profile(): every rank must call stop_profile() at the "
+                               f"same step: {exc}") from exc
         self._snapshot = {
             "ranks": merge_replicas(gathered, runtime.plan.world_size),
             "capacities": runtime.capacities,

@@ -40,7 +40,7 @@ def test_imports_are_resolved_relative_to_their_package():
     source = ("import os\nfrom . import plan\nfrom .config import X\nfrom ..zero import stage3\n"
               "def f():\n    from deepspeed.runtime.heterogeneous.cluster.topology import Topology\n")
     found = comm_patch.imported_modules(source, "deepspeed/runtime/heterogeneous/state.py")
-    for module in ("os", "deepspeed.runtime.heterogeneous.planning.plan", "deepspeed.runtime.heterogeneous.config.settings",
+    for module in ("os", "deepspeed.runtime.heterogeneous.plan", "deepspeed.runtime.heterogeneous.config",
                    "deepspeed.runtime.zero.stage3", "deepspeed.runtime.heterogeneous.cluster.topology.Topology"):
         assert module in found, module
 
@@ -87,7 +87,8 @@ def test_the_patch_holds_the_feature_and_says_what_it_holds(applied):
     text = applied.text
     for name in ("comm-hierarchical-reduction.patch", "config-heterogeneous-blocks.patch"):
         assert f"  {name}\n" in text
-    for module in ("hierarchical.py", "topology.py", "link_buckets.py", "communication.py", "config.py"):
+    for module in ("comm/hierarchical.py", "cluster/topology.py", "comm/link_buckets.py", "comm/status.py",
+                   "config/settings.py"):
         assert f"  deepspeed/runtime/heterogeneous/{module}\n" in text
     assert "launcher/runner.py" not in text, "the launcher's additions are not part of the feature"
     for rel, (data, _) in applied.expected.items():
@@ -96,7 +97,7 @@ def test_the_patch_holds_the_feature_and_says_what_it_holds(applied):
 
 def test_the_applied_tree_imports_from_itself(applied):
     code = ("import json, deepspeed\n"
-            "from deepspeed.runtime.heterogeneous import hierarchical, link_buckets\n"
+            "from deepspeed.runtime.heterogeneous.comm import hierarchical, link_buckets\n"
             "from deepspeed.runtime.heterogeneous.cli.env_report import communication_optimization_active\n"
             "print(json.dumps([deepspeed.__file__, hierarchical.__file__]))\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=applied.work, capture_output=True, text=True,

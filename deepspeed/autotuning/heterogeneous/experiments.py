@@ -120,8 +120,9 @@ def _finish(engine, marks):
         "flops_per_micro_step": float(getattr(engine, "flops", 0) or 0) if rank == 0 else None,
         "profile": _rank_profile(engine),
     }
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    from deepspeed.runtime.heterogeneous.cluster.agreement import Agreement
+    agreement = Agreement(f"global rank {dist.get_rank()}")
+    everyone = agreement.gather_to_rank0(mine, "the experiment's measurements")
     if rank == 0:
         latency = max(entry["step_seconds"] for entry in everyone)
         batch = engine.train_batch_size()
@@ -152,7 +153,7 @@ def _finish(engine, marks):
             json.dump(metrics, handle, indent=2)
         os.replace(tmp, path)  # the tuner never reads a half-written file
         print(f"Autotuning: wrote metrics of {len(intervals)} steps to {os.path.abspath(path)}", flush=True)
-    dist.barrier()
+    agreement.barrier("rank 0 to write the experiment's metrics")
     # Not sys.exit: interpreter finalization can abort a gloo rank after the metrics were written.
     from deepspeed.runtime.heterogeneous.cli.process_exit import end_process
     end_process(0)

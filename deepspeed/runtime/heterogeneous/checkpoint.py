@@ -22,8 +22,9 @@ back as client state; with the fork off nothing is added and the checkpoint is u
 On load:
 
 - the same cluster (devices, emulation, strategy, data-parallel world size) and batch: the plan,
-  the runtime (profiling finished or not, its measurements, the rebalancer, the events) and the
-  samplers continue exactly where the saving run was;
+  the runtime controller (``HeterogeneousRuntime.state_dict``: its phase, the profiling
+  measurements, the rebalancer with a switch awaiting its check and the plans it reverted, the
+  events) and the samplers continue exactly where the saving run was;
 - another cluster: the checkpoint's plan is kept (compute_aware; with ``manual``/``uniform`` the
   config's plan, so that changed ``micro_batch_sizes`` take effect), profiling runs again from it,
   and the samplers continue at the saved position (re-split when the plan differs);
@@ -32,15 +33,10 @@ On load:
   do not follow a new world size (upstream refuses with its own error; a ZeRO-0 checkpoint loads).
 """
 
-import copy
-from dataclasses import asdict
-
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
-from .planning.planner import Plan, TimeModel
-from .planning.rebalance import RebalanceEvent
-from .measure.timing import StepTiming
+from .planning.planner import Plan
 
 KEY = "deepspeed_hetero"
 """The client-state key of the fork's record."""
@@ -60,7 +56,7 @@ def save_state(engine, client_state):
     mine = {
         "samplers": [sampler.state_dict() for sampler in samplers],
         "mid_round": [index for index, sampler in enumerate(samplers) if sampler.mid_round],
-        "window": window_state(runtime),
+        "window": runtime.window_state(),
     }
     everyone = runtime.agreement.gather_from_every_rank(mine, "the samplers' positions to save a checkpoint")
     check_positions_agree([entry["samplers"] for entry in everyone])
@@ -73,7 +69,7 @@ def save_state(engine, client_state):
         "version": VERSION,
         "plan": engine.heterogeneous_plan.to_dict(),
         "cluster": cluster_signature(engine._config.heterogeneous),
-        "runtime": runtime_state(runtime),
+        "runtime": runtime.state_dict(),
         "windows": [entry["window"] for entry in everyone],
         "samplers": mine["samplers"],
     }
@@ -125,7 +121,7 @@ def restore(engine, record):
              f"start-up plan {list(current.micro_batch_sizes)} splits the rest of the epoch")
     windows = record.get("windows") or []
     window = windows[dist.get_rank()] if same_cluster and dist.get_rank() < len(windows) else None
-    restore_runtime(runtime, record["runtime"] if same_cluster else None, window)
+    runtime.load_state_dict(record["runtime"] if same_cluster else None, window)
     if not same_cluster and runtime.profiling:
         _log(engine, "the checkpoint was written on another cluster (devices, emulation or strategy differ): "
              "profiling runs again from the plan in force")
@@ -199,45 +195,3 @@ def _at_step_boundary(engine, runtime):
 def _log(engine, message):
     if dist.get_rank() == 0:
         print(f"[deepspeed-hetero] load_checkpoint: {message}", flush=True)
-
-
-def runtime_state(runtime):
-    """The runtime's progress as plain values (no class of the fork is pickled): whether profiling
-    finished and what it measured so far, the rebalancer's state, the plan changes. The same on
-    every rank except the rebalancer, which only rank 0's decides with."""
-    return {
-        "profiling": runtime.profiling,
-        "history": copy.deepcopy(runtime.history),
-        "base_models": None if runtime.base_models is None else [[m.a, m.b] for m in runtime.base_models],
-        "rebalancer": runtime.rebalancer.state_dict(),
-        "events": [asdict(event) for event in runtime.events],
-    }
-
-
-def window_state(runtime):
-    """This rank's steps since the last rebalancing check (its own measurements: per rank)."""
-    return [asdict(timing) for timing in runtime._window]
-
-
-def restore_runtime(runtime, state, window=None):
-    """Continue from a checkpoint, between steps (engine.load_checkpoint restored the step count).
-
-    ``state``: ``runtime_state()`` of the saving run on the same cluster; None to start over on
-    this one (another cluster: profiling runs again from the plan in force, the measurements and
-    rebalancing history of the old cluster no longer apply). ``window``: this rank's
-    ``window_state()``, so that the rebalancing checks keep their cadence.
-    """
-    if state is not None:
-        runtime.profiling = bool(state["profiling"]) and runtime.profiling
-        runtime.history = copy.deepcopy(state["history"])
-        models = state["base_models"]
-        runtime.base_models = None if models is None else [TimeModel(a, b) for a, b in models]
-        runtime.rebalancer.load_state_dict(state["rebalancer"])
-        runtime.events = [RebalanceEvent(**{**event, "old_sizes": tuple(event["old_sizes"]),
-                                            "new_sizes": tuple(event["new_sizes"])}) for event in state["events"]]
-        runtime._window = [StepTiming(**timing) for timing in window or []]
-    # DeepSpeed does not save the engine's micro-step count: accumulation boundaries are counted
-    # from here (a checkpoint is taken at an optimizer step's end).
-    runtime.gas_origin = runtime.engine.micro_steps
-    runtime.timer.restart()
-    runtime.limits.apply_speed_schedule(runtime.steps + 1)

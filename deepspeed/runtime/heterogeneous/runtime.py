@@ -1,25 +1,44 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The fork's per-engine runtime: the engine's hooks, glued to the modules that do the work.
+"""The runtime controller: one per engine, it owns every decision the fork takes while training.
 
 The engine calls four hooks (all no-ops when heterogeneous mode is off): ``micro_step_begin`` at
 forward, ``backward_begin``, ``micro_step_end`` after backward and ``step_end`` after the
-optimizer step. ``HeterogeneousRuntime`` routes them:
+optimizer step. ``HeterogeneousRuntime`` routes them to the modules that do the work:
 
-- ``timing``: this rank's own time per micro-step and per step;
-- ``emulated_limits``: an emulated rank's speed schedule and memory;
-- ``agreement``: the only collectives (pool measurements, broadcast rank 0's decision);
-- ``profiling``: profiling steps -> time models, memory limits, the next plan (pure);
-- ``rebalance``: when to move work during training (pure).
+- ``measure.timing``: this rank's own time per micro-step and per step;
+- ``emulation.limits``: an emulated rank's speed schedule and memory;
+- ``cluster.agreement``: its only collectives (pool measurements, broadcast rank 0's decision);
+- ``planning.profiling``: profiling steps -> time models, memory limits, the next plan (pure);
+- ``planning.rebalance``: when to move work during training, and whether a switch made the step
+  slower (pure).
 
-During the ``profile_steps`` first steps the ranks pool their measurements, rank 0 fits
-``time = a_i + b_i * mbs`` and the activation bytes per rank, derives each rank's memory limit,
-plans, the plan is broadcast, and every rank switches to it at this same step boundary (the
-sampler follows). Any allocation gives the exact global-batch gradient (loss weighting), so
-profiling trains for real.
+Its phases (``Phase``) are explicit, and one ``state_dict`` covers all of its state, so that a
+resumed run continues in the same phase with the same pending check:
+
+1. ``PROFILING`` (strategy ``compute_aware``, ``profile_steps`` > 0): after each step every rank's
+   measurements are gathered to every rank (each keeps them: checkpoints and the autotuner read
+   them); rank 0 fits ``time = a_i + b_i * mbs`` and the activation bytes per rank, derives each
+   rank's memory limit and plans; the plan is broadcast and every rank switches to it at this
+   step boundary (the samplers follow). Any allocation gives the exact global-batch gradient
+   (loss weighting), so profiling trains for real.
+2. ``VERIFYING``: a switch waits for one check of its observed step time, ``check_interval`` steps
+   later; a switch that made the step slower beyond the noise is reverted. Then ``STATIC``.
+3. ``MONITORING`` (``scheduler.dynamic_rebalancing``): a check every ``check_interval`` steps,
+   which first judges the last switch, then may rebalance.
+4. ``STATIC``: the plan stays; nothing is timed or gathered (``reschedule_workload`` still re-plans
+   on demand).
+
+The checks gather the interval's measurements to rank 0 alone; its decision, with the measured
+memory peaks every rank's pool report shows, is broadcast. The comm clock (time in collectives,
+subtracted from compute) runs only while something reads it: profiling, verifying, monitoring,
+the heterogeneous profiler's recording, or time dilation.
 """
 
+import copy
+import enum
 import statistics
 import time
+from dataclasses import asdict
 
 from deepspeed import comm as dist
 from deepspeed.utils import logger
@@ -32,14 +51,23 @@ from .data.fed_batch import fed_size
 from .emulation.limits import EmulatedLimits, EmulatedOutOfMemoryError
 from .measure import comm_clock
 from .memory.model_state import ActivationMeter, engine_model_state_bytes
-from .planning.planner import Plan, plan_micro_batches
+from .planning.planner import Plan, TimeModel, plan_micro_batches
 from .planning.profiling import measured_time_models, memory_limits, plan_after_profiling_step, reference_walls
 from .planning.rebalance import (RebalanceEvent, RebalancePolicy, Rebalancer, balanced_models,
                                  models_from_utilization, window_models)
-from .measure.timing import StepTimer
+from .measure.timing import StepTimer, StepTiming
 from .cluster.topology import topology_note
 
-__all__ = ["HeterogeneousRuntime", "PlanAgreementError", "EmulatedOutOfMemoryError"]
+__all__ = ["HeterogeneousRuntime", "Phase", "PlanAgreementError", "EmulatedOutOfMemoryError"]
+
+
+class Phase(str, enum.Enum):
+    """What the controller does at each step end (see the module docstring)."""
+
+    PROFILING = "profiling"
+    VERIFYING = "verifying"
+    MONITORING = "monitoring"
+    STATIC = "static"
 
 
 class HeterogeneousRuntime:
@@ -62,7 +90,6 @@ class HeterogeneousRuntime:
         self.meter = ActivationMeter()
         self._state_bytes = None
         self._activations_size = None  # the micro-batch size whose activations the memory pool holds
-        self.profiling = self.settings.load_balancing_strategy == "compute_aware" and self.settings.profile_steps > 0
         self.history = []  # per profiling step: every data-parallel rank's pooled measurements
         self.base_models = None  # the profiled fits alone: what an on-demand re-plan scales
         self.samplers = []  # batch samplers that follow the plan (the engine's loader's, users' registered)
@@ -72,6 +99,8 @@ class HeterogeneousRuntime:
         self.gas_origin = 0  # the engine's micro-step count when this rank's current gas took effect
         scheduler = self.settings.scheduler
         self.dynamic = scheduler.dynamic_rebalancing and self.settings.load_balancing_strategy == "compute_aware"
+        profiles = self.settings.load_balancing_strategy == "compute_aware" and self.settings.profile_steps > 0
+        self.phase = Phase.PROFILING if profiles else self._after_switch(verify=False)
         # Every rank builds one; only rank 0's decides. Without dynamic rebalancing it serves
         # reschedule_workload() alone, which needs no policy.
         policy = RebalancePolicy(scheduler.imbalance_threshold, scheduler.cooldown_checks) if self.dynamic else None
@@ -79,11 +108,9 @@ class HeterogeneousRuntime:
         self.events = []  # RebalanceEvent per plan change after profiling (every rank keeps them)
         self.recording = False  # per-step records for the heterogeneous profiler
         self.records = []
-        self._window = []  # this rank's StepTimings since the last rebalancing check
-        # deepspeed-hetero plan trust: a switch waits for one check of its observed step time
-        # (without dynamic rebalancing, the only check); the agreement's own seconds are not a step's.
-        self._verifying = False
-        self._agreement_s = 0.0
+        self._window = []  # this rank's StepTimings since the last check
+        self._agreement_s = 0.0  # the last agreement's own seconds, which are not a step's
+        self._update_comm_clock()
         self.limits.apply_speed_schedule(1)
         # On more than one host, the hosts and their measured links go under the title.
         self.log_plan("plan at start-up", self.plan, topology_note(self.state.topology))
@@ -91,6 +118,25 @@ class HeterogeneousRuntime:
     @property
     def plan(self):
         return self.state.plan
+
+    @property
+    def profiling(self):
+        return self.phase is Phase.PROFILING
+
+    def _after_switch(self, verify):
+        """The phase after profiling or a check: monitoring with dynamic rebalancing, else verifying
+        while a switch awaits its check, else static."""
+        if self.dynamic:
+            return Phase.MONITORING
+        return Phase.VERIFYING if verify else Phase.STATIC
+
+    def _enter(self, phase):
+        self.phase = phase
+        self._update_comm_clock()
+
+    def _update_comm_clock(self):
+        """Time collectives only while a reading of the clock is used (see the module docstring)."""
+        comm_clock.set_timing(self.phase is not Phase.STATIC or self.recording or self.limits.dilates_time)
 
     @property
     def steps(self):
@@ -173,9 +219,9 @@ class HeterogeneousRuntime:
         if self.recording:
             self._record(timing)
         self.limits.apply_speed_schedule(self.steps + 1)
-        if self.profiling:
+        if self.phase is Phase.PROFILING:
             self._profiling_step(timing)
-        elif self.dynamic or self._verifying:
+        elif self.phase in (Phase.VERIFYING, Phase.MONITORING):
             self._window.append(timing)
             # A check needs a whole interval at the plan in force (the same on every rank: the
             # window restarts at the end of profiling and at every check).
@@ -211,16 +257,25 @@ class HeterogeneousRuntime:
         pool.record_measured_peaks([self.measured_peak_bytes() if r == self.rank else None
                                     for r in range(pool.world_size)])
 
-    def _record_measured_peaks(self, entries):
-        """Every rank's measured peak and its last measured activations, from a gathered round."""
+    @staticmethod
+    def _memory_of(entries):
+        """Every rank's measured peak and its last measured activations (None: not measured), from
+        a gathered round: what every rank's pool report shows."""
+        peaks = [entry.get("peak_bytes") for entry in entries]
+        activations = []
+        for entry in entries:
+            measured = [sample[2] for sample in entry.get("samples", ()) if len(sample) > 2 and sample[2] is not None]
+            activations.append(measured[-1] if measured else None)
+        return peaks, activations
+
+    def _record_measured_peaks(self, peaks, activations):
         pool = self.state.memory_pool
         if pool is None:
             return
-        pool.record_measured_peaks([entry.get("peak_bytes") for entry in entries])
-        for rank, entry in enumerate(entries):
-            measured = [sample[2] for sample in entry.get("samples", ()) if len(sample) > 2 and sample[2] is not None]
-            if measured and rank != self.rank:
-                pool.record_activations(rank, measured[-1])
+        pool.record_measured_peaks(peaks)
+        for rank, measured in enumerate(activations):
+            if measured is not None and rank != self.rank:
+                pool.record_activations(rank, measured)
 
     # -- the heterogeneous profiler -----------------------------------------------------------
 
@@ -229,10 +284,12 @@ class HeterogeneousRuntime:
         wall time starts now, not at the last step end (anything done in between is not a step)."""
         self.records = []
         self.recording = True
+        self._update_comm_clock()
         self.timer.restart()
 
     def stop_recording(self):
         self.recording = False
+        self._update_comm_clock()
         return list(self.records)
 
     def _record(self, timing):
@@ -252,10 +309,19 @@ class HeterogeneousRuntime:
 
     # -- profiling ----------------------------------------------------------------------------
 
+    _SEQUENCES = {"samples": slowest_micro_step, "step_times": slowest, "walls": slowest}
+
     def _pooled(self, entry, what):
+        """Every rank's measurements, one entry per data-parallel rank, on every rank."""
         gathered = self.agreement.gather_from_every_rank(entry, what)
-        sequences = {"samples": slowest_micro_step, "step_times": slowest, "walls": slowest}
-        return merge_replicas(gathered, self.plan.world_size, sequences, error=PlanAgreementError)
+        return merge_replicas(gathered, self.plan.world_size, self._SEQUENCES, error=PlanAgreementError)
+
+    def _pooled_on_rank0(self, entry, what):
+        """The same on global rank 0 alone (None elsewhere): what only rank 0 decides with."""
+        gathered = self.agreement.gather_to_rank0(entry, what)
+        if gathered is None:
+            return None
+        return merge_replicas(gathered, self.plan.world_size, self._SEQUENCES, error=PlanAgreementError)
 
     def _profiling_step(self, timing):
         peak = self.measured_peak_bytes()
@@ -265,7 +331,7 @@ class HeterogeneousRuntime:
                 "wall": max(timing.wall - self._agreement_s, 0.0)}
         began = time.perf_counter()
         self.history.append(self._pooled(mine, f"the measurements of step {self.steps} to agree on a plan"))
-        self._record_measured_peaks(self.history[-1])
+        self._record_measured_peaks(*self._memory_of(self.history[-1]))
         last = len(self.history) >= self.settings.profile_steps
         decision = self._decide_after_profiling(last) if dist.get_rank() == 0 else None
         box = self.agreement.broadcast_from_rank0(decision, "the new plan")
@@ -278,11 +344,10 @@ class HeterogeneousRuntime:
         if last and box.get("note"):
             self._log_decision(f"after profiling (step {self.steps}): {box['note']}")
         if last:
-            self.profiling = False
             self._window = []
             # The switch is judged one check interval later (the first check with dynamic
             # rebalancing; without it, this one check and no collective in between).
-            self._verifying = bool(box.get("verify"))
+            self._enter(self._after_switch(bool(box.get("verify"))))
         self._agreement_s = time.perf_counter() - began
 
     def _decide_after_profiling(self, last):
@@ -359,14 +424,19 @@ class HeterogeneousRuntime:
                 "step_overhead": sum(step.step_overhead for step in steps) / count,
                 "wall": sum(walls) / count, "walls": walls, "peak_bytes": self.measured_peak_bytes()}
         began = time.perf_counter()
-        everyone = self._pooled(mine, f"the measurements of step {self.steps} to agree on a plan")
-        self._record_measured_peaks(everyone)
-        box = self._decide_rebalance(everyone, forced_models, on_demand) if dist.get_rank() == 0 else None
+        everyone = self._pooled_on_rank0(mine, f"the measurements of step {self.steps} to agree on a plan")
+        box = None
+        if everyone is not None:
+            box = self._decide_rebalance(everyone, forced_models, on_demand)
+            box["peaks"], box["activations"] = self._memory_of(everyone)
         box = self.agreement.broadcast_from_rank0(box, "the rebalancing decision")
         if "error" in box:
             raise_decision_failure(box, f"rebalancing at step {self.steps} failed")
-        # Without dynamic rebalancing a switch is checked once (the window served that check).
-        self._verifying = bool(box.get("verify")) and not self.dynamic
+        self._record_measured_peaks(box["peaks"], box["activations"])
+        # Without dynamic rebalancing a switch is checked once (the window served that check); an
+        # on-demand re-plan during profiling leaves profiling to go on.
+        if self.phase is not Phase.PROFILING:
+            self._enter(self._after_switch(bool(box.get("verify"))))
         if box.get("note"):
             self._log_decision(f"step {self.steps}: {box['note']}")
         if "plan" in box:
@@ -451,7 +521,59 @@ class HeterogeneousRuntime:
             f"{list(old.gradient_accumulation_steps)} -> {list(plan.gradient_accumulation_steps)}, predicted step "
             f"time {old.format_step_time()} -> {plan.format_step_time()}"))
 
+    # -- checkpoints (checkpoint.py) ----------------------------------------------------------
+
+    def state_dict(self):
+        """The controller's state as plain values (a checkpoint holds no class of the fork): its
+        phase, the profiling steps' measurements, the fitted models, the rebalancer (the models and
+        baseline of the plan in force, the switch awaiting its check, the reverted plans, the
+        start-up plan) and the plan changes. The same on every rank; only rank 0's rebalancer
+        decides. Each rank's steps since the last check are ``window_state``."""
+        return {
+            "phase": self.phase.value,
+            "history": copy.deepcopy(self.history),
+            "base_models": None if self.base_models is None else [[m.a, m.b] for m in self.base_models],
+            "rebalancer": self.rebalancer.state_dict(),
+            "events": [asdict(event) for event in self.events],
+        }
+
+    def window_state(self):
+        """This rank's steps since the last check (its own measurements: per rank)."""
+        return [asdict(timing) for timing in self._window]
+
+    def load_state_dict(self, state, window=None):
+        """Continue from a checkpoint, between steps (``engine.load_checkpoint`` restored the step
+        count). ``state``: ``state_dict()`` of the saving run on the same cluster; None to start
+        over on this one (another cluster: profiling runs again from the plan in force; the old
+        cluster's measurements and rebalancing history no longer apply). ``window``: this rank's
+        ``window_state()``, so that the checks keep their cadence."""
+        if state is not None:
+            self.history = copy.deepcopy(state["history"])
+            models = state["base_models"]
+            self.base_models = None if models is None else [TimeModel(a, b) for a, b in models]
+            self.rebalancer.load_state_dict(state["rebalancer"])
+            self.events = [RebalanceEvent(**{**event, "old_sizes": tuple(event["old_sizes"]),
+                                             "new_sizes": tuple(event["new_sizes"])}) for event in state["events"]]
+            self._window = [StepTiming(**timing) for timing in window or []]
+            self._enter(self._resumed_phase(state))
+        # DeepSpeed does not save the engine's micro-step count: accumulation boundaries are counted
+        # from here (a checkpoint is taken at an optimizer step's end).
+        self.gas_origin = self.engine.micro_steps
+        self.timer.restart()
+        self.limits.apply_speed_schedule(self.steps + 1)
+
+    def _resumed_phase(self, state):
+        """The saved phase, as far as this run's settings allow it: profiling only where this run
+        profiles; a check still due keeps its phase (monitoring with dynamic rebalancing on here)."""
+        saved = state.get("phase")
+        if saved is None:  # a record without phases: only whether profiling had finished
+            saved = Phase.PROFILING.value if state.get("profiling") else None
+        if saved == Phase.PROFILING.value and self.phase is Phase.PROFILING:
+            return Phase.PROFILING
+        return self._after_switch(verify=saved == Phase.VERIFYING.value or self.rebalancer.pending is not None)
+
     def close(self):
         self.meter.stop()
         self.limits.close()
         comm_clock.synchronize_collectives(False)
+        comm_clock.set_timing(False)

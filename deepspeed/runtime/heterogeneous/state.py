@@ -194,9 +194,7 @@ class HeterogeneousState:
         Returns False (and does nothing) when the fork is off."""
         if not self.enabled:
             return False
-        from .measure import comm_clock
         from .startup import configure_heterogeneous_batch
-        comm_clock.enable()  # the runtime subtracts time in collectives from each rank's compute time
         configure_heterogeneous_batch(ds_config, self)
         return True
 

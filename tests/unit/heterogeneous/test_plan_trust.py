@@ -371,7 +371,7 @@ def _reverted_after_profiling(rank, world_size, steps):
         if len(plans) == steps:
             break
     return {"plans": plans, "events": [(e.step, list(e.old_sizes), list(e.new_sizes), e.kind) for e in runtime.events],
-            "verifying": runtime._verifying, "pending": runtime.rebalancer.pending is not None}
+            "verifying": runtime.phase == "verifying", "pending": runtime.rebalancer.pending is not None}
 
 
 CHECK_INTERVAL = 4

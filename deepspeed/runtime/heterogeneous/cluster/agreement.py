@@ -1,10 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The runtime's collectives, at the edge: pool every rank's measurements, send rank 0's decision.
+"""The fork's collectives, at the edge: pool the ranks' measurements, send rank 0's decision.
 
-Every decision of the fork (the plan after a profiling step, a rebalance) is taken on rank 0
-from every rank's measurements and broadcast, so all ranks switch at the same step boundary
-with the same plan. Two collectives do that, and they are the only ones the runtime issues:
-``gather_from_every_rank`` and ``broadcast_from_rank0``.
+Every decision of the fork (the plan after a profiling step, a rebalance, a switch judged) is
+taken on data-parallel rank 0 and broadcast, so all ranks switch at the same step boundary with
+the same plan. Every collective the fork issues outside the gradient path goes through
+``Agreement``: ``gather_to_rank0`` (what only rank 0 decides with), ``gather_from_every_rank``
+(what every rank keeps: the devices at start-up, the profiling steps' measurements, the
+profiler's records), ``broadcast_from`` and ``barrier``.
 
 When a peer dies or hangs, the collective fails on the survivors. To name the rank that failed
 rather than only the rank that reports it, every process checks in at the rendezvous store
@@ -15,14 +17,15 @@ one that died the store is unreachable, and the message says so.
 ``merge_replicas`` (pure) folds the contributions of model-parallel peers into one entry per
 data-parallel rank; the heterogeneous profiler merges its records with it too.
 
-``check_settings_agree`` runs once per ``DeepSpeedConfig`` with the fork enabled, before any
-collective of the fork: every rank must run the same blocks and environment switches, and a
-rank that has the fork off (an environment variable set on one node only) never joins a
-collective of the fork. So the settings go through the rendezvous store, where a missing rank
-ends in an error naming it instead of a hang, and a mismatch in an error naming the setting.
+``check_settings_agree`` runs once per process and setting before any collective of the fork:
+every rank must run the same blocks and environment switches, and a rank that has the fork off
+(an environment variable set on one node only) never joins a collective of the fork. So the
+settings go through the rendezvous store, where a missing rank ends in an error naming it
+instead of a hang, and a mismatch in an error naming the setting.
 """
 
 import json
+import pickle
 import time
 from datetime import timedelta
 
@@ -54,16 +57,55 @@ class Agreement:
                                      f"{self._who_failed(source=None)} ({exc})") from exc
         return gathered
 
-    def broadcast_from_rank0(self, decision, what):
-        """Rank 0's ``decision`` (a picklable object) on every process; others pass None."""
-        box = [decision]
+    def gather_to_rank0(self, entry, what):
+        """Every process's ``entry`` on global rank 0, in global rank order; None on the others.
+        Two collectives (the sizes, then the pickled entries padded to the longest), so that only
+        rank 0 receives the payload."""
+        import torch
+        world, rank = dist.get_world_size(), dist.get_rank()
         self._check_in()
         try:
-            dist.broadcast_object_list(box, src=0)
+            device = _collective_device()
+            data = torch.frombuffer(bytearray(pickle.dumps(entry)), dtype=torch.uint8)
+            size = torch.tensor([data.numel()], dtype=torch.long, device=device)
+            sizes = [torch.zeros_like(size) for _ in range(world)]
+            dist.all_gather(sizes, size)
+            lengths = [int(s.item()) for s in sizes]
+            padded = torch.zeros(max(lengths), dtype=torch.uint8)
+            padded[:data.numel()] = data
+            padded = padded.to(device)
+            buffers = [torch.zeros_like(padded) for _ in range(world)] if rank == 0 else None
+            dist.gather(padded, gather_list=buffers, dst=0)
+        except Exception as exc:
+            raise PlanAgreementError(f"deepspeed-hetero: {self.rank_label} could not gather {what} on global "
+                                     f"rank 0; {self._who_failed(source=None)} ({exc})") from exc
+        if rank != 0:
+            return None
+        return [pickle.loads(buffer[:length].cpu().numpy().tobytes()) for buffer, length in zip(buffers, lengths)]
+
+    def broadcast_from_rank0(self, decision, what):
+        """Rank 0's ``decision`` (a picklable object) on every process; others pass None."""
+        return self.broadcast_from(0, decision, what)
+
+    def broadcast_from(self, source, value, what):
+        """Global rank ``source``'s ``value`` (picklable) on every process; others pass None."""
+        box = [value]
+        self._check_in()
+        try:
+            dist.broadcast_object_list(box, src=source)
         except Exception as exc:
             raise PlanAgreementError(f"deepspeed-hetero: {self.rank_label} did not receive {what} from global "
-                                     f"rank 0; {self._who_failed(source=0)} ({exc})") from exc
+                                     f"rank {source}; {self._who_failed(source=source)} ({exc})") from exc
         return box[0]
+
+    def barrier(self, what):
+        """Wait until every process reaches this point; ``what`` completes "waiting for ..."."""
+        self._check_in()
+        try:
+            dist.barrier()
+        except Exception as exc:
+            raise PlanAgreementError(f"deepspeed-hetero: {self.rank_label} stopped waiting for {what}; "
+                                     f"{self._who_failed(source=None)} ({exc})") from exc
 
     def _check_in(self):
         self.sequence += 1
@@ -102,6 +144,15 @@ def missing_ranks(store, world_size, sequence):
         return missing
     except Exception:
         return None
+
+
+def _collective_device():
+    """Where tensors of a collective must live: the host for gloo, the device otherwise (NCCL)."""
+    import torch.distributed
+    if not torch.distributed.is_initialized() or torch.distributed.get_backend() == "gloo":
+        return "cpu"
+    from deepspeed.accelerator import get_accelerator
+    return get_accelerator().current_device_name()
 
 
 def _store():

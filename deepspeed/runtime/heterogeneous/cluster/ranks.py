@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from deepspeed import comm as dist
 
+from .agreement import Agreement
 from ..measure.devices import DeviceDescription, describe_local_device, emulated_memory_bytes, local_device_index
 
 
@@ -58,8 +59,8 @@ def gather_devices(dp_rank, world_size, memory_bytes=None):
     mine = describe_local_device(local_rank=local_device_index(), memory_bytes=memory_bytes, measure=False).to_dict()
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [DeviceDescription.from_dict(mine)]
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (dp_rank, mine))
+    gathered = Agreement(f"data-parallel rank {dp_rank}").gather_from_every_rank((dp_rank, mine),
+                                                                               "every rank's device")
     devices = []
     for rank in range(world_size):
         members = [DeviceDescription.from_dict(d) for r, d in gathered if r == rank]

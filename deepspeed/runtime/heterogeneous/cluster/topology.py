@@ -226,12 +226,8 @@ def discover_topology(dp_rank, world_size, probe_bytes=PROBE_BYTES, repeats=PROB
     keys_in_host_order = list(dict.fromkeys(first[r][1] for r in range(int(world_size))))
     leaders = [leader_of_key[k] for k in keys_in_host_order]
     measured = _run_probe(leaders, probe_bytes, repeats)
-    if leaders[0] == 0:
-        measured = agreement.broadcast_from_rank0(measured, "the measured inter-host bandwidth")
-    else:  # dp rank 0 is not global rank 0's replica: an unusual mpu; its host's leader measured
-        box = [measured]
-        dist.broadcast_object_list(box, src=leaders[0])
-        measured = box[0]
+    # The first host's leader measured (global rank 0 unless an unusual mpu puts dp rank 0 elsewhere).
+    measured = agreement.broadcast_from(leaders[0], measured, "the measured inter-host bandwidth")
     return Topology(topology.hosts, tuple(measured), topology.source)
 
 

@@ -122,5 +122,3 @@ def describe_link_buckets(sizes, bandwidth):
     ``reduce_bucket_size 1.6e+07, allgather_bucket_size 1.6e+07 elements (50 ms at 10000 Mbit/s)``."""
     shown = ", ".join(f"{key} {value:.2g}" for key, value in sizes.items())
     return f"{shown} elements ({TARGET_SECONDS * 1e3:.0f} ms at {bandwidth * 8 / 1e6:.0f} Mbit/s)"
-
-

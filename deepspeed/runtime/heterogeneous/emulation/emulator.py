@@ -253,8 +253,9 @@ def start_emulation(emulation, rank):
 
 
 def scheduled_speed(emulation, rank, step):
-    """The speed ``emulation.speed_schedule`` gives ``rank`` from optimizer step ``step`` on, or None."""
-    for change in (emulation.speed_schedule or []) if emulation is not None else []:
-        if change.step == step:
-            return change.speeds[rank]
-    return None
+    """The speed ``emulation.speed_schedule`` gives ``rank`` at optimizer step ``step``: that of the
+    latest change at or before it (a run resumed after a change runs at the changed speed), or
+    None when no change is due yet."""
+    due = [change for change in ((emulation.speed_schedule or []) if emulation is not None else [])
+           if change.step <= step]
+    return max(due, key=lambda change: change.step).speeds[rank] if due else None

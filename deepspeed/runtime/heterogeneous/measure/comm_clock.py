@@ -5,9 +5,9 @@ A rank's measured forward+backward contains the time it waits for slower peers a
 collective inside it (ZeRO-2/3 reduce and gather during backward and forward); that is the
 slow rank's time leaking into the fast rank's measurement. The planner needs each rank's own
 compute, so the engine subtracts what this clock accumulated over the micro-step. Every
-deepspeed.comm collective reports here (comm.timed_op) once the fork is on in this process
-(``enable()``, called when a heterogeneous config is built); an asynchronous one is timed when its
-handle is waited on. Nested calls count once. With the fork off, timed_op pays one branch on a
+deepspeed.comm collective reports here (comm.timed_op) while the runtime controller has the clock
+on (``set_timing``: profiling, verifying, monitoring, recording, time dilation); an asynchronous
+one is timed when its handle is waited on. Nested calls count once. With the fork off, timed_op pays one branch on a
 module attribute: no timing and no wrapper around async handles.
 
 The same call site serves ``collective_log``: a listener set with ``set_listener`` sees every
@@ -41,10 +41,10 @@ class _Clock(threading.local):
 _clock = _Clock()
 
 enabled = False
-"""Read by deepspeed.comm.timed_op on every collective: True once a heterogeneous config was built
-(the clock runs) or while a listener is set."""
+"""Read by deepspeed.comm.timed_op on every collective: True while the clock runs or a listener is
+set."""
 
-_timing = False  # the clock runs: a heterogeneous config was built in this process
+_timing = False  # the clock runs (set_timing)
 listener = None  # called as listener(func, args, kwargs) before each collective; None: none
 before_collective = None
 """Called with no arguments before each outermost collective starts, outside the clock (its time
@@ -68,10 +68,15 @@ def synchronize_collectives(on, accelerator=None):
     return _synchronize is not None
 
 
-def enable():
+def set_timing(on):
+    """Run the clock (``on``) or not: the runtime controller runs it only while something reads it."""
     global _timing, enabled
-    _timing = True
-    enabled = True
+    _timing = bool(on)
+    enabled = _timing or listener is not None
+
+
+def enable():
+    set_timing(True)
 
 
 def set_listener(callback):

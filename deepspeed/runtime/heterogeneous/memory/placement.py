@@ -67,5 +67,3 @@ def _zero3_offload(rank, spec):
 def offloads_per_rank(stage, world):
     """Where per-rank offload is applied: ZeRO stages 1-3 on 2+ data-parallel ranks."""
     return stage in (1, 2, 3) and world >= 2
-
-

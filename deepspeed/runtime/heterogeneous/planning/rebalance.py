@@ -294,27 +294,53 @@ class Rebalancer:
     takes them from its own config."""
 
     def state_dict(self):
-        """What the checks so far taught, as plain values: the models that chose the plan in force,
-        its baseline interval and the policy's counters (streak, cool-down, ...)."""
+        """Everything the checks so far taught, as plain values: the models that chose the plan in
+        force and its baseline interval, the policy's counters (streak, cool-down, ...), the switch
+        awaiting its check, the plans reverted and barred for a number of checks, the start-up plan
+        profiling falls back to and the models before the last adopted plan."""
         policy = None
         if self.policy is not None:
             policy = {key: value for key, value in vars(self.policy).items()
                       if key not in self._POLICY_SETTINGS and isinstance(value, (bool, int, float, str, list, tuple))}
+        pending = self.pending
         return {
-            "reference_models": None if self.reference_models is None else [[m.a, m.b] for m in self.reference_models],
+            "reference_models": _models_state(self.reference_models),
             "baseline": None if self.baseline is None else [list(entry) for entry in self.baseline],
             "policy": policy,
+            "pending": None if pending is None else {
+                "old_plan": pending.old_plan.to_dict(), "new_plan": pending.new_plan.to_dict(),
+                "old_models": _models_state(pending.old_models), "before": list(pending.before),
+                "label": pending.label, "after": list(pending.after)},
+            "reverted": [[list(sizes), list(gas), count] for (sizes, gas), count in self.reverted.items()],
+            "startup_plan": None if self.startup_plan is None else self.startup_plan.to_dict(),
+            "previous_models": _models_state(self.previous_models),
         }
 
     def load_state_dict(self, state):
-        models = state.get("reference_models")
-        self.reference_models = None if models is None else [TimeModel(a, b) for a, b in models]
+        self.reference_models = _models_from_state(state.get("reference_models"))
         baseline = state.get("baseline")
         self.baseline = None if baseline is None else [tuple(entry) for entry in baseline]
         if self.policy is not None and state.get("policy"):
             for key, value in state["policy"].items():
                 if hasattr(self.policy, key) and key not in self._POLICY_SETTINGS:
                     setattr(self.policy, key, value)
+        pending = state.get("pending")
+        self.pending = None if pending is None else PendingSwitch(
+            Plan.from_dict(pending["old_plan"]), Plan.from_dict(pending["new_plan"]),
+            _models_from_state(pending["old_models"]), list(pending["before"]), pending["label"],
+            list(pending["after"]))
+        self.reverted = {(tuple(sizes), tuple(gas)): int(count) for sizes, gas, count in state.get("reverted", [])}
+        startup = state.get("startup_plan")
+        self.startup_plan = None if startup is None else Plan.from_dict(startup)
+        self.previous_models = _models_from_state(state.get("previous_models"))
+
+
+def _models_state(models):
+    return None if models is None else [[m.a, m.b] for m in models]
+
+
+def _models_from_state(values):
+    return None if values is None else [TimeModel(a, b) for a, b in values]
 
 
 def window_models(step_samples, fits, step_overheads, gradient_accumulation_steps):

@@ -1,0 +1,212 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The runtime controller: explicit phases, all of its state in checkpoints, the comm clock on
+only where it is read, the checks gathered to rank 0.
+
+The end-to-end case resumes a run twice: in the middle of the window that judges a switch after
+profiling, and after that switch was reverted. The expectation is written out from the schedule
+of the run (profiling steps, then a check ``CHECK_INTERVAL`` steps later that reverts to the
+start-up plan [8, 8]), not from the code under test: an uninterrupted run of the same schedule is
+``test_plan_trust.test_a_switch_after_profiling_that_made_the_step_slower_is_reverted``."""
+
+import pytest
+import torch
+
+from deepspeed.runtime.heterogeneous.planning.planner import TimeModel, plan_micro_batches
+from deepspeed.runtime.heterogeneous.planning.rebalance import PendingSwitch, Rebalancer, RebalancePolicy
+from harness import run_subcases
+
+WIDTH, HIDDEN = 512, 2048  # compute-dominated: emulated speeds decide the step time
+PROFILE = 4
+CHECK_INTERVAL = 4
+STEPS = PROFILE + CHECK_INTERVAL + 3
+FIRST_STOP = PROFILE + 2  # profiling done, the switch is two steps into its check window
+SECOND_STOP = PROFILE + CHECK_INTERVAL + 1  # one step after the revert
+
+
+def _plan(sizes):
+    return plan_micro_batches([TimeModel(0.0, 1.0)] * len(sizes), train_batch_size=sum(sizes),
+                              gradient_accumulation_steps=1, strategy="manual", manual=list(sizes))
+
+
+def test_rebalancer_state_round_trip_keeps_pending_reverted_and_startup():
+    """Everything a check depends on survives state_dict/load_state_dict as plain values."""
+    old, new = _plan([8, 8]), _plan([12, 4])
+    saved = Rebalancer(RebalancePolicy(0.1, cooldown_checks=2))
+    saved.pending = PendingSwitch(old, new, [TimeModel(0.1, 0.2), TimeModel(0.3, 0.4)], [1.0, 1.1], "switch",
+                                  [2.0])
+    saved.reverted = {((12, 4), (1, 1)): 7}
+    saved.startup_plan = old
+    saved.previous_models = [TimeModel(1.0, 2.0), TimeModel(3.0, 4.0)]
+    saved.plan_chosen([TimeModel(0.0, 0.5), TimeModel(0.0, 0.25)])
+    saved.policy.streak, saved.policy.cooldown = 1, 2
+    state = saved.state_dict()
+    _assert_plain(state)
+
+    loaded = Rebalancer(RebalancePolicy(0.1, cooldown_checks=2))
+    loaded.load_state_dict(state)
+    assert list(loaded.pending.old_plan.micro_batch_sizes) == [8, 8]
+    assert list(loaded.pending.new_plan.micro_batch_sizes) == [12, 4]
+    assert [(m.a, m.b) for m in loaded.pending.old_models] == [(0.1, 0.2), (0.3, 0.4)]
+    assert (loaded.pending.before, loaded.pending.after, loaded.pending.label) == ([1.0, 1.1], [2.0], "switch")
+    assert loaded.reverted == {((12, 4), (1, 1)): 7}
+    assert list(loaded.startup_plan.micro_batch_sizes) == [8, 8]
+    assert [(m.a, m.b) for m in loaded.previous_models] == [(1.0, 2.0), (3.0, 4.0)]
+    assert [(m.a, m.b) for m in loaded.reference_models] == [(0.0, 0.5), (0.0, 0.25)]
+    assert (loaded.policy.streak, loaded.policy.cooldown) == (1, 2)
+
+
+def test_a_reverted_plan_stays_barred_after_a_resume():
+    """Rank 1 became four times slower: the best plan moves work to rank 0, but that plan was
+    reverted before the checkpoint, so the resumed rebalancer does not adopt it."""
+    plan = _plan([8, 8])
+    models = [TimeModel(0.0, 1.0), TimeModel(0.0, 4.0)]
+    best = _plan([13, 3])
+
+    saved = Rebalancer(RebalancePolicy(0.1))
+    saved.reverted = {((13, 3), (1, 1)): 5}
+    loaded = Rebalancer(RebalancePolicy(0.1))
+    loaded.load_state_dict(saved.state_dict())
+    decision = loaded.check_on_demand(plan, models, lambda _: best)
+    assert not decision.rebalance and "reverted" in decision.reason, decision
+
+    fresh = Rebalancer(RebalancePolicy(0.1))  # without the restored state it would be adopted
+    assert fresh.check_on_demand(plan, models, lambda _: best).rebalance
+
+
+def _assert_plain(value):
+    if isinstance(value, dict):
+        for key, item in value.items():
+            assert isinstance(key, str), key
+            _assert_plain(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _assert_plain(item)
+    else:
+        assert value is None or isinstance(value, (bool, int, float, str)), type(value)
+
+
+def _engine(data, steps_schedule):
+    import deepspeed
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(WIDTH, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, WIDTH))
+    config = {"train_batch_size": 16, "gradient_clipping": 0.0, "zero_optimization": {"stage": 1},
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+              "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "compute_aware",
+                                       "profile_steps": PROFILE, "scheduler": {"check_interval": CHECK_INTERVAL},
+                                       "emulation": {"speeds": [1.0, 0.25], "mode": "dilation",
+                                                     "speed_schedule": steps_schedule}}}
+    engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
+                                                training_data=data)
+    return engine, loader
+
+
+def _train(engine, loader, until, plans):
+    for inputs, targets in loader:
+        engine.backward(torch.nn.functional.mse_loss(engine(inputs), targets))
+        engine.step()
+        plans.append(list(engine.heterogeneous_plan.micro_batch_sizes))
+        if engine.global_steps == until:
+            return
+
+
+def _controller(runtime):
+    rebalancer = runtime.rebalancer
+    return {"phase": runtime.phase.value, "pending": None if rebalancer.pending is None else
+            [list(rebalancer.pending.old_plan.micro_batch_sizes), list(rebalancer.pending.new_plan.micro_batch_sizes)],
+            "reverted": sorted((list(sizes), count) for (sizes, _), count in rebalancer.reverted.items()),
+            "startup": None if rebalancer.startup_plan is None else list(rebalancer.startup_plan.micro_batch_sizes),
+            "history": len(runtime.history), "window": len(runtime._window),
+            "events": [(e.step, list(e.old_sizes), list(e.new_sizes), e.kind) for e in runtime.events]}
+
+
+def _resumed_twice(rank, world_size, directory):
+    """Rank 1 runs at a quarter of rank 0's speed while profiling, so the plan moves work to rank 0;
+    from step PROFILE + 1 on rank 0 runs at 0.05, so that plan is much slower and its check reverts
+    it. Stopped and resumed (a new engine, load_checkpoint) at FIRST_STOP and SECOND_STOP."""
+    generator = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(16 * STEPS, WIDTH, generator=generator),
+                                          torch.randn(16 * STEPS, WIDTH, generator=generator))
+    schedule = [{"step": PROFILE + 1, "speeds": [0.05, 1.0]}]
+    plans, seen = [], {}
+    engine, loader = _engine(data, schedule)
+    _train(engine, loader, FIRST_STOP, plans)
+    seen["saved_first"] = _controller(engine._heterogeneous_runtime())
+    engine.save_checkpoint(directory, tag="first")
+
+    engine, loader = _engine(data, schedule)
+    engine.load_checkpoint(directory, tag="first")
+    seen["loaded_first"] = _controller(engine._heterogeneous_runtime())
+    _train(engine, loader, SECOND_STOP, plans)
+    seen["saved_second"] = _controller(engine._heterogeneous_runtime())
+    engine.save_checkpoint(directory, tag="second")
+
+    engine, loader = _engine(data, schedule)
+    engine.load_checkpoint(directory, tag="second")
+    seen["loaded_second"] = _controller(engine._heterogeneous_runtime())
+    _train(engine, loader, STEPS, plans)
+    seen["end"] = _controller(engine._heterogeneous_runtime())
+    return {"plans": plans, **seen}
+
+
+@pytest.mark.multiprocess
+def test_resume_in_a_verify_window_and_after_a_revert(tmp_path):
+    fast, slow = run_subcases(_resumed_twice, [dict(directory=str(tmp_path / "ckpt"))], world_size=2,
+                              timeout=900)[0]
+    assert fast["plans"] == slow["plans"] and fast["end"]["events"] == slow["end"]["events"]
+    plans = fast["plans"]  # plans[k]: the plan in force after step k + 1
+    assert len(plans) == STEPS, plans
+    profiled = plans[PROFILE - 1]
+    assert profiled[0] > profiled[1], plans  # profiling moved work to rank 0 (then the fast rank)
+
+    # Stopped two steps into the check window: the switch is pending and the resumed run is still
+    # verifying it, with the two steps it already measured.
+    first = fast["saved_first"]
+    assert first["phase"] == "verifying" and first["pending"] == [[8, 8], profiled], first
+    assert first["window"] == FIRST_STOP - PROFILE and first["startup"] == [8, 8], first
+    assert fast["loaded_first"] == first, (fast["loaded_first"], first)
+
+    # The check is due at step PROFILE + CHECK_INTERVAL, resumed or not, and reverts.
+    assert plans[PROFILE - 1:PROFILE - 1 + CHECK_INTERVAL] == [profiled] * CHECK_INTERVAL, plans
+    assert plans[PROFILE - 1 + CHECK_INTERVAL:] == [[8, 8]] * (STEPS - PROFILE + 1 - CHECK_INTERVAL), plans
+    revert = (PROFILE + CHECK_INTERVAL, profiled, [8, 8], "revert")
+    second = fast["saved_second"]
+    assert second["events"] == [revert] and second["phase"] == "static" and second["pending"] is None, second
+    assert second["reverted"] == [(profiled, 10)], second  # barred for RETRY_AFTER_CHECKS checks
+
+    # Resumed after the revert: static, nothing pending, the reverted plan still barred.
+    assert fast["loaded_second"] == second, (fast["loaded_second"], second)
+    assert fast["end"]["events"] == [revert] and fast["end"]["phase"] == "static", fast["end"]
+
+
+def _clock_by_phase(rank, world_size, strategy, dynamic):
+    import deepspeed
+    from deepspeed.runtime.heterogeneous.measure import comm_clock
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    heterogeneous = {"enabled": True, "load_balancing_strategy": strategy, "profile_steps": 2,
+                     "scheduler": {"dynamic_rebalancing": dynamic, "check_interval": 2}}
+    if strategy == "manual":
+        heterogeneous["micro_batch_sizes"] = [6, 2]
+    config = {"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "heterogeneous_config": heterogeneous}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    phases = []
+    for _ in range(4):
+        mbs = engine.train_micro_batch_size_per_gpu()
+        engine.backward(engine(torch.randn(mbs, 8)).square().mean())
+        engine.step()
+        runtime = engine._heterogeneous_runtime()
+        phases.append((runtime.phase.value, comm_clock._timing))
+    return phases
+
+
+@pytest.mark.multiprocess
+def test_the_comm_clock_runs_only_in_phases_that_read_it():
+    manual, monitoring = run_subcases(_clock_by_phase, [dict(strategy="manual", dynamic=False),
+                                                        dict(strategy="compute_aware", dynamic=True)],
+                                      world_size=2, timeout=600)
+    for phases in manual:
+        assert phases == [("static", False)] * 4, phases
+    for phases in monitoring:
+        # Two profiling steps, then monitoring: timed throughout.
+        assert phases == [("profiling", True), ("monitoring", True), ("monitoring", True), ("monitoring", True)], phases
