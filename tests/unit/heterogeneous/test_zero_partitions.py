@@ -13,7 +13,7 @@ import torch
 from deepspeed.runtime.heterogeneous.memory.partitions import (PartitionLayoutError, ZeroPartitionLayout,
                                                                check_shares, check_checkpoint_layout,
                                                                choose_partition_shares, even_bounds, layout_digest,
-                                                               partition_bounds, zero_partition_layout)
+                                                               partition_bounds, partition_span, zero_partition_layout)
 
 
 def _check_invariants(bounds, total, payload, alignment):
@@ -52,6 +52,17 @@ def test_a_tiny_share_still_gets_an_aligned_slice_and_a_slice_can_sit_inside_one
     layout = ZeroPartitionLayout((0.4, 0.2, 0.4), 2)
     start, numel = layout.add_group(1002, 1000)[1]
     assert 0 < start and start + numel < 1000
+
+
+def test_a_ranks_span_is_its_slice_of_the_optimizers_layout():
+    """What the ZeRO optimizer's ownership tables read (``partition_span``). 1024 elements at
+    alignment 2 are 512 units; shares 0.75 / 0.25 cut at 0.75 * 512 = 384 units, element 768."""
+    from types import SimpleNamespace
+    layout = ZeroPartitionLayout((0.75, 0.25), 2)
+    layout.add_group(1024, 1024)
+    optimizer = SimpleNamespace(partition_layout=layout)
+    assert partition_span(optimizer, 0, 0) == (0, 768)
+    assert partition_span(optimizer, 0, 1) == (768, 256)
 
 
 def test_small_groups_keep_equal_slices():

@@ -203,6 +203,19 @@ class ZeroPartitionLayout:
         return [list(map(list, bounds)) for bounds in self.groups]
 
 
+def partition_span(optimizer, group_id, partition_id):
+    """``(start, numel)`` of data-parallel rank ``partition_id``'s slice of flat group ``group_id`` of
+    a ZeRO-1/2 optimizer: the slice of its ``partition_layout`` when the slices are uneven, else
+    upstream's equal slice of ``bit16_groups_flat[group_id]``. The optimizer's ownership tables
+    (``initialize_gradient_partition``, ``_link_all_hp_params``) take their slices from here."""
+    if optimizer.partition_layout is not None:
+        return optimizer.partition_layout.groups[group_id][partition_id]
+    from deepspeed import comm as dist
+    size = optimizer.bit16_groups_flat[group_id].numel() // dist.get_world_size(
+        group=optimizer.real_dp_process_group[group_id])
+    return partition_id * size, size
+
+
 def saved_bounds(state_dict):
     """The layout a ZeRO-1/2 checkpoint was saved with (None: upstream's equal slices)."""
     saved = state_dict.get(ZeroPartitionLayout.CHECKPOINT_KEY)
