@@ -1,0 +1,1 @@
+../../../op_builder/jit_announce.py
