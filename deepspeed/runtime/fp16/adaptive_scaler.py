@@ -175,8 +175,8 @@ class AdaptiveLossScaler(DynamicLossScaler):
                 for key, value in vars(self).items() if key != "_observed"}
 
     def load_state_dict(self, state):
-        """Restore ``state_dict()``; also takes a whole scaler, as checkpoints of earlier revisions
-        pickled it."""
+        """Restore ``state_dict()``; also takes a whole scaler, which a checkpoint may hold pickled
+        instead of its state dict."""
         if isinstance(state, AdaptiveLossScaler):
             state = state.state_dict()
         values = dict(state)
