@@ -3,20 +3,27 @@
 
 ``config-heterogeneous-blocks.patch`` creates it as ``DeepSpeedConfig.heterogeneous`` (always
 present; ``enabled`` is False when the fork is off) and every other part of the fork reads it
-from there: the engine hooks (``engine._config.heterogeneous``), the runtime, the profiler, the
-autotuner's experiments. Nothing else of the fork is written onto upstream objects.
+from there: the engine hooks (``engine._config.heterogeneous``), the runtime controller, the
+profiler, the autotuner's experiments.
 
 Life cycle (docs/architecture.md):
 
 1. ``HeterogeneousState.from_config`` runs in ``DeepSpeedConfig.__init__`` *before* upstream
-   validates the config: it parses the fork's blocks, gathers the devices (a collective, once)
-   and writes the chosen precision into the fp16/bf16 blocks of the config dict, so upstream's
-   pydantic models are built from the final values. The one later edit: per-rank offload, as the
-   engine starts (``memory_placement.apply_rank_offload``; what fits is known only with the model).
-2. ``configure`` runs where upstream would set the batch fields: it resolves the start-up plan.
-3. The engine creates the runtime at its first hook (``runtime``) and plans change through
-   ``batch.apply_plan`` at step boundaries.
+   validates the config: it parses the fork's blocks and writes the chosen precision, link-aware
+   bucket sizes and ZeRO-3 settings into the config dict, so upstream's pydantic models are built
+   from the final values. Its collectives (the settings agreement, the device gather, the
+   topology probe) run once per process and setting: a second ``DeepSpeedConfig`` with the same
+   settings (``zero.Init``, activation checkpointing, a second engine) reuses their results
+   (``_cluster_facts``), so a rank that builds one more config than its peers issues no extra
+   collective.
+2. ``engine_starting`` runs as the engine starts: the memory placement and per-rank offload
+   (``startup.place_engine_state``, ``startup.apply_rank_offload``), the first step's memory cap.
+3. ``configure`` runs where upstream would set the batch fields: it resolves the start-up plan.
+4. The engine creates the runtime controller at its first hook (``runtime``); plans change
+   through ``startup.apply_plan`` at step boundaries.
 """
+
+import json
 
 from dataclasses import dataclass, field
 from typing import List, Optional
@@ -47,7 +54,7 @@ class HeterogeneousState:
     plan: Optional[Plan] = None
     """The plan in force (per-rank micro-batches and gas); None when the fork is off."""
     reference_plan: Optional[Plan] = None
-    """The start-up plan before the first step's memory cap (``batch.cap_startup_plan``): what
+    """The start-up plan before the first step's memory cap (``startup.cap_startup_plan``): what
     profiling keeps within the noise and runs again as the switch's reference, where the measured
     memory limits allow it."""
     runtime: Optional[object] = field(default=None, repr=False)
@@ -60,7 +67,7 @@ class HeterogeneousState:
     partition_shares: Optional[tuple] = None
     """Each data-parallel rank's share of the ZeRO-1/2 partitioned state (None: equal slices)."""
     memory_meter: Optional[object] = field(default=None, repr=False)
-    """This rank's ``MemoryMeter``, started as the engine starts (``memory_placement.gather_baselines``)."""
+    """This rank's ``MemoryMeter``, started as the engine starts (``startup.gather_baselines``)."""
     memory_pool: Optional[object] = field(default=None, repr=False)
     """The ``HeterogeneousMemoryPool`` that placed this engine's state (``memory_pool.placement``;
     None unless heterogeneous_memory.enabled); the profiler and reports read it."""
@@ -138,12 +145,16 @@ class HeterogeneousState:
         state = cls(settings)
         if not settings.enabled:
             return state
-        # Before the fork's first collective: a rank whose environment or config differs, or that
-        # runs without the fork, ends here with an error naming it rather than in a hang.
-        check_settings_agree(settings_summary(settings))
         state.dp_rank = data_parallel_rank(mpu, mesh_device, world_size, param_dict.get("sequence_parallel_size"))
-        state.devices = gather_local_devices(settings, state.dp_rank, int(world_size))
-        state.topology = discover_topology(state.dp_rank, int(world_size))
+        summary = settings_summary(settings)
+        key = _cluster_key(summary, state.dp_rank, world_size)
+        if key not in _cluster_facts:
+            # Before the fork's first collective: a rank whose environment or config differs, or
+            # that runs without the fork, ends here with an error naming it rather than in a hang.
+            check_settings_agree(summary)
+            devices = gather_local_devices(settings, state.dp_rank, int(world_size))
+            _cluster_facts[key] = (devices, discover_topology(state.dp_rank, int(world_size)))
+        state.devices, state.topology = _cluster_facts[key]
         state.precision = choose_precision_for_config(settings.config.mixed_precision_support, state.devices,
                                                       param_dict)
         from .startup import configure_link_buckets
@@ -161,7 +172,7 @@ class HeterogeneousState:
     def engine_starting(self, ds_config, engine_class, model=None, optimizer=None):
         """The engine is about to be built from ``ds_config`` (``HeterogeneousEngineMixin.__init__``):
         refuse engines the fork does not drive, put an emulated rank under its memory cgroup, and
-        keep the start-up plan within memory now that the model is known (``batch.cap_startup_plan``).
+        keep the start-up plan within memory now that the model is known (``startup.cap_startup_plan``).
         Nothing when the fork is off."""
         if not self.enabled:
             return
@@ -197,6 +208,21 @@ class HeterogeneousState:
         from .startup import configure_heterogeneous_batch
         configure_heterogeneous_batch(ds_config, self)
         return True
+
+
+_cluster_facts = {}
+"""What the start-up collectives found, per process: ``_cluster_key`` -> (devices, topology)."""
+
+
+def _cluster_key(summary, dp_rank, world_size):
+    """The start-up collectives' results depend on the settings, this process's place in the
+    process group and the group itself (a new group after ``destroy_process_group`` asks again)."""
+    from deepspeed import comm as dist
+    group = None
+    if dist.is_initialized():
+        from torch.distributed import distributed_c10d
+        group = (dist.get_rank(), dist.get_world_size(), id(distributed_c10d._get_default_group()))
+    return json.dumps(summary, sort_keys=True, default=str), int(dp_rank), int(world_size), group
 
 
 def refuse_unsupported_engine(engine_class):

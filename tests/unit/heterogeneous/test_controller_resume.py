@@ -210,3 +210,31 @@ def test_the_comm_clock_runs_only_in_phases_that_read_it():
     for phases in monitoring:
         # Two profiling steps, then monitoring: timed throughout.
         assert phases == [("profiling", True), ("monitoring", True), ("monitoring", True), ("monitoring", True)], phases
+
+
+def _one_more_config(rank, world_size):
+    """Rank 0 alone builds one more DeepSpeedConfig with the fork on (as zero.Init or activation
+    checkpointing would) before both build the engine: no start-up collective runs twice, so the
+    ranks' collectives stay paired and profiling agrees on a plan."""
+    import deepspeed
+    from deepspeed.runtime.config import DeepSpeedConfig
+    config = {"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "compute_aware",
+                                       "profile_steps": 2}}
+    DeepSpeedConfig(dict(config))  # every rank: the start-up collectives run here, once
+    if rank == 0:
+        DeepSpeedConfig(dict(config))  # one more on rank 0 alone: no collective
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    for _ in range(3):
+        mbs = engine.train_micro_batch_size_per_gpu()
+        engine.backward(engine(torch.randn(mbs, 8)).square().mean())
+        engine.step()
+    return list(engine.heterogeneous_plan.micro_batch_sizes)
+
+
+@pytest.mark.multiprocess
+def test_start_up_collectives_run_once_per_process_and_setting():
+    first, second = run_subcases(_one_more_config, [{}], world_size=2, timeout=300)[0]
+    assert first == second and sum(first) == 8, (first, second)
