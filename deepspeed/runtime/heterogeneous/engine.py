@@ -96,15 +96,24 @@ class HeterogeneousEngineMixin:
     def _heterogeneous_micro_step_begin(self, inputs=(), kwargs=None):
         """A training forward begins (one with autograd on: evaluation forwards are neither timed
         nor checked); ``inputs``/``kwargs`` are forward's arguments, whose batch size is checked
-        against the plan."""
+        against the plan, or re-split into it. Returns the ``(inputs, kwargs)`` to compute."""
         runtime = self._heterogeneous_runtime()
         if runtime is not None and torch.is_grad_enabled():
-            runtime.micro_step_begin(inputs, kwargs)
+            return runtime.micro_step_begin(inputs, kwargs)
+        return inputs, kwargs
 
-    def _heterogeneous_backward_begin(self):
+    def _heterogeneous_forward_end(self, outputs):
+        """The forward's outputs as the caller gets them (returned to the ranks fed their samples
+        after a re-split)."""
+        runtime = self._heterogeneous_runtime()
+        if runtime is not None and torch.is_grad_enabled():
+            return runtime.forward_end(outputs)
+        return outputs
+
+    def _heterogeneous_backward_begin(self, loss=None):
         runtime = self._heterogeneous_runtime()
         if runtime is not None:
-            runtime.backward_begin()
+            runtime.backward_begin(loss)
 
     def _heterogeneous_micro_step_end(self):
         runtime = self._heterogeneous_runtime()

@@ -40,6 +40,8 @@ import statistics
 import time
 from dataclasses import asdict
 
+import torch
+
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
@@ -48,6 +50,7 @@ from .cluster.agreement import (Agreement, PlanAgreementError, decision_failure,
 from .startup import apply_plan, rank_memory_meter
 from .memory.pool import memory_capacities
 from .data.fed_batch import fed_size
+from .data.resplit import resplit_inputs, return_outputs, scalar_outputs
 from .emulation.limits import EmulatedLimits, EmulatedOutOfMemoryError
 from .measure import comm_clock
 from .memory.model_state import ActivationMeter, engine_model_state_bytes
@@ -57,6 +60,18 @@ from .planning.rebalance import (RebalanceEvent, RebalancePolicy, Rebalancer, ba
                                  models_from_utilization, window_models)
 from .measure.timing import StepTimer, StepTiming
 from .cluster.topology import topology_note
+
+def _received_bytes(inputs, kwargs, split):
+    """Bytes of this rank's re-split inputs that another rank sent (an estimate per row)."""
+    moved = split.planned[split.rank] - max(0, min(sum(split.fed[:split.rank + 1]), sum(split.planned[:split.rank + 1]))
+                                             - max(sum(split.fed[:split.rank]), sum(split.planned[:split.rank])))
+    rows = max(split.planned[split.rank], 1)
+    total = 0
+    for value in list(inputs) + list(kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == split.planned[split.rank]:
+            total += value.element_size() * value.numel() * moved // rows
+    return total
+
 
 __all__ = ["HeterogeneousRuntime", "Phase", "PlanAgreementError", "EmulatedOutOfMemoryError"]
 
@@ -95,7 +110,10 @@ class HeterogeneousRuntime:
         self.samplers = []  # batch samplers that follow the plan (the engine's loader's, users' registered)
         self.engine_loader = False  # the engine's own loader (training_data=) feeds this rank
         self.check_fed_batch = self.settings.check_fed_batch
-        self._fed = None  # the size of the micro-batch being fed (None: not known)
+        self._fed = None  # the size of the micro-batch this rank computes (None: not known)
+        self._split = None  # this micro-step's re-split (data.resplit.Split), None when nothing moved
+        self._own_losses = []  # 0-dim outputs of a re-split forward: losses over the computed rows
+        self.resplit_bytes = 0  # input and output bytes this rank received by re-splitting, in all
         self.gas_origin = 0  # the engine's micro-step count when this rank's current gas took effect
         scheduler = self.settings.scheduler
         self.dynamic = scheduler.dynamic_rebalancing and self.settings.load_balancing_strategy == "compute_aware"
@@ -182,9 +200,27 @@ class HeterogeneousRuntime:
                 or self.recording or (self.state.memory_pool is not None
                                       and self._activations_size != self.config.train_micro_batch_size_per_gpu))
 
+    @property
+    def resplits(self):
+        """Whether forwards re-split what the ranks were fed (``data/resplit.py``): ``auto`` unless
+        the engine's loader or a registered heterogeneous sampler feeds the ranks their plan."""
+        setting = self.settings.resplit_fed_batches
+        return setting is True or (setting == "auto" and not self.engine_loader and not self.samplers)
+
     def micro_step_begin(self, inputs=(), kwargs=None):
-        self._fed = fed_size(self.plan, self.rank, inputs, kwargs, engine_loader=self.engine_loader,
-                             check=self.check_fed_batch)
+        """A training forward begins: returns the ``(inputs, kwargs)`` the model computes (this
+        rank's planned share when the ranks were fed otherwise and re-splitting is on)."""
+        self._split, self._own_losses = None, []
+        self.state.weight_override = None
+        if self.resplits and not self.plan.per_rank_gas:
+            planned = self.plan.micro_batch_sizes
+            inputs, kwargs, self._split = resplit_inputs(tuple(inputs), dict(kwargs or {}), planned, self.rank)
+            self._fed = planned[self.rank]
+            if self._split is not None:
+                self.resplit_bytes += _received_bytes(inputs, kwargs, self._split)
+        else:
+            self._fed = fed_size(self.plan, self.rank, inputs, kwargs, engine_loader=self.engine_loader,
+                                 check=self.check_fed_batch)
         if self.measuring_memory:
             self.meter.start()
         if self.times_each_micro_step or self.dynamic:
@@ -193,14 +229,47 @@ class HeterogeneousRuntime:
         # timed; nothing on the CPU accelerator (comm_clock.synchronize_collectives).
         comm_clock.synchronize_collectives(self.times_each_micro_step)
         self.limits.begin_compute()  # time dilation stretches compute before each collective from here
+        return inputs, kwargs
 
-    def backward_begin(self):
+    def forward_end(self, outputs):
+        """The forward's outputs as the caller gets them: after a re-split, every batch-first output
+        returns to the rank that was fed its sample. A loss over those returned outputs is a loss
+        over what this rank was fed, and is weighted by that (``state.weight_override``); a 0-dim
+        output (a loss computed inside the model) stays a loss over the computed rows."""
+        split = self._split
+        if split is None or not self.settings.return_outputs:
+            return outputs
+        self._own_losses = scalar_outputs(outputs)
+        returned = return_outputs(outputs, split)
+        if not isinstance(outputs, torch.Tensor) or outputs.dim() > 0:
+            # A torch-style loss.backward() over returned outputs: the fed rows' weight.
+            self.state.weight_override = self._fed_weight()
+        return returned
+
+    def _fed_weight(self):
+        split = self._split
+        return len(split.fed) * split.fed[split.rank] / sum(split.fed)
+
+    def loss_over(self, loss):
+        """``engine.backward(loss)``: weight ``loss`` as a loss over the rows this rank computed (a
+        0-dim output of the forward) or over the rows it was fed (anything else, computed from the
+        returned outputs)."""
+        if self._split is None or not self.settings.return_outputs:
+            return
+        own = any(loss is candidate for candidate in self._own_losses)
+        self.state.weight_override = None if own else self._fed_weight()
+
+    def backward_begin(self, loss=None):
         """engine.backward() starts: the forward part of the micro-step ends here (recorded only;
         a torch-style loss.backward() leaves forward and backward as one span)."""
+        if loss is not None:
+            self.loss_over(loss)
         if self.recording:
             self.timer.end_forward()
 
     def micro_step_end(self):
+        self.state.weight_override = None
+        self._split, self._own_losses = None, []
         activations = self.meter.stop() if self.meter.active else None
         # The size that was fed (checked against the plan at forward), else the planned one.
         size = self._fed if self._fed is not None else self.config.train_micro_batch_size_per_gpu

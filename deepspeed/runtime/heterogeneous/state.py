@@ -57,6 +57,9 @@ class HeterogeneousState:
     """The start-up plan before the first step's memory cap (``startup.cap_startup_plan``): what
     profiling keeps within the noise and runs again as the switch's reference, where the measured
     memory limits allow it."""
+    weight_override: Optional[float] = None
+    """This micro-step's loss weight when the loss is over the rows this rank was fed rather than
+    the rows it computed (``runtime.forward_end``, re-split batches); None: the plan's."""
     runtime: Optional[object] = field(default=None, repr=False)
     """The engine's ``HeterogeneousRuntime``, created at its first hook."""
     chunk_sizes: Optional[dict] = None
@@ -93,7 +96,11 @@ class HeterogeneousState:
 
         Every upstream reducer averages gradients over ranks; weighting rank i's loss by w_i turns
         that average into the mean over the global batch, whatever each rank's share n_i is."""
-        return 1.0 if self.plan is None else self.plan.loss_weights[self.dp_rank]
+        if self.plan is None:
+            return 1.0
+        if self.weight_override is not None:  # a loss over the rows this rank was fed (re-split)
+            return self.weight_override
+        return self.plan.loss_weights[self.dp_rank]
 
     @property
     def partition_share(self):

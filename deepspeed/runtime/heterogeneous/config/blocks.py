@@ -143,6 +143,15 @@ class HeterogeneousConfig(DeepSpeedConfigModel):
     check_fed_batch: bool = True
     """Stop when a rank is fed a micro-batch whose size (dim 0 of the first tensor passed to forward)
     is not its planned one; turn off only for inputs that are not batch-first."""
+    resplit_fed_batches: AutoOrBool = "auto"
+    """Move whole samples between ranks before the forward so that each computes its planned share
+    of what the ranks were fed (``data/resplit.py``). ``auto``: whenever neither the engine's loader
+    nor a registered heterogeneous sampler feeds the ranks (a stock ``DistributedSampler``,
+    Accelerate or Trainer loader); ``false``: such a loader is refused once the plan changes."""
+    return_outputs: bool = True
+    """With re-splitting, return each output to the rank that was fed its sample, so that a loss or
+    metric computed outside the model pairs outputs with the caller's labels; ``false`` saves that
+    exchange when the loss is computed inside the model (outputs then follow the computed rows)."""
     communication: CommunicationConfig = Field(default_factory=CommunicationConfig)
     """How gradients travel between hosts (hierarchical reduction, inter-host compression)."""
 

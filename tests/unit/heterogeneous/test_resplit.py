@@ -1,0 +1,150 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Stock loaders, unchanged: the engine re-splits what the ranks were fed into the plan and
+returns the outputs to the ranks that were fed their samples (data/resplit.py).
+
+Each rank computes its own single-process reference (plain torch, no DeepSpeed) on the union of
+what every rank's ``DistributedSampler`` fed at each step, so the expectation never goes through
+the code under test. The plan changes twice: after profiling (rank 1 emulated at a quarter of rank 0's
+speed) and by ``reschedule_workload``."""
+
+from collections import namedtuple
+
+import pytest
+import torch
+
+from deepspeed.runtime.heterogeneous.data.resplit import Split, _walk, batch_first, scalar_outputs
+from harness import run_subcases
+
+BATCH, WIDTH, HIDDEN, STEPS, PROFILE, RESCHEDULE_AT = 16, 256, 2048, 9, 5, 7
+
+
+def test_split_moves_only_the_surplus():
+    # fed [8, 8], planned [12, 4]: rank 0 keeps its 8 rows and receives rank 1's first 4; rank 1
+    # computes global rows 12..15, its own last 4. Four rows move.
+    assert Split((8, 8), (12, 4), 0).moved_rows() == 4
+    assert Split((8, 8), (8, 8), 1).moved_rows() == 0 and not Split((8, 8), (8, 8), 1).needed
+    # fed [4, 4, 8], planned [6, 6, 4]: rank 0 gets rows 4-5 (rank 1's), rank 1 rows 6-11 (2 own, 4 of
+    # rank 2), rank 2 rows 12-15 (its own): 2 + 4 = 6 rows move.
+    assert Split((4, 4, 8), (6, 6, 4), 2).moved_rows() == 6
+
+
+def test_batch_first_tensors_and_their_checksum():
+    Pair = namedtuple("Pair", "ids mask")
+    value = ({"input_ids": torch.zeros(4, 7, dtype=torch.long), "num_items_in_batch": torch.tensor(9)},
+             [Pair(torch.zeros(4, 7), torch.ones(4, 7, dtype=torch.bool))], "text")
+    paths, checksum = batch_first(value, 4)
+    assert paths == ["[0].input_ids", "[1][0][0]", "[1][0][1]"]
+    other, _ = batch_first(value, 3)
+    assert other == []
+    _, padded = batch_first(({"input_ids": torch.zeros(4, 9, dtype=torch.long)}, ), 4)
+    _, same = batch_first(({"input_ids": torch.zeros(4, 7, dtype=torch.long)}, ), 4)
+    _, again = batch_first(({"input_ids": torch.ones(4, 7, dtype=torch.long)}, ), 4)
+    assert padded != same and same == again  # trailing shape counts, values do not
+    rebuilt = _walk(value, "", lambda _, t: t + 1 if t.dtype != torch.bool else t)
+    assert isinstance(rebuilt[1][0], Pair) and rebuilt[2] == "text" and int(rebuilt[0]["num_items_in_batch"]) == 10
+    assert [t.item() for t in scalar_outputs(value)] == [9]
+
+
+class _Regressor(torch.nn.Module):
+    """Features -> targets; with ``labels`` the loss is computed inside (returned as ``loss``)."""
+
+    def __init__(self, classes=None):
+        super().__init__()
+        out = classes or WIDTH
+        self.net = torch.nn.Sequential(torch.nn.Linear(WIDTH, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, out))
+        self.classes = classes
+
+    def forward(self, x, labels=None):
+        out = self.net(x)
+        if labels is None:
+            return out
+        loss = (torch.nn.functional.cross_entropy(out, labels) if self.classes else
+                torch.nn.functional.mse_loss(out, labels))
+        return {"loss": loss, "logits": out}
+
+
+def _loss(out, y, classes):
+    return torch.nn.functional.cross_entropy(out, y) if classes else torch.nn.functional.mse_loss(out, y)
+
+
+def _stock_loop(rank, world_size, loss_inside, classes):
+    import deepspeed
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+    generator = torch.Generator().manual_seed(3)
+    features = torch.randn(BATCH * STEPS, WIDTH, generator=generator)
+    targets = (torch.randint(0, classes, (BATCH * STEPS, ), generator=generator) if classes else
+               torch.randn(BATCH * STEPS, WIDTH, generator=generator))
+    dataset = TensorDataset(features, targets)
+    per_rank = BATCH // world_size
+
+    torch.manual_seed(0)
+    model = _Regressor(classes)
+    reference = _Regressor(classes)
+    reference.load_state_dict(model.state_dict())
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+    config = {"train_batch_size": BATCH, "gradient_clipping": 0.0,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
+              "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "compute_aware",
+                                       "profile_steps": PROFILE,
+                                       "emulation": {"speeds": [1.0, 0.25], "mode": "dilation"}}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    # The stock loader: equal batches, whatever the plan.
+    loader = DataLoader(dataset, batch_size=per_rank, shuffle=False, drop_last=True,
+                        sampler=DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False))
+    everyone = [list(DistributedSampler(dataset, num_replicas=world_size, rank=r, shuffle=False))
+                for r in range(world_size)]
+    plans, metrics, worst = [], [], 0.0
+    for step, (x, y) in enumerate(loader):
+        if step == STEPS:
+            break
+        if step == RESCHEDULE_AT:
+            # Rank 0 now busy 1 s per step, rank 1 0.05 s: per sample, rank 1 is now the faster one.
+            engine.reschedule_workload(utilization_metrics=[1.0, 0.05])
+        # The reference: one process, the union of what every rank was fed this step.
+        rows = [i for indices in everyone for i in indices[step * per_rank:(step + 1) * per_rank]]
+        gx, gy = features[rows], targets[rows]
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        ref_out = reference(gx)
+        if loss_inside:
+            out = engine(x, labels=y)
+            engine.backward(out["loss"])
+            logits = out["logits"]
+        else:
+            logits = engine(x)
+            engine.backward(_loss(logits, y, classes))
+        # Outputs are aligned with this rank's fed rows: compare with the reference's.
+        worst = max(worst, (logits.detach() - ref_out[mine].detach()).abs().max().item())
+        if classes:
+            accuracy = (logits.argmax(-1) == y).float().mean().item()
+            metrics.append((accuracy, (ref_out[mine].argmax(-1) == gy[mine]).float().mean().item()))
+        engine.step()
+        ref_opt.zero_grad()
+        _loss(ref_out, gy, classes).backward()
+        ref_opt.step()
+        plans.append(list(engine.heterogeneous_plan.micro_batch_sizes))
+    params = max((a.detach() - b.detach()).abs().max().item()
+                 for a, b in zip(engine.module.parameters(), reference.parameters()))
+    runtime = engine._heterogeneous_runtime()
+    return {"plans": plans, "params": params, "outputs": worst, "metrics": metrics,
+            "resplit_bytes": runtime.resplit_bytes}
+
+
+CASES = [dict(loss_inside=False, classes=None), dict(loss_inside=True, classes=None),
+         dict(loss_inside=False, classes=5)]
+
+
+@pytest.mark.multiprocess
+def test_a_stock_distributed_sampler_loop_is_exact_and_follows_the_plan():
+    results = run_subcases(_stock_loop, CASES, world_size=2, timeout=900)
+    for case, (first, second) in zip(CASES, results):
+        assert first["plans"] == second["plans"], (case, first["plans"], second["plans"])
+        plans = first["plans"]
+        # The plan moved off [8, 8] by profiling, then again by reschedule_workload.
+        assert plans[PROFILE - 1] != [8, 8] and plans[PROFILE - 1][0] > plans[PROFILE - 1][1], (case, plans)
+        assert plans[RESCHEDULE_AT][1] > plans[RESCHEDULE_AT][0], (case, plans)
+        for result in (first, second):
+            assert result["params"] < 1e-6, (case, result["params"])
+            assert result["outputs"] < 1e-5, (case, result["outputs"])
+            for accuracy, expected in result["metrics"]:
+                assert accuracy == pytest.approx(expected), (case, result["metrics"])
+        assert first["resplit_bytes"] + second["resplit_bytes"] > 0, case
