@@ -393,7 +393,7 @@ class HeterogeneousMemoryPool:
                 f"{fits_in}")
 
     def predicted_peak(self, rank, activation_bytes=0.0):
-        """``memory_peak.PeakPrediction`` of a placed rank with ``activation_bytes`` of activations,
+        """``peak.PeakPrediction`` of a placed rank with ``activation_bytes`` of activations,
         or None before ``place`` or where the allocations are unknown."""
         if self.placement is None or self._model_state is None or self._model_state.allocations is None:
             return None
