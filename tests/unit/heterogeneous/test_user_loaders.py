@@ -43,11 +43,12 @@ def config(stage=1, profile_steps=3):
                                      "emulation": {"speeds": [1.0, 0.25], "mode": "dilation"}}}
 
 
-def _engine(profile_steps=3):
+def _engine(profile_steps=3, **heterogeneous):
     import deepspeed
     model = make_model()
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=config(profile_steps=profile_steps))
+    ds_config = config(profile_steps=profile_steps)
+    ds_config["heterogeneous_config"].update(heterogeneous)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     return engine
 
 
@@ -79,10 +80,13 @@ def _train(engine, loader, steps, index_dtype=torch.int64):
 
 
 def distributed_sampler_loader(rank, world_size):
-    """The usual DeepSpeed recipe (equal batches from a DistributedSampler): refused at the first
-    forward after the plan changed, on every rank, with a message that says how to fix it."""
+    """The usual DeepSpeed recipe (equal batches from a DistributedSampler) with re-splitting off
+    (``resplit_fed_batches: false``): refused at the first forward after the plan changed, on every
+    rank, with a message that says how to fix it. (With the default, ``auto``, the engine re-splits
+    such batches: test_resplit.py.)"""
     from deepspeed.runtime.heterogeneous.data.fed_batch import FedBatchMismatchError
-    engine = _engine(profile_steps=0)  # the plan changes only on demand, at step RESCHEDULE_AT
+    # The plan changes only on demand, at step RESCHEDULE_AT.
+    engine = _engine(profile_steps=0, resplit_fed_batches=False)
     data = dataset()
     sampler = torch.utils.data.DistributedSampler(data, num_replicas=world_size, rank=rank, seed=0)
     loader = torch.utils.data.DataLoader(data, batch_size=BATCH // world_size, sampler=sampler)
@@ -123,7 +127,7 @@ def own_loader(rank, world_size, workers):
 
 
 @pytest.mark.multiprocess
-def test_equal_batches_from_a_distributed_sampler_are_refused_once_the_plan_changes():
+def test_equal_batches_are_refused_once_the_plan_changes_with_resplitting_off():
     results = run_subcases(distributed_sampler_loader, [{}], world_size=2, timeout=300)[0]
     for rank, result in enumerate(results):
         error = result["error"]
