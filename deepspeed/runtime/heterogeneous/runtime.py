@@ -61,18 +61,6 @@ from .planning.rebalance import (RebalanceEvent, RebalancePolicy, Rebalancer, ba
 from .measure.timing import StepTimer, StepTiming
 from .cluster.topology import topology_note
 
-def _received_bytes(inputs, kwargs, split):
-    """Bytes of this rank's re-split inputs that another rank sent (an estimate per row)."""
-    moved = split.planned[split.rank] - max(0, min(sum(split.fed[:split.rank + 1]), sum(split.planned[:split.rank + 1]))
-                                             - max(sum(split.fed[:split.rank]), sum(split.planned[:split.rank])))
-    rows = max(split.planned[split.rank], 1)
-    total = 0
-    for value in list(inputs) + list(kwargs.values()):
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == split.planned[split.rank]:
-            total += value.element_size() * value.numel() * moved // rows
-    return total
-
-
 __all__ = ["HeterogeneousRuntime", "Phase", "PlanAgreementError", "EmulatedOutOfMemoryError"]
 
 
@@ -113,7 +101,8 @@ class HeterogeneousRuntime:
         self._fed = None  # the size of the micro-batch this rank computes (None: not known)
         self._split = None  # this micro-step's re-split (data.resplit.Split), None when nothing moved
         self._own_losses = []  # 0-dim outputs of a re-split forward: losses over the computed rows
-        self.resplit_bytes = 0  # input and output bytes this rank received by re-splitting, in all
+        self.resplit_input_bytes = 0  # input bytes other ranks sent this rank by re-splitting, in all
+        self.resplit_output_bytes = 0  # output bytes returned to this rank from the ranks that computed them
         self.gas_origin = 0  # the engine's micro-step count when this rank's current gas took effect
         scheduler = self.settings.scheduler
         self.dynamic = scheduler.dynamic_rebalancing and self.settings.load_balancing_strategy == "compute_aware"
@@ -217,7 +206,7 @@ class HeterogeneousRuntime:
             inputs, kwargs, self._split = resplit_inputs(tuple(inputs), dict(kwargs or {}), planned, self.rank)
             self._fed = planned[self.rank]
             if self._split is not None:
-                self.resplit_bytes += _received_bytes(inputs, kwargs, self._split)
+                self.resplit_input_bytes += self._split.received_bytes((inputs, kwargs))
         else:
             self._fed = fed_size(self.plan, self.rank, inputs, kwargs, engine_loader=self.engine_loader,
                                  check=self.check_fed_batch)
@@ -241,6 +230,7 @@ class HeterogeneousRuntime:
             return outputs
         self._own_losses = scalar_outputs(outputs)
         returned = return_outputs(outputs, split)
+        self.resplit_output_bytes += split.received_bytes(returned, outputs=True)
         if not isinstance(outputs, torch.Tensor) or outputs.dim() > 0:
             # A torch-style loss.backward() over returned outputs: the fed rows' weight.
             self.state.weight_override = self._fed_weight()

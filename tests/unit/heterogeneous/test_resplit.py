@@ -28,6 +28,17 @@ def test_split_moves_only_the_surplus():
     assert Split((4, 4, 8), (6, 6, 4), 2).moved_rows() == 6
 
 
+def test_received_bytes_count_the_rows_from_other_ranks():
+    # fed [8, 8], planned [12, 4]. Rank 0 computes 12 rows, 8 of them its own: it receives 4 rows of
+    # 10 float32 = 160 bytes of inputs and no outputs (its 8 fed rows are its own). Rank 1 computes
+    # its own last 4 rows and receives no inputs; 4 of its 8 fed rows come back from rank 0: 160 bytes.
+    zero, one = Split((8, 8), (12, 4), 0), Split((8, 8), (12, 4), 1)
+    assert zero.received_bytes((torch.zeros(12, 10), torch.tensor(1.0))) == 160
+    assert zero.received_bytes(torch.zeros(8, 10), outputs=True) == 0
+    assert one.received_bytes({"x": torch.zeros(4, 10)}) == 0
+    assert one.received_bytes([torch.zeros(8, 10)], outputs=True) == 160
+
+
 def test_batch_first_tensors_and_their_checksum():
     Pair = namedtuple("Pair", "ids mask")
     value = ({"input_ids": torch.zeros(4, 7, dtype=torch.long), "num_items_in_batch": torch.tensor(9)},
@@ -126,7 +137,7 @@ def _stock_loop(rank, world_size, loss_inside, classes):
                  for a, b in zip(engine.module.parameters(), reference.parameters()))
     runtime = engine._heterogeneous_runtime()
     return {"plans": plans, "params": params, "outputs": worst, "metrics": metrics,
-            "resplit_bytes": runtime.resplit_bytes}
+            "input_bytes": runtime.resplit_input_bytes, "output_bytes": runtime.resplit_output_bytes}
 
 
 CASES = [dict(loss_inside=False, classes=None), dict(loss_inside=True, classes=None),
@@ -147,4 +158,5 @@ def test_a_stock_distributed_sampler_loop_is_exact_and_follows_the_plan():
             assert result["outputs"] < 1e-5, (case, result["outputs"])
             for accuracy, expected in result["metrics"]:
                 assert accuracy == pytest.approx(expected), (case, result["metrics"])
-        assert first["resplit_bytes"] + second["resplit_bytes"] > 0, case
+        assert first["input_bytes"] + second["input_bytes"] > 0, case
+        assert first["output_bytes"] + second["output_bytes"] > 0, case  # logits returned in every case

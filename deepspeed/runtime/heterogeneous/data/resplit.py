@@ -57,6 +57,27 @@ class Split:
     def _start(sizes, rank):
         return sum(sizes[:rank])
 
+    def kept_rows(self, rank):
+        """Rows rank ``rank`` was fed and computes itself."""
+        f0, p0 = self._start(self.fed, rank), self._start(self.planned, rank)
+        return max(0, min(f0 + self.fed[rank], p0 + self.planned[rank]) - max(f0, p0))
+
+    def received_bytes(self, value, outputs=False):
+        """Bytes of ``value``'s batch-first tensors (this rank's computed rows, or with ``outputs``
+        its returned fed rows) that came from another rank."""
+        rows = self.fed[self.rank] if outputs else self.planned[self.rank]
+        received = rows - self.kept_rows(self.rank)
+        total = 0
+
+        def visit(_, tensor):
+            nonlocal total
+            if rows and tensor.dim() > 0 and int(tensor.shape[0]) == rows:
+                total += tensor.element_size() * tensor.numel() // rows * received
+            return tensor
+
+        _walk(value, "", visit)
+        return total
+
     def moved_rows(self):
         """Rows computed on another rank than the one fed them (summed over ranks)."""
         moved = 0
