@@ -50,7 +50,8 @@ HEALTH_TARGETS = {
     "memory_balance": (0.8, True),
 }
 
-_RECORD_FIELDS = ("compute_s", "forward_s", "backward_s", "optimizer_s", "collective_s", "wall_s", "activation_bytes")
+_RECORD_FIELDS = ("compute_s", "forward_s", "backward_s", "optimizer_s", "collective_s", "wall_s", "activation_bytes",
+                  "resplit_input_bytes", "resplit_output_bytes")
 
 
 def health_status(name, value):

@@ -103,6 +103,7 @@ class HeterogeneousRuntime:
         self._own_losses = []  # 0-dim outputs of a re-split forward: losses over the computed rows
         self.resplit_input_bytes = 0  # input bytes other ranks sent this rank by re-splitting, in all
         self.resplit_output_bytes = 0  # output bytes returned to this rank from the ranks that computed them
+        self._recorded_bytes = (0, 0)  # the two counters at the last profiler record
         self.gas_origin = 0  # the engine's micro-step count when this rank's current gas took effect
         scheduler = self.settings.scheduler
         self.dynamic = scheduler.dynamic_rebalancing and self.settings.load_balancing_strategy == "compute_aware"
@@ -343,6 +344,7 @@ class HeterogeneousRuntime:
         wall time starts now, not at the last step end (anything done in between is not a step)."""
         self.records = []
         self.recording = True
+        self._recorded_bytes = (self.resplit_input_bytes, self.resplit_output_bytes)
         self._update_comm_clock()
         self.timer.restart()
 
@@ -364,7 +366,11 @@ class HeterogeneousRuntime:
             "collective_s": timing.in_collectives,
             "wall_s": timing.wall,
             "activation_bytes": max(activations) if activations else None,
+            # Bytes of re-split inputs and returned outputs this rank received during the step.
+            "resplit_input_bytes": self.resplit_input_bytes - self._recorded_bytes[0],
+            "resplit_output_bytes": self.resplit_output_bytes - self._recorded_bytes[1],
         })
+        self._recorded_bytes = (self.resplit_input_bytes, self.resplit_output_bytes)
 
     # -- profiling ----------------------------------------------------------------------------
 
