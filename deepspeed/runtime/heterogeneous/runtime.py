@@ -433,8 +433,14 @@ class HeterogeneousRuntime:
             if not last:
                 return {"plan": plan.to_dict()}
             _, self.base_models = measured_time_models(self.history, self.state.base_gas)
-            # What dynamic rebalancing scales: a start-up plan kept within the noise is its reference.
-            rebalancer.plan_chosen(decision.models or balanced_models(plan))
+            # What dynamic rebalancing scales. A start-up plan kept within the noise has no models:
+            # with dynamic rebalancing the first check fits per-sample models from its own interval
+            # (so a plan kept for noise alone is corrected once the checks measure a difference);
+            # without, it is the reference of drift only.
+            if decision.models is None and self.dynamic:
+                rebalancer.plan_chosen(None)
+            else:
+                rebalancer.plan_chosen(decision.models or balanced_models(plan))
             note = decision.note
             verify = False
             if (plan.micro_batch_sizes, plan.gradient_accumulation_steps) != (

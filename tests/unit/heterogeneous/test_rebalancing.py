@@ -87,6 +87,27 @@ def test_rebalancer_follows_a_real_slow_down_and_keeps_the_plan_when_nothing_cha
     assert decision.rebalance and decision.plan.micro_batch_sizes[0] > 11, decision
 
 
+def test_a_start_up_plan_kept_for_noise_is_corrected_by_the_checks():
+    """Profiling kept [8, 8] within its noise, so no models chose the plan (``plan_chosen(None)``).
+    The first check fits per-sample models from its own interval: rank 0 0.08 s per micro-step of 8
+    samples (0.01 s per sample), rank 1 0.16 s (0.02 s per sample). Under those models the best
+    split of 16 is [11, 5] (0.11 s vs 0.10 s against 0.16 s now: a 31% predicted gain), adopted on
+    the second check after the baseline (two in a row). Equal ranks with the same per-step scatter
+    never move a sample."""
+    plan = _plan([8, 8])
+    slower = [[0.08, 0.081, 0.079, 0.08], [0.16, 0.161, 0.159, 0.16]]
+    rebalancer = Rebalancer(RebalancePolicy(0.1))
+    rebalancer.plan_chosen(None)
+    decisions = [rebalancer.check(plan, slower, _best_plan_for) for _ in range(3)]
+    assert [d.rebalance for d in decisions] == [False, False, True], decisions
+    assert list(decisions[-1].plan.micro_batch_sizes) == [11, 5], decisions[-1]
+
+    equal = [[0.08, 0.084, 0.076, 0.08], [0.08, 0.076, 0.084, 0.081]]
+    rebalancer = Rebalancer(RebalancePolicy(0.1))
+    rebalancer.plan_chosen(None)
+    assert not any(rebalancer.check(plan, equal, _best_plan_for).rebalance for _ in range(6))
+
+
 def test_a_predicted_gain_within_the_measured_noise_moves_nothing():
     """A steady run must not move a sample on noise. Here the interval means say rank 1
     got 50% slower, so a one-sample move [11, 5] -> [12, 4] predicts a 20% gain (above the 10%
