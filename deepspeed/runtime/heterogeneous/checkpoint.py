@@ -125,11 +125,17 @@ def restore(engine, record):
     if not same_cluster and runtime.profiling:
         _log(engine, "the checkpoint was written on another cluster (devices, emulation or strategy differ): "
              "profiling runs again from the plan in force")
-    _restore_samplers(runtime.samplers, record["samplers"])
+    _restore_samplers(runtime, record["samplers"])
 
 
-def _restore_samplers(samplers, states):
+def _restore_samplers(runtime, states):
+    samplers = runtime.samplers
     if not states:
+        return
+    if not samplers:
+        # None registered yet (the Trainer registers its sampler when training begins, after it
+        # loaded the checkpoint): each resumes when registered, in the saved order.
+        runtime.deferred_sampler_states = list(states)
         return
     if len(samplers) != len(states):
         raise ValueError(f"deepspeed-hetero: the checkpoint holds the positions of {len(states)} heterogeneous "
@@ -138,11 +144,15 @@ def _restore_samplers(samplers, states):
                          f"{len(samplers)} are registered now. Create the same samplers, in the same order, before "
                          f"engine.load_checkpoint(), so that each resumes where it was")
     for index, (sampler, saved) in enumerate(zip(samplers, states)):
-        try:
-            sampler.load_state_dict(saved)
-        except ValueError as exc:
-            raise ValueError(f"deepspeed-hetero: heterogeneous sampler {index} cannot resume from the checkpoint: "
-                             f"{exc}") from exc
+        load_sampler(sampler, saved, index)
+
+
+def load_sampler(sampler, saved, index):
+    try:
+        sampler.load_state_dict(saved)
+    except ValueError as exc:
+        raise ValueError(f"deepspeed-hetero: heterogeneous sampler {index} cannot resume from the checkpoint: "
+                         f"{exc}") from exc
 
 
 def check_positions_agree(positions):

@@ -193,9 +193,12 @@ class HeterogeneousEngineMixin:
         if (tuple(sampler.micro_batch_sizes), tuple(sampler.gradient_accumulation_steps)) != (
                 tuple(plan.micro_batch_sizes), tuple(gas or [1] * plan.world_size)):
             sampler.set_micro_batch_sizes(list(plan.micro_batch_sizes), gradient_accumulation_steps=gas)
-        samplers = self._heterogeneous_runtime().samplers
-        if not any(s is sampler for s in samplers):
-            samplers.append(sampler)
+        runtime = self._heterogeneous_runtime()
+        if not any(s is sampler for s in runtime.samplers):
+            runtime.samplers.append(sampler)
+            # A checkpoint loaded before this sampler existed (the Trainer loads it before training
+            # begins): it resumes at the position saved for the sampler registered in its place.
+            runtime.restore_deferred_sampler(sampler, len(runtime.samplers) - 1)
         return sampler
 
     def _require_plan(self, method):

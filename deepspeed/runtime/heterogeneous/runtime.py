@@ -96,6 +96,7 @@ class HeterogeneousRuntime:
         self.history = []  # per profiling step: every data-parallel rank's pooled measurements
         self.base_models = None  # the profiled fits alone: what an on-demand re-plan scales
         self.samplers = []  # batch samplers that follow the plan (the engine's loader's, users' registered)
+        self.deferred_sampler_states = []  # saved positions of samplers not registered when a checkpoint loaded
         self.engine_loader = False  # the engine's own loader (training_data=) feeds this rank
         self.check_fed_batch = self.settings.check_fed_batch
         self._fed = None  # the size of the micro-batch this rank computes (None: not known)
@@ -576,6 +577,13 @@ class HeterogeneousRuntime:
             raise ValueError("reschedule_workload: no step was measured since the last check; pass "
                              "utilization_metrics (per-rank busy seconds) or train some steps first")
         return self._check_rebalance(forced_models=forced, on_demand=True)
+
+    def restore_deferred_sampler(self, sampler, index):
+        """Resume a sampler registered after the checkpoint was loaded at its saved position (the
+        ``index``-th registered takes the ``index``-th saved)."""
+        if index < len(self.deferred_sampler_states):
+            from .checkpoint import load_sampler
+            load_sampler(sampler, self.deferred_sampler_states[index], index)
 
     def switch_to(self, plan, reason):
         """Adopt ``plan`` from the next step on (every rank calls this at the same boundary)."""

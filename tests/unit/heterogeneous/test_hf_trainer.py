@@ -126,6 +126,27 @@ def test_trainer_feeds_the_plan_follows_its_changes_and_stays_exact(tmp_path):
                     f"{case} rank {rank} {name}: max |diff| {(got - expected).abs().max().item():.3g}"
 
 
+@needs_transformers
+def test_trainer_resume_equals_the_uninterrupted_run(tmp_path):
+    """resume_from_checkpoint with HeterogeneousTrainer: the Trainer loads the engine's checkpoint
+    before training begins, and the sampler is registered when it begins; the sampler resumes at its
+    saved position, the Trainer does not skip batches a second time, and the resumed run trains on
+    the same rows with the same plan ([12, 4] since step 2) to the same parameters."""
+    save_at, steps, case = 5, 8, "global_mean:1:on_demand"
+    code, output = launch_deepspeed(SCRIPT, ["--out", tmp_path, "--steps", steps, "--case", case,
+                                             "--resume-at", save_at], num_ranks=2, timeout=300, cwd=REPO_ROOT)
+    assert code == 0, f"Trainer run failed (exit {code}):\n{output[-6000:]}"
+    for rank in range(2):
+        full = torch.load(tmp_path / f"global_mean-1-on_demand-rank{rank}.pt")
+        resumed = torch.load(tmp_path / f"global_mean-1-on_demand-resumed-rank{rank}.pt")
+        assert resumed["fed"] == full["fed"][save_at:], (rank, resumed["fed"], full["fed"][save_at:])
+        assert resumed["plans"] == full["plans"][save_at:] == [[12, 4]] * (steps - save_at), resumed["plans"]
+        for name, expected in full["params"].items():
+            got = resumed["params"][name]
+            assert torch.allclose(got, expected, rtol=0, atol=1e-6), \
+                f"rank {rank} {name}: max |diff| {(got - expected).abs().max().item():.3g}"
+
+
 # -- pure parts ---------------------------------------------------------------------------------
 
 

@@ -16,6 +16,10 @@ one process. A case is ``LOSS:GAS:CHANGE``:
   at the end of step 2, a certain change to [12, 4].
 
     deepspeed --num_gpus 2 tests/unit/scripts/hf_trainer_train.py --out DIR --case global_mean:1:on_demand
+
+With ``--resume-at K`` each case also saves a checkpoint at step K and then trains again, a new
+Trainer resumed from that checkpoint, to ``<loss>-<gas>-<change>-resumed-rank<r>.pt`` (its
+``fed`` and ``plans`` from step K + 1 on).
 """
 
 import argparse
@@ -87,7 +91,7 @@ def ds_config(stage, change):
     }
 
 
-def train(case, out, steps, stage):
+def train(case, out, steps, stage, save_at=None, resume=False):
     from transformers import TrainerCallback, TrainingArguments
     from deepspeed.runtime.heterogeneous.integrations.hf_trainer import HeterogeneousTrainer
 
@@ -124,20 +128,22 @@ def train(case, out, steps, stage):
                              average_tokens_across_devices=loss_kind == "global_mean",
                              deepspeed=ds_config(stage, change),
                              report_to=[],
-                             save_strategy="no",
+                             save_strategy="steps" if save_at else "no",
+                             save_steps=save_at or 500,
                              logging_strategy="no",
                              disable_tqdm=True,
                              use_cpu=True)
     trainer = RecordingTrainer(model=make_model(), args=args, train_dataset=TokenDataset(),
                                eval_dataset=TokenDataset(EVAL_SAMPLES), callbacks=[OnDemandChange()])
-    trainer.train()
+    checkpoint = os.path.join(out, "trainer", f"checkpoint-{save_at}") if resume else None
+    trainer.train(resume_from_checkpoint=checkpoint)
     # Evaluation keeps the Trainer's own equal shards (the engine checks training forwards only).
     eval_loss = trainer.evaluate()["eval_loss"]
     engine = trainer.heterogeneous_engine()
     rank = int(os.environ["RANK"])
     params = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
     torch.save({"fed": fed, "plans": plans, "eval_loss": eval_loss, "params": params},
-               os.path.join(out, f"{loss_kind}-{gas}-{change}-rank{rank}.pt"))
+               os.path.join(out, f"{loss_kind}-{gas}-{change}{'-resumed' if resume else ''}-rank{rank}.pt"))
 
 
 def main():
@@ -147,10 +153,14 @@ def main():
     parser.add_argument("--case", action="append", required=True, help="LOSS:GAS:CHANGE (see the docstring)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--stage", type=int, default=1)
+    parser.add_argument("--resume-at", type=int, default=None,
+                        help="save a checkpoint at this step, then train again resumed from it")
     args = parser.parse_args()
     try:
         for case in args.case:
-            train(case, args.out, args.steps, args.stage)
+            train(case, args.out, args.steps, args.stage, save_at=args.resume_at)
+            if args.resume_at:
+                train(case, args.out, args.steps, args.stage, save_at=args.resume_at, resume=True)
     finally:
         import torch.distributed as dist
         if dist.is_initialized():

@@ -196,6 +196,10 @@ def _plan_follower(trainer):
                 raise RuntimeError("heterogeneous_config: training began without a DeepSpeed engine")
             if trainer.heterogeneous_sampler is not None:
                 engine.register_heterogeneous_sampler(trainer.heterogeneous_sampler)
+                if engine._heterogeneous_runtime().deferred_sampler_states:
+                    # The checkpoint put the sampler at its saved position (resume_from_checkpoint):
+                    # the Trainer must not skip the epoch's first batches a second time.
+                    args.ignore_data_skip = True
             check_trainer_plan(engine.heterogeneous_plan, args.gradient_accumulation_steps)
 
         def on_step_end(self, args, state, control, **kwargs):
