@@ -102,6 +102,7 @@ class HeterogeneousRuntime:
         self._fed = None  # the size of the micro-batch this rank computes (None: not known)
         self._split = None  # this micro-step's re-split (data.resplit.Split), None when nothing moved
         self._own_losses = []  # 0-dim outputs of a re-split forward: losses over the computed rows
+        self._caller_counts = False  # the forward got num_items_in_batch: its loss is over the fed rows
         self.resplit_input_bytes = 0  # input bytes other ranks sent this rank by re-splitting, in all
         self.resplit_output_bytes = 0  # output bytes returned to this rank from the ranks that computed them
         self._recorded_bytes = (0, 0)  # the two counters at the last profiler record
@@ -205,6 +206,9 @@ class HeterogeneousRuntime:
         self.state.weight_override = None
         if self.resplits and not self.plan.per_rank_gas:
             planned = self.plan.micro_batch_sizes
+            # A loss the model normalises by the caller's count of items (the Trainer's
+            # num_items_in_batch, counted over what was fed) is a loss over the fed rows.
+            self._caller_counts = (kwargs or {}).get("num_items_in_batch") is not None
             inputs, kwargs, self._split = resplit_inputs(tuple(inputs), dict(kwargs or {}), planned, self.rank)
             self._fed = planned[self.rank]
             if self._split is not None:
@@ -226,14 +230,16 @@ class HeterogeneousRuntime:
         """The forward's outputs as the caller gets them: after a re-split, every batch-first output
         returns to the rank that was fed its sample. A loss over those returned outputs is a loss
         over what this rank was fed, and is weighted by that (``state.weight_override``); a 0-dim
-        output (a loss computed inside the model) stays a loss over the computed rows."""
+        output (a loss computed inside the model) stays a loss over the computed rows, unless the
+        forward was given ``num_items_in_batch``: then the model divided by the caller's count of
+        the fed items (the Trainer's), and the caller scales it as a loss over what was fed."""
         split = self._split
         if split is None or not self.settings.return_outputs:
             return outputs
-        self._own_losses = scalar_outputs(outputs)
+        self._own_losses = [] if self._caller_counts else scalar_outputs(outputs)
         returned = return_outputs(outputs, split)
         self.resplit_output_bytes += split.received_bytes(returned, outputs=True)
-        if not isinstance(outputs, torch.Tensor) or outputs.dim() > 0:
+        if self._caller_counts or not isinstance(outputs, torch.Tensor) or outputs.dim() > 0:
             # A torch-style loss.backward() over returned outputs: the fed rows' weight.
             self.state.weight_override = self._fed_weight()
         return returned

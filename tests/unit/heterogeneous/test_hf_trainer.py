@@ -127,6 +127,7 @@ def test_trainer_feeds_the_plan_follows_its_changes_and_stays_exact(tmp_path):
 
 
 @needs_transformers
+@pytest.mark.multiprocess
 def test_trainer_resume_equals_the_uninterrupted_run(tmp_path):
     """resume_from_checkpoint with HeterogeneousTrainer: the Trainer loads the engine's checkpoint
     before training begins, and the sampler is registered when it begins; the sampler resumes at its
@@ -145,6 +146,38 @@ def test_trainer_resume_equals_the_uninterrupted_run(tmp_path):
             got = resumed["params"][name]
             assert torch.allclose(got, expected, rtol=0, atol=1e-6), \
                 f"rank {rank} {name}: max |diff| {(got - expected).abs().max().item():.3g}"
+
+
+@needs_transformers
+@pytest.mark.multiprocess
+def test_the_stock_trainer_is_exact_with_the_engine_re_splitting(tmp_path):
+    """The stock transformers.Trainer (its own loader: equal batches of 8) with the fork's config:
+    after the on-demand change to [12, 4] the engine re-splits every step's batches. The loss is the
+    Trainer's token mean over the global batch (average_tokens_across_devices, the default for a
+    causal LM) or over each rank's own batch (rank_mean); the model divides by the Trainer's
+    num_items_in_batch, counted over what was fed, so the engine weighs it by the fed rows. The
+    parameters equal one process training on the union of what the ranks were fed each step."""
+    script = _load_script()
+    cases = ["global_mean:1:on_demand", "rank_mean:1:on_demand"]
+    args = ["--out", tmp_path, "--steps", STEPS, "--stock"]
+    for case in cases:
+        args += ["--case", case]
+    code, output = launch_deepspeed(SCRIPT, args, num_ranks=2, timeout=300, cwd=REPO_ROOT)
+    assert code == 0, f"Trainer run failed (exit {code}):\n{output[-6000:]}"
+    for case in cases:
+        loss_kind = case.split(":")[0]
+        ranks = [torch.load(tmp_path / f"{loss_kind}-1-on_demand-stock-rank{rank}.pt") for rank in range(2)]
+        assert ranks[0]["plans"] == ranks[1]["plans"]
+        switch = script.ON_DEMAND_STEP
+        assert ranks[0]["plans"] == [[8, 8]] * switch + [[12, 4]] * (STEPS - switch), ranks[0]["plans"]
+        assert all(len(batch) == 8 for run in ranks for batch in run["fed"]), "the stock loader feeds equal batches"
+        global_batches = [ranks[0]["fed"][step] + ranks[1]["fed"][step] for step in range(STEPS)]
+        reference, _ = _reference(script, global_batches)
+        for name, expected in reference.items():
+            for rank in range(2):
+                got = ranks[rank]["params"][name]
+                assert torch.allclose(got, expected, rtol=0, atol=1e-5), \
+                    f"{case} rank {rank} {name}: max |diff| {(got - expected).abs().max().item():.3g}"
 
 
 # -- pure parts ---------------------------------------------------------------------------------

@@ -91,8 +91,8 @@ def ds_config(stage, change):
     }
 
 
-def train(case, out, steps, stage, save_at=None, resume=False):
-    from transformers import TrainerCallback, TrainingArguments
+def train(case, out, steps, stage, save_at=None, resume=False, stock=False):
+    from transformers import Trainer, TrainerCallback, TrainingArguments
     from deepspeed.runtime.heterogeneous.integrations.hf_trainer import HeterogeneousTrainer
 
     loss_kind, gas, change = case.split(":")
@@ -101,8 +101,11 @@ def train(case, out, steps, stage, save_at=None, resume=False):
     rows = {tuple(row.tolist()): index for index, row in enumerate(tokens())}
     fed, plans = [], []
 
-    class RecordingTrainer(HeterogeneousTrainer):
+    class RecordingTrainer(Trainer if stock else HeterogeneousTrainer):
         """Records what each micro-step fed the model and the plan in force then."""
+
+        def heterogeneous_engine(self):
+            return self.model_wrapped  # the DeepSpeed engine (also for the stock Trainer)
 
         def training_step(self, model, inputs, num_items_in_batch=None):
             fed.append([rows[tuple(row.tolist())] for row in inputs["input_ids"]])
@@ -143,7 +146,8 @@ def train(case, out, steps, stage, save_at=None, resume=False):
     rank = int(os.environ["RANK"])
     params = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
     torch.save({"fed": fed, "plans": plans, "eval_loss": eval_loss, "params": params},
-               os.path.join(out, f"{loss_kind}-{gas}-{change}{'-resumed' if resume else ''}-rank{rank}.pt"))
+               os.path.join(out, f"{loss_kind}-{gas}-{change}{'-resumed' if resume else ''}{'-stock' if stock else ''}"
+                            f"-rank{rank}.pt"))
 
 
 def main():
@@ -153,12 +157,14 @@ def main():
     parser.add_argument("--case", action="append", required=True, help="LOSS:GAS:CHANGE (see the docstring)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--stage", type=int, default=1)
+    parser.add_argument("--stock", action="store_true",
+                        help="the stock transformers.Trainer (equal batches, re-split by the engine)")
     parser.add_argument("--resume-at", type=int, default=None,
                         help="save a checkpoint at this step, then train again resumed from it")
     args = parser.parse_args()
     try:
         for case in args.case:
-            train(case, args.out, args.steps, args.stage, save_at=args.resume_at)
+            train(case, args.out, args.steps, args.stage, save_at=args.resume_at, stock=args.stock)
             if args.resume_at:
                 train(case, args.out, args.steps, args.stage, save_at=args.resume_at, resume=True)
     finally:
