@@ -103,6 +103,7 @@ class HeterogeneousRuntime:
         self._split = None  # this micro-step's re-split (data.resplit.Split), None when nothing moved
         self._own_losses = []  # 0-dim outputs of a re-split forward: losses over the computed rows
         self._caller_counts = False  # the forward got num_items_in_batch: its loss is over the fed rows
+        self._data_parallel_world = dist.get_world_size() if dist.is_initialized() else 1
         self.resplit_input_bytes = 0  # input bytes other ranks sent this rank by re-splitting, in all
         self.resplit_output_bytes = 0  # output bytes returned to this rank from the ranks that computed them
         self._recorded_bytes = (0, 0)  # the two counters at the last profiler record
@@ -195,9 +196,18 @@ class HeterogeneousRuntime:
     @property
     def resplits(self):
         """Whether forwards re-split what the ranks were fed (``data/resplit.py``): ``auto`` unless
-        the engine's loader or a registered heterogeneous sampler feeds the ranks their plan."""
+        the engine's loader or a registered heterogeneous sampler feeds the ranks their plan, and only
+        where the data-parallel ranks are the whole world (no model or sequence parallelism)."""
         setting = self.settings.resplit_fed_batches
-        return setting is True or (setting == "auto" and not self.engine_loader and not self.samplers)
+        wanted = setting is True or (setting == "auto" and not self.engine_loader and not self.samplers)
+        if wanted and self._data_parallel_world != self.plan.world_size:
+            if setting is True:
+                raise ValueError("heterogeneous_config.resplit_fed_batches is true, but the data-parallel ranks are not "
+                                 "the whole world (model, pipeline or sequence parallelism): samples would have to move "
+                                 "between replicas and reach every member of each; feed each replica its planned share "
+                                 "(engine.heterogeneous_sampler) and set resplit_fed_batches to \"auto\" or false")
+            return False  # model parallelism: the fed-batch check applies
+        return wanted
 
     def micro_step_begin(self, inputs=(), kwargs=None):
         """A training forward begins: returns the ``(inputs, kwargs)`` the model computes (this
