@@ -50,7 +50,7 @@ def test_compression_takes_false_bf16_fp16(value):
     ({"compress_inter_host": True},
      "heterogeneous_config.communication.compress_inter_host: True is not allowed; use false, \"bf16\" or \"fp16\""),
     ({"hierarchical": True},
-     "heterogeneous_config.communication.hierarchical: unknown key 'hierarchical'; allowed keys: compress_inter_host, "
+     "heterogeneous_config.communication.hierarchical: unknown key 'hierarchical'; did you mean 'hierarchical_reduction'? allowed keys: compress_inter_host, "
      "hierarchical_reduction, link_aware_buckets"),
     ({"link_aware_buckets": "on"},
      "heterogeneous_config.communication.link_aware_buckets: 'on' is not allowed; use true, false or \"auto\""),

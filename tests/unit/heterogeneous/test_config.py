@@ -58,16 +58,16 @@ def test_design_example_parses():
 
 @pytest.mark.parametrize("config, expected", [
     ({"heterogeneous_config": {"enabled": True, "profile_step": 3}},
-     "heterogeneous_config.profile_step: unknown key 'profile_step'; allowed keys: check_fed_batch, communication, "
+     "heterogeneous_config.profile_step: unknown key 'profile_step'; did you mean 'profile_steps'? allowed keys: check_fed_batch, communication, "
      "emulation, enabled"),
     ({"heterogeneous_config": {"scheduler": {"interval": 5}}},
-     "heterogeneous_config.scheduler.interval: unknown key 'interval'; allowed keys: check_interval"),
+     "heterogeneous_config.scheduler.interval: unknown key 'interval'; did you mean 'check_interval'? allowed keys: check_interval"),
     ({"heterogeneous_config": {"emulation": {"speed": [1]}}},
-     "heterogeneous_config.emulation.speed: unknown key 'speed'; allowed keys: memory_gb, mode, speed_schedule, speeds"),
+     "heterogeneous_config.emulation.speed: unknown key 'speed'; did you mean 'speeds'? allowed keys: memory_gb, mode, speed_schedule, speeds"),
     ({"heterogeneous_memory": {"hbm_threshold": 0.5}},
      "heterogeneous_memory.hbm_threshold: unknown key 'hbm_threshold'; allowed keys: adaptive_chunking"),
     ({"zero_optimization": {"heterogeneous_offload": {"gpu_offload": True}}},
-     "zero_optimization.heterogeneous_offload.gpu_offload: unknown key 'gpu_offload'; allowed keys: cpu_offload"),
+     "zero_optimization.heterogeneous_offload.gpu_offload: unknown key 'gpu_offload'; did you mean 'cpu_offload'? allowed keys: cpu_offload"),
 ])
 def test_unknown_keys_are_named_with_the_allowed_ones(config, expected):
     assert expected in error_of(config)

@@ -93,6 +93,17 @@ def _allowed_keys(model, loc):
     return sorted(model.model_fields) if model is not None else []
 
 
+def _near_key(key, allowed):
+    """The allowed key a misspelled ``key`` most likely means: a close spelling (difflib ratio >=
+    0.75: 'profile_step', 'speed'), else the one allowed key that contains it ('interval' in
+    'check_interval'); None when nothing is close."""
+    close = difflib.get_close_matches(key, list(allowed), n=1, cutoff=0.75)
+    if close:
+        return close[0]
+    containing = [name for name in allowed if len(key) >= 4 and key in name]
+    return containing[0] if len(containing) == 1 else None
+
+
 def _format_error(block, model, exc):
     lines = []
     errors = exc.errors()
@@ -104,7 +115,9 @@ def _format_error(block, model, exc):
         path = ".".join([block] + [f"[{p}]" if isinstance(p, int) else str(p) for p in loc]).replace(".[", "[")
         if error["type"] == "extra_forbidden":
             allowed = _allowed_keys(model, loc)
-            lines.append(f"{path}: unknown key '{loc[-1]}'; allowed keys: {', '.join(allowed)}")
+            near = _near_key(str(loc[-1]), allowed)
+            hint = f"did you mean '{near}'? " if near else ""
+            lines.append(f"{path}: unknown key '{loc[-1]}'; {hint}allowed keys: {', '.join(allowed)}")
         else:
             message = error["msg"].removeprefix("Value error, ")
             shown = "" if error["type"] == "value_error" else f" (got {error.get('input')!r})"
