@@ -53,6 +53,17 @@ def test_without_config_or_environment_it_is_disabled():
     ]
 
 
+def test_disabled_says_how_to_enable_it(tmp_path):
+    without = report_lines()
+    hint = without[without.index("Heterogeneous Environment: Disabled") + 1]
+    assert hint.startswith("note: heterogeneous training is off"), hint
+    assert "no config given and DS_HETEROGENEOUS_ENV is unset" in hint and "--config" in hint, hint
+    assert "DS_HETEROGENEOUS_ENV=1" in hint and '"heterogeneous_config": {"enabled": true}' in hint, hint
+    with_config = report_lines(write_config(tmp_path, {"train_batch_size": 8}))
+    hint = with_config[with_config.index("Heterogeneous Environment: Disabled") + 1]
+    assert 'the config has no "heterogeneous_config": {"enabled": true}' in hint, hint
+
+
 def test_environment_variable_enables_compute_aware_defaults(monkeypatch):
     monkeypatch.setenv("DS_HETEROGENEOUS_ENV", "1")
     assert status_lines(report_lines()) == [

@@ -196,6 +196,11 @@ def heterogeneous_report(config_path=None, file=None, model_parameters=None):
     emit(_device_table(rows))
     emit()
     emit(f"Heterogeneous Environment: {'Enabled' if settings.enabled else 'Disabled'}")
+    if not settings.enabled:
+        how = ("the config has no \"heterogeneous_config\": {\"enabled\": true}" if config_path is not None else
+               "no config given and DS_HETEROGENEOUS_ENV is unset")
+        emit(f"note: heterogeneous training is off ({how}); to enable it, add \"heterogeneous_config\": "
+             f"{{\"enabled\": true}} to the ds_config and pass it with --config, or set DS_HETEROGENEOUS_ENV=1")
     emit(f"Mixed GPU Support: {_mixed_gpu_support(rows)}")
     emit(f"Load Balancing Strategy: {STRATEGY_LABELS[strategy]}")
     emit(f"Communication Optimization: {'Active' if communication_optimization_active(settings) else 'Inactive'}")
