@@ -127,3 +127,19 @@ def test_multinode_launch_forwards_the_fork_variables(tmp_path):
     remote_command = captured.read_text()
     assert "export DS_HETEROGENEOUS_ENV=1;" in remote_command
     assert "export DS_ADAPTIVE_SCHEDULING=true;" in remote_command
+
+
+def test_a_busy_master_port_is_one_line_naming_it(tmp_path):
+    import socket
+    script = tmp_path / "never.py"
+    script.write_text("raise SystemExit('must not run')\n")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        code, out, err = run([str(BIN / "deepspeed"), "--num_gpus", "1", "--master_port", str(port), str(script)],
+                             cwd=tmp_path)
+    assert code == 2, (out, err)
+    lines = [line for line in err.splitlines() if line.startswith("deepspeed: error:")]
+    assert len(lines) == 1 and f"port {port} (--master_port) is already in use on this host" in lines[0], err
+    assert "--master_port " in lines[0].split("e.g.")[-1] and "Traceback" not in err and "must not run" not in out + err

@@ -79,6 +79,31 @@ def check_launch_environment(argv=(), environ=None):
         sys.exit(2)
 
 
+def check_master_port(args):
+    """Stop with one line, before any rank starts, when a launch on this host only would find its
+    rendezvous port (``--master_port``, default 29500) taken: every rank would otherwise end in an
+    ``EADDRINUSE`` traceback. Launches that name other hosts (a hostfile, ``--master_addr``) are
+    left to the ranks: the port is another host's."""
+    import socket
+    if os.path.isfile(getattr(args, "hostfile", "") or "") or getattr(args, "master_addr", "") not in ("", "localhost",
+                                                                                                      "127.0.0.1"):
+        return
+    port = int(getattr(args, "master_port", 0) or 0)
+    if not port:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", port))
+        except OSError:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as free:
+                free.bind(("", 0))
+                suggestion = free.getsockname()[1]
+            print(f"deepspeed: error: port {port} (--master_port) is already in use on this host, so the ranks could "
+                  f"not meet there; pass a free one, e.g. --master_port {suggestion}", file=sys.stderr)
+            sys.exit(2)
+
+
 CONFIG_FLAGS = ("--deepspeed_config", "--deepscale_config")
 
 
