@@ -51,7 +51,7 @@ from .startup import apply_plan, rank_memory_meter
 from .memory.pool import memory_capacities
 from .data.fed_batch import fed_size
 from .data.resplit import resplit_inputs, return_outputs, scalar_outputs
-from .emulation.limits import EmulatedLimits, EmulatedOutOfMemoryError
+from .emulation.limits import EmulatedLimits, EmulatedOutOfMemoryError, emulation_note
 from .measure import comm_clock
 from .memory.model_state import ActivationMeter, engine_model_state_bytes
 from .planning.planner import Plan, TimeModel, plan_micro_batches
@@ -124,11 +124,20 @@ class HeterogeneousRuntime:
         self._update_comm_clock()
         self.limits.apply_speed_schedule(1)
         # On more than one host, the hosts and their measured links go under the title.
-        self.log_plan("plan at start-up", self.plan, topology_note(self.state.topology))
+        self.log_plan("plan at start-up", self.plan,
+                      "\n  ".join(filter(None, [topology_note(self.state.topology), self._emulation_note()])) or None)
 
     @property
     def plan(self):
         return self.state.plan
+
+    def _emulation_note(self):
+        import os
+        try:
+            load, cores = os.getloadavg()[0], os.cpu_count()
+        except (OSError, AttributeError):
+            load, cores = None, None
+        return emulation_note(self.settings.emulation, self.limits.mode, self.limits.memory_mode, load, cores)
 
     @property
     def profiling(self):

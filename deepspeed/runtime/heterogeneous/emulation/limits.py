@@ -89,3 +89,31 @@ class EmulatedLimits:
         if self.memory_cgroup is not None:
             self.memory_cgroup.close()
             self.memory_cgroup = None
+
+
+BUSY_LOAD_PER_CORE = 0.75
+"""A 1-minute load average per core above which the host counts as busy at start-up."""
+
+
+def emulation_note(emulation, mode, memory_mode="none", load=None, cores=None):
+    """The start-up plan's emulation line: which mode slows the ranks and at what speeds, what
+    emulates their memory, and a warning where a CPU quota cannot bind (the host's cores already
+    busy at start: a quota only caps a rank, it cannot slow one that the load already slows more);
+    None without emulation. ``load``/``cores``: the host's 1-minute load average and core count."""
+    if emulation is None or not (emulation.speeds or emulation.speed_schedule or emulation.memory_gb):
+        return None
+    how = {"cgroup": "CPU-quota cgroups", "dilation": "time dilation"}.get(mode, mode)
+    parts = []
+    if emulation.speeds or emulation.speed_schedule:
+        speeds = list(emulation.speeds) if emulation.speeds else "1.0 each"
+        parts.append(f"speeds {speeds} by {how} (emulation.mode {emulation.mode})")
+        if emulation.speed_schedule:
+            parts.append("then " + ", ".join(f"{list(c.speeds)} from step {c.step}" for c in emulation.speed_schedule))
+    if emulation.memory_gb:
+        parts.append(f"memory_gb {list(emulation.memory_gb)} by {memory_mode}")
+    line = "emulated: " + "; ".join(parts)
+    if mode == "cgroup" and load is not None and cores and load > BUSY_LOAD_PER_CORE * cores:
+        line += (f"\n  warning: this host is busy (load average {load:.1f} on {cores} cores): a CPU quota cannot slow "
+                 f"a rank that other processes already slow, so the emulated speeds may not hold; set "
+                 f"heterogeneous_config.emulation.mode to \"dilation\" to emulate slower devices on a busy machine")
+    return line
