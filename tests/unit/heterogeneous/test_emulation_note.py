@@ -16,3 +16,6 @@ def test_the_start_up_plan_says_how_ranks_are_emulated():
     assert "warning: this host is busy (load average 4.0 on 2 cores)" in busy and '"dilation"' in busy, busy
     assert "warning" not in emulation_note(emulation, "dilation", "accounting", load=4.0, cores=2)
     assert emulation_note(None, "none") is None
+    # Rank 0 at full speed has no emulator of its own: the configured mode is what acts on the others.
+    assert "by time dilation (emulation.mode dilation)" in emulation_note(
+        EmulationConfig(speeds=[1.0, 0.25], mode="dilation"), "none")

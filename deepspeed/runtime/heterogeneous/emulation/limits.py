@@ -102,7 +102,10 @@ def emulation_note(emulation, mode, memory_mode="none", load=None, cores=None):
     None without emulation. ``load``/``cores``: the host's 1-minute load average and core count."""
     if emulation is None or not (emulation.speeds or emulation.speed_schedule or emulation.memory_gb):
         return None
-    how = {"cgroup": "CPU-quota cgroups", "dilation": "time dilation"}.get(mode, mode)
+    if mode in (None, "none"):  # this rank runs at full speed: the configured mode acts on the others
+        mode = emulation.mode
+    how = {"cgroup": "CPU-quota cgroups", "dilation": "time dilation",
+           "auto": "CPU-quota cgroups where the machine allows them, else time dilation"}.get(mode, mode)
     parts = []
     if emulation.speeds or emulation.speed_schedule:
         speeds = list(emulation.speeds) if emulation.speeds else "1.0 each"
