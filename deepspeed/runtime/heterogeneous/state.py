@@ -30,7 +30,8 @@ from typing import List, Optional
 
 from deepspeed.utils import logger
 
-from .config.settings import HeterogeneousSettings, load_heterogeneous_settings, settings_summary
+from .config.settings import (HeterogeneousConfigError, HeterogeneousSettings, load_heterogeneous_settings,
+                              settings_summary)
 from .measure.devices import DeviceDescription
 from .planning.planner import Plan
 from .planning.precision import PrecisionChoice
@@ -146,7 +147,11 @@ class HeterogeneousState:
         from .planning.precision import choose_precision_for_config
         from .cluster.topology import discover_topology
 
-        settings = load_heterogeneous_settings(param_dict, world_size=world_size)
+        try:
+            settings = load_heterogeneous_settings(param_dict, world_size=world_size)
+        except HeterogeneousConfigError:
+            one_line_config_errors()
+            raise
         for note in settings.notes:
             logger.warning(note)
         state = cls(settings)
@@ -215,6 +220,26 @@ class HeterogeneousState:
         from .startup import configure_heterogeneous_batch
         configure_heterogeneous_batch(ds_config, self)
         return True
+
+
+def one_line_config_errors():
+    """Have an uncaught ``HeterogeneousConfigError`` end the process with its message on one line,
+    printed by global rank 0 alone: every rank raises the same error, and N tracebacks of one
+    config mistake bury it. Other exceptions keep Python's own report."""
+    import sys
+    if getattr(sys.excepthook, "deepspeed_hetero", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback):
+        if not isinstance(value, HeterogeneousConfigError):
+            return previous(kind, value, traceback)
+        import os
+        if os.environ.get("RANK", "0") == "0":
+            print(f"deepspeed: {value}", file=sys.stderr, flush=True)
+
+    hook.deepspeed_hetero = True
+    sys.excepthook = hook
 
 
 _cluster_facts = {}

@@ -263,3 +263,28 @@ def test_blocks_reach_the_engine_on_two_ranks():
     ]
     results = run_subcases(_initialize_case, cases, world_size=2, timeout=240)
     assert [r[0] for r in results] == ["uniform", "compute_aware", "compute_aware", "compute_aware", "error", "error"]
+
+
+BAD_DICT_CONFIG_SCRIPT = """
+import torch
+import deepspeed
+model = torch.nn.Linear(4, 4)
+deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
+    "train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+    "heterogeneous_config": {"enabled": True, "profile_step": 3}})
+raise SystemExit("must not run")
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_dict_config_error_is_one_line_from_rank_0(tmp_path):
+    """Every rank raises the same error: the job prints it once, without a traceback per rank."""
+    from harness import launch_deepspeed
+    script = tmp_path / "bad_dict_config.py"
+    script.write_text(BAD_DICT_CONFIG_SCRIPT)
+    code, output = launch_deepspeed(script, num_ranks=2, timeout=240, cwd=tmp_path)
+    assert code != 0, output
+    lines = [line for line in output.splitlines() if "invalid DeepSpeed config" in line]
+    assert len(lines) == 1 and lines[0].startswith("deepspeed: invalid DeepSpeed config: heterogeneous_config."
+                                                   "profile_step: unknown key 'profile_step'; did you mean"), output
+    assert "Traceback" not in output and "must not run" not in output, output[-3000:]

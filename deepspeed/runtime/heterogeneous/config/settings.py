@@ -125,15 +125,21 @@ def _format_error(block, model, exc):
     return "invalid DeepSpeed config: " + "; ".join(lines)
 
 
+class HeterogeneousConfigError(ValueError):
+    """An invalid fork block or setting: every rank raises it alike, and a script that does not catch
+    it ends with the message printed once, by global rank 0 (``state.one_line_config_errors``)."""
+
+
 def _build(model, block, value):
     if value is None:
         value = {}
     if not isinstance(value, dict):
-        raise ValueError(f"invalid DeepSpeed config: {block} must be a JSON object, got {type(value).__name__}")
+        raise HeterogeneousConfigError(f"invalid DeepSpeed config: {block} must be a JSON object, got "
+                                       f"{type(value).__name__}")
     try:
         return model(**value)
     except ValidationError as exc:
-        raise ValueError(_format_error(block, model, exc)) from None
+        raise HeterogeneousConfigError(_format_error(block, model, exc)) from None
 
 
 def env_flag(name, environ):
@@ -172,7 +178,7 @@ def load_heterogeneous_settings(param_dict, world_size=None, environ=None):
     if isinstance(alias, dict) and alias.get("type") in STRATEGIES:
         param_dict.pop(LR_SCHEDULER)
         if isinstance(raw, dict) and "scheduler" in raw:
-            raise ValueError("invalid DeepSpeed config: both the top-level 'scheduler' (type "
+            raise HeterogeneousConfigError("invalid DeepSpeed config: both the top-level 'scheduler' (type "
                              f"'{alias['type']}') and heterogeneous_config.scheduler are given; keep only "
                              "heterogeneous_config.scheduler (the top-level key is the learning-rate scheduler's)")
         raw = dict(raw or {})
