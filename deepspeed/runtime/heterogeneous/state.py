@@ -248,7 +248,9 @@ _cluster_facts = {}
 
 def _cluster_key(summary, dp_rank, world_size):
     """The start-up collectives' results depend on the settings, this process's place in the
-    process group and the group itself (a new group after ``destroy_process_group`` asks again)."""
+    process group and the group itself (a new group after ``destroy_process_group`` asks again).
+    Only what every rank has alike may decide whether they run: a rank that skipped them while its
+    peers ran them would leave the peers waiting. A process's devices do not change under it."""
     from deepspeed import comm as dist
     group = None
     if dist.is_initialized():
