@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The collective clock costs nothing with the fork off and counts every collective with it on."""
+"""The collective clock costs nothing with the fork off and counts every collective while the fork's
+runtime controller is in a phase that reads it (profiling here)."""
 
 import pytest
 import torch
@@ -16,8 +17,11 @@ def _clock_off_then_on(rank, world_size):
         model = torch.nn.Linear(4, 4)
         config = {"train_batch_size": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
         if heterogeneous:
-            config["heterogeneous_config"] = {"enabled": True, "load_balancing_strategy": "uniform"}
-        return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
+            config["heterogeneous_config"] = {"enabled": True, "load_balancing_strategy": "compute_aware"}
+        engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
+        if heterogeneous:
+            engine._heterogeneous_runtime()  # the controller starts (at the first hook): profiling reads the clock
+        return engine
 
     def async_all_reduce():
         before = comm_clock.seconds_in_collectives()

@@ -77,8 +77,8 @@ class Agreement:
             buffers = [torch.zeros_like(padded) for _ in range(world)] if rank == 0 else None
             dist.gather(padded, gather_list=buffers, dst=0)
         except Exception as exc:
-            raise PlanAgreementError(f"deepspeed-hetero: {self.rank_label} could not gather {what} on global "
-                                     f"rank 0; {self._who_failed(source=None)} ({exc})") from exc
+            raise PlanAgreementError(f"deepspeed-hetero: {self.rank_label} could not gather {what}; "
+                                     f"{self._who_failed(source=None)} ({exc})") from exc
         if rank != 0:
             return None
         return [pickle.loads(buffer[:length].cpu().numpy().tobytes()) for buffer, length in zip(buffers, lengths)]
