@@ -73,6 +73,9 @@ def test_equal_ranks_measured_apart_by_noise_keep_the_uniform_split():
     assert decision.plan is UNIFORM and decision.models is None
     assert list(decision.best.micro_batch_sizes) != [16, 16]  # what the fit alone would have done
     assert "kept the start-up plan" in decision.note and "within the measured noise" in decision.note
+    # The verdict says what to change: the setting, its value now, and a value to try.
+    assert "raise heterogeneous_config.profile_steps (now" in decision.note, decision.note
+    assert "scheduler.dynamic_rebalancing" in decision.note, decision.note
     steady = _history([1.0, 1.3], SIZES, [[0.0] * 5, [0.0] * 5])
     decision = trusted_plan(steady, UNIFORM, 1, None, False)
     assert list(decision.plan.micro_batch_sizes) == [18, 14], decision

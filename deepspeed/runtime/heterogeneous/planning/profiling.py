@@ -232,9 +232,13 @@ def trusted_plan(history, startup_plan, gradient_accumulation_steps, limits, all
         why = ("too few micro-steps to measure the noise (use more profile_steps)" if any(math.isinf(e) for e in errors)
                else "within the measured noise")
         spread = _spread_text(models, startup_plan, at_startup)
+        steps = len(history)
         return ProfilingDecision(startup_plan, None, f"kept the start-up plan: the ranks' measured speeds differ "
                                  f"{spread}, {why} (relative standard errors per rank: {shown}, bound "
-                                 f"{NOISE_STANDARD_ERRORS:g} standard errors)", best)
+                                 f"{NOISE_STANDARD_ERRORS:g} standard errors): the {steps} profiling steps cannot "
+                                 f"tell that difference from this machine's timing noise. To measure longer, raise "
+                                 f"heterogeneous_config.profile_steps (now {steps}, e.g. {2 * steps}), or turn on "
+                                 f"scheduler.dynamic_rebalancing, whose checks keep measuring", best)
     ratio_models = [TimeModel(0.0, rate) for rate in rates]
     by_ratio = best_for(ratio_models)
     absurd = beyond_measured_ratio(best, by_ratio)
