@@ -107,6 +107,7 @@ class HeterogeneousRuntime:
         self.resplit_input_bytes = 0  # input bytes other ranks sent this rank by re-splitting, in all
         self.resplit_output_bytes = 0  # output bytes returned to this rank from the ranks that computed them
         self._recorded_bytes = (0, 0)  # the two counters at the last profiler record
+        self._resplit_mark = (0, 0, 0)  # the two counters and the step at the last plan change
         self.gas_origin = 0  # the engine's micro-step count when this rank's current gas took effect
         scheduler = self.settings.scheduler
         self.dynamic = scheduler.dynamic_rebalancing and self.settings.load_balancing_strategy == "compute_aware"
@@ -620,10 +621,24 @@ class HeterogeneousRuntime:
         gas = list(plan.gradient_accumulation_steps) if plan.per_rank_gas else None
         for sampler in self.samplers:
             sampler.set_micro_batch_sizes(list(plan.micro_batch_sizes), gradient_accumulation_steps=gas)
-        self.log_plan(reason, plan, change=(
-            f"micro-batches {list(old.micro_batch_sizes)} -> {list(plan.micro_batch_sizes)}, gas "
-            f"{list(old.gradient_accumulation_steps)} -> {list(plan.gradient_accumulation_steps)}, predicted step "
-            f"time {old.format_step_time()} -> {plan.format_step_time()}"))
+        change = (f"micro-batches {list(old.micro_batch_sizes)} -> {list(plan.micro_batch_sizes)}, gas "
+                  f"{list(old.gradient_accumulation_steps)} -> {list(plan.gradient_accumulation_steps)}, predicted step "
+                  f"time {old.format_step_time()} -> {plan.format_step_time()}")
+        moved = self._resplit_since_last_plan()
+        self.log_plan(reason, plan, change=change + (f"\n  {moved}" if moved else ""))
+
+    def _resplit_since_last_plan(self):
+        """A line on what re-splitting a stock loader's batches moved to this rank under the plan
+        that ends now (None when nothing moved), for the plan's log."""
+        steps = max(self.steps - self._resplit_mark[2], 1)
+        inputs = (self.resplit_input_bytes - self._resplit_mark[0]) / steps
+        outputs = (self.resplit_output_bytes - self._resplit_mark[1]) / steps
+        self._resplit_mark = (self.resplit_input_bytes, self.resplit_output_bytes, self.steps)
+        if not inputs and not outputs:
+            return None
+        return (f"re-split under the previous plan: this rank received {inputs:,.0f} B of inputs and "
+                f"{outputs:,.0f} B of returned outputs per step (resplit_fed_batches; the engine's loader or "
+                f"sampler moves nothing)")
 
     # -- checkpoints (checkpoint.py) ----------------------------------------------------------
 
