@@ -206,10 +206,12 @@ class HeterogeneousRuntime:
     @property
     def resplits(self):
         """Whether forwards re-split what the ranks were fed (``data/resplit.py``): ``auto`` unless
-        the engine's loader or a registered heterogeneous sampler feeds the ranks their plan, and only
+        the engine's loader or a registered heterogeneous sampler feeds the ranks their plan or the
+        inputs are not batch-first (``check_fed_batch: false``), and only
         where the data-parallel ranks are the whole world (no model or sequence parallelism)."""
         setting = self.settings.resplit_fed_batches
-        wanted = setting is True or (setting == "auto" and not self.engine_loader and not self.samplers)
+        wanted = setting is True or (setting == "auto" and self.check_fed_batch and not self.engine_loader
+                                     and not self.samplers)
         if wanted and self._data_parallel_world != self.plan.world_size:
             if setting is True:
                 raise ValueError("heterogeneous_config.resplit_fed_batches is true, but the data-parallel ranks are not "

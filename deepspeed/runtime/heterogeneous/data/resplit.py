@@ -208,6 +208,8 @@ def resplit_inputs(inputs, kwargs, planned, dp_rank):
     rows = 0 if rows is None else rows
     paths, checksum = batch_first((inputs, kwargs), rows)
     gathered = agree(rows, len(paths), checksum, "the fed batch")
+    if not any(row[0] for row in gathered):
+        return inputs, kwargs, None  # no rank was fed a batch-first tensor: nothing to split
     fed = _check(gathered, dp_rank, planned, "fed batches")
     split = Split(tuple(fed), tuple(planned), dp_rank)
     if not split.needed or not paths:
