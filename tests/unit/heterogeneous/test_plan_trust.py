@@ -158,8 +158,18 @@ def test_an_absurd_split_never_comes_out_of_a_waiting_rank():
     decision = trusted_plan(history, UNIFORM, 1, None, False)
     assert list(decision.plan.micro_batch_sizes) == [16, 16], decision
     assert "more than 1.5x the samples of the measured speed ratio" in decision.note
-    assert beyond_measured_ratio(fitted, UNIFORM) == [1]
+    # Rank 1 takes 31 > 1.5 * 16 + 1, rank 0 takes 1 < 16 / 1.5 - 1: both beyond the measured ratio.
+    assert beyond_measured_ratio(fitted, UNIFORM) == [0, 1]
     assert beyond_measured_ratio(_plan([20, 12]), UNIFORM) == []
+
+
+def test_a_fit_that_starves_the_rank_measured_faster_is_capped_too():
+    """A busy neighbour made rank 0 measure 3.74x rank 1's time per sample: the measured ratio gives
+    [27, 101] of 128; a fit that gives [1, 127] keeps rank 1 within 1.5x of its 101 (127 <= 152.5)
+    but starves rank 0 far below 27 / 1.5 - 1 = 17: capped, not adopted."""
+    ratio = _plan([27, 101], batch=128)
+    assert beyond_measured_ratio(_plan([1, 127], batch=128), ratio) == [0]
+    assert beyond_measured_ratio(_plan([20, 108], batch=128), ratio) == []
 
 
 def test_profiling_schedule_spreads_toward_the_best_and_ends_at_the_start_up_plan():

@@ -25,8 +25,9 @@ NOISE_STANDARD_ERRORS = 2.0
 """How many standard errors two ranks' measured speeds must differ by before work moves (about 95%)."""
 
 SHARE_LIMIT = 1.5
-"""A measured plan may give a rank at most this many times the samples that the measured speed
-ratio alone (time per sample, no fixed cost) gives it, plus one sample per micro-step."""
+"""A measured plan may give a rank at most this many times, and at least this fraction of, the
+samples that the measured speed ratio alone (time per sample, no fixed cost) gives it, with one
+sample per micro-step of slack."""
 
 
 def fit_steps(history):
@@ -172,11 +173,13 @@ def significant_difference(models, errors, plan, standard_errors=NOISE_STANDARD_
 
 
 def beyond_measured_ratio(plan, reference, limit=SHARE_LIMIT):
-    """Ranks that ``plan`` gives more than ``limit`` times their samples in ``reference`` (the plan
-    of the measured speed ratio, within the same memory limits), plus one sample per micro-step."""
+    """Ranks that ``plan`` gives more than ``limit`` times, or less than 1/``limit`` of, their
+    samples in ``reference`` (the plan of the measured speed ratio, within the same memory limits),
+    with one sample per micro-step of slack: the split between any two ranks stays within
+    ``limit`` of what their measured speeds give them, whichever way the fit errs."""
     return [rank for rank, (n, r, g) in enumerate(zip(plan.samples_per_rank, reference.samples_per_rank,
                                                        plan.gradient_accumulation_steps))
-            if n > limit * r + g]
+            if n > limit * r + g or n < r / limit - g]
 
 
 @dataclass(frozen=True)
@@ -247,7 +250,8 @@ def trusted_plan(history, startup_plan, gradient_accumulation_steps, limits, all
     if absurd:
         return ProfilingDecision(by_ratio, ratio_models, f"{note}; the fitted plan {list(best.micro_batch_sizes)} "
                                  f"gives rank(s) {absurd} more than {SHARE_LIMIT:g}x the samples of the measured "
-                                 f"speed ratio, so the plan of that ratio is used", best)
+                                 f"speed ratio, or less than 1/{SHARE_LIMIT:g} of them, so the plan of that ratio is "
+                                 f"used", best)
     return ProfilingDecision(best, models, note, best)
 
 
