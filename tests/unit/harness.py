@@ -377,6 +377,12 @@ def _subcase_body(rank, world_size, fn, cases):
     values = []
     for index, case in enumerate(cases):
         _send(_report, ("start", index))
+        # Each case is a job of its own, often on other (emulated) devices or hosts, which a real
+        # process never sees change: the fork's per-process cache of its start-up collectives'
+        # results does not carry over from the case before.
+        state = sys.modules.get("deepspeed.runtime.heterogeneous.state")
+        if state is not None:
+            state._cluster_facts.clear()
         try:
             values.append(fn(rank, world_size, **case))
             _send(_report, ("case", index, None))

@@ -238,4 +238,3 @@ def _one_more_config(rank, world_size):
 def test_start_up_collectives_run_once_per_process_and_setting():
     first, second = run_subcases(_one_more_config, [{}], world_size=2, timeout=300)[0]
     assert first == second and sum(first) == 8, (first, second)
-

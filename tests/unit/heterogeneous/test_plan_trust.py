@@ -308,6 +308,10 @@ def _failing_decision(rank, world_size, failure):
               "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
               "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "compute_aware",
                                        "profile_steps": 3,
+                                       # The loop feeds each rank its planned size itself; re-splitting
+                                       # (one agreement per forward) would leave rank 0 waiting for the
+                                       # forward rank 1 bypasses, the mistake this case makes.
+                                       "resplit_fed_batches": False,
                                        "scheduler": {"dynamic_rebalancing": True, "check_interval": 50}}}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     runtime = engine._heterogeneous_runtime()

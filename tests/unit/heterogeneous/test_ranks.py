@@ -156,10 +156,6 @@ def _case(rank, world_size, kind, **kwargs):
     # Each case starts from a round of settings checks of its own, the same on both ranks, whatever
     # an earlier case that enabled the fork on one rank only left behind (a real job ends there).
     agreement._rounds = 1000 * kwargs.pop("round")
-    # Each case also puts the ranks on other devices, which a real process never sees change: the
-    # start-up collectives' results of an earlier case (cached per process and setting) do not apply.
-    from deepspeed.runtime.heterogeneous import state
-    state._cluster_facts.clear()
     return {"own_device": _own_device, "settings": _settings, "pipeline": _pipeline,
             "sequence_parallel": _sequence_parallel_mpu, "mesh": _mesh_loader}[kind](rank, **kwargs)
 

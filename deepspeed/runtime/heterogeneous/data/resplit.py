@@ -20,8 +20,8 @@ samples so that each rank computes its planned share of the union of what was fe
   global micro-batch's rows, zeros except the rows a rank was fed: exact). Scalar outputs (a loss
   computed inside the forward) stay the rank's own: a loss over the samples it computed.
 
-Every rank runs the same collectives: one gather of three numbers per micro-step (the fed size,
-the number of batch-first tensors and a checksum of their structure, dtypes and trailing shapes),
+Every rank runs the same collectives: one gather of two numbers per micro-step (the fed size and
+a checksum of the batch-first tensors: their number, structure, dtypes and trailing shapes),
 then, only where the fed sizes differ from the plan, one all-gather per batch-first input and per
 output. Structures that differ between ranks (different trailing shapes, as with dynamic
 padding) stop every rank with one message, as does a global micro-batch of another size than
@@ -110,7 +110,7 @@ def _walk(value, path, visit):
 
 def batch_first(value, rows):
     """``(paths of the batch-first tensors, checksum of the structure)``: the tensors whose dim 0
-    is ``rows``, with their dtypes and trailing shapes in the checksum, which ranks compare."""
+    is ``rows``; their number, paths, dtypes and trailing shapes make the checksum ranks compare."""
     paths, tokens = [], []
 
     def visit(path, tensor):
@@ -120,14 +120,15 @@ def batch_first(value, rows):
         return tensor
 
     _walk(value, "", visit)
-    return paths, zlib.crc32("|".join(tokens).encode())
+    return paths, zlib.crc32(f"{len(paths)}|{'|'.join(tokens)}".encode())
 
 
-def agree(fed, count, checksum, what):
-    """Every rank's (fed rows, batch-first tensors, checksum), gathered (one small collective)."""
+def agree(fed, checksum, what):
+    """Every rank's (fed rows, checksum of its batch-first tensors), gathered: one collective of two
+    numbers per rank."""
     from deepspeed.accelerator import get_accelerator
     device = "cpu" if _gloo() else get_accelerator().current_device_name()
-    mine = torch.tensor([int(fed), int(count), int(checksum)], dtype=torch.long, device=device)
+    mine = torch.tensor([int(fed), int(checksum)], dtype=torch.long, device=device)
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     return [tuple(int(v) for v in row.tolist()) for row in everyone]
@@ -207,7 +208,7 @@ def resplit_inputs(inputs, kwargs, planned, dp_rank):
             break
     rows = 0 if rows is None else rows
     paths, checksum = batch_first((inputs, kwargs), rows)
-    gathered = agree(rows, len(paths), checksum, "the fed batch")
+    gathered = agree(rows, checksum, "the fed batch")
     if not any(row[0] for row in gathered):
         return inputs, kwargs, None  # no rank was fed a batch-first tensor: nothing to split
     fed = _check(gathered, dp_rank, planned, "fed batches")
@@ -227,7 +228,7 @@ def return_outputs(outputs, split):
     """``outputs`` with every batch-first tensor exchanged back to the rank fed its samples (one
     gather of the structure first, so that every rank exchanges the same tensors)."""
     paths, checksum = batch_first(outputs, split.planned[split.rank])
-    gathered = agree(len(paths), len(paths), checksum, "the outputs")
+    gathered = agree(len(paths), checksum, "the outputs")
     if len({row for row in gathered}) > 1:
         raise ResplitError(
             "deepspeed-hetero: the model's outputs differ in structure, dtype or trailing shape between ranks, so "
