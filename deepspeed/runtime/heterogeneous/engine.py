@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What ``DeepSpeedEngine`` gains from the fork: the plan in force and the seed's scheduling API.
+"""What ``DeepSpeedEngine`` gains from the fork: the plan in force and its scheduling API.
 
 The engine inherits ``HeterogeneousEngineMixin``; every method is a thin view over the pure
-planner (``planner.py``) and the fork's state (``state.py``, ``engine._config.heterogeneous``).
+planner (``planning/planner.py``) and the fork's state (``state.py``, ``engine._config.heterogeneous``).
 """
 
 import weakref

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Plans a user can trust (issue 12): profiling keeps the start-up plan when the ranks' measured
+"""Plans a user can trust: profiling keeps the start-up plan when the ranks' measured
 speeds differ only by noise and never takes an absurd split; a switch that made the step slower
 is reverted and not retried soon; reschedule_workload applies the threshold; a failure of rank
 0's decision reaches every rank at once."""
@@ -64,7 +64,7 @@ def test_relative_standard_error_is_unknown_without_a_degree_of_freedom():
 
 
 def test_equal_ranks_measured_apart_by_noise_keep_the_uniform_split():
-    """Issue 12: identical ranks whose noisy micro-steps (+-35%) make rank 1 look 30% slower. The
+    """Identical ranks whose noisy micro-steps (+-35%) make rank 1 look 30% slower. The
     measured best plan moves work; the gate keeps [16, 16] and says why. Without the scatter the
     same means are a real difference, and the plan follows them."""
     noise = [[0.0, 0.35, -0.35, -0.35, 0.35], [0.0, -0.35, 0.35, 0.35, -0.35]]
@@ -113,9 +113,9 @@ FIXED_COST_DOMINATED = [[(8, 27.3, 18.6), (8, 105.7, 24.5)], [(10, 14.5, 14.8), 
 
 
 def test_a_rank_whose_fixed_cost_dominates_is_measured_against_its_own_line():
-    """Issue 11: the gate kept [8, 8] although rank 1 took 3.2x rank 0's time under it. Its flat
-    times fell back to a proportional model for planning, and against that model its scatter read
-    as 60% noise; about the least-squares line through its micro-steps it is 8%."""
+    """Rank 1 takes 3.2x rank 0's time under [8, 8], mostly fixed cost. Its flat times fall back to
+    a proportional model for planning; read against that model its scatter would be 60% noise and
+    the gate would keep [8, 8]; about the least-squares line through its micro-steps it is 8%."""
     history = [[{"samples": [(size, forward / 1e3, None)], "step_overhead": step / 1e3, "state_bytes": 0,
                  "wall": None} for size, forward, step in ranks] for ranks in FIXED_COST_DOMINATED]
     models, fits = measured_time_models(history, 1)
@@ -147,7 +147,7 @@ def test_a_datasheet_start_up_plan_is_the_reference_of_the_gate():
 
 
 def test_an_absurd_split_never_comes_out_of_a_waiting_rank():
-    """Issue 12: with rank 1 throttled, rank 0's optimizer step measured the wait for rank 1 (time
+    """With rank 1 throttled, rank 0's optimizer step measured the wait for rank 1 (time
     that is not its compute): 5 ms of fixed cost against 1 ms of compute for 16 samples. The fitted
     models then give rank 1, no faster per sample, 31 of 32 samples; the guard caps a rank at
     1.5x what the measured per-sample speeds give it and falls back to that split."""
@@ -337,8 +337,9 @@ def _failing_decision(rank, world_size, failure):
 
 @pytest.mark.multiprocess
 def test_a_failure_of_rank_0s_decision_is_raised_on_every_rank_at_once():
-    """Issue 12: rank 0's decision failed on rank 0 alone (a ZeroDivisionError), and the other
-    ranks waited in the broadcast until the process group's time-out."""
+    """Rank 0's decision fails on rank 0 alone (a ZeroDivisionError, or no measurement of a rank):
+    the other ranks get the error with it, instead of waiting in the broadcast until the process
+    group's time-out."""
     cases = [dict(failure="bypass"), dict(failure="crash")]
     bypass, crash = run_subcases(_failing_decision, cases, world_size=2, timeout=COLLECTIVE_TIMEOUT)
     for result in bypass:
