@@ -25,8 +25,10 @@ def runtime_on_rank(monkeypatch, rank):
                                        devices=[types.SimpleNamespace(name="fast-gpu"),
                                                 types.SimpleNamespace(name="slow-gpu")])
     runtime.config = types.SimpleNamespace(heterogeneous=runtime.state)
-    runtime.engine = types.SimpleNamespace(micro_steps=0)
+    runtime.engine = types.SimpleNamespace(micro_steps=0, global_steps=0)
     runtime.rank, runtime.samplers, runtime.gas_origin = rank % 2, [], 0
+    runtime.resplit_input_bytes = runtime.resplit_output_bytes = 0  # no stock loader re-split here
+    runtime._resplit_mark = (0, 0, 0)
     # apply_plan writes the engine's batch fields; here only the plan in force matters.
     monkeypatch.setattr(runtime_module, "apply_plan", lambda config, plan: setattr(config.heterogeneous, "plan", plan))
     return runtime
