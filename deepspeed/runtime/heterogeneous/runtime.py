@@ -40,8 +40,6 @@ import statistics
 import time
 from dataclasses import asdict
 
-import torch
-
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
@@ -50,7 +48,7 @@ from .cluster.agreement import (Agreement, PlanAgreementError, decision_failure,
 from .startup import apply_plan, rank_memory_meter
 from .memory.pool import memory_capacities
 from .data.fed_batch import fed_size
-from .data.resplit import resplit_inputs, return_outputs, scalar_outputs
+from .data.resplit import resplit_inputs, return_outputs
 from .emulation.limits import EmulatedLimits, EmulatedOutOfMemoryError, emulation_note
 from .measure import comm_clock
 from .memory.model_state import ActivationMeter, engine_model_state_bytes
@@ -101,7 +99,6 @@ class HeterogeneousRuntime:
         self.check_fed_batch = self.settings.check_fed_batch
         self._fed = None  # the size of the micro-batch this rank computes (None: not known)
         self._split = None  # this micro-step's re-split (data.resplit.Split), None when nothing moved
-        self._own_losses = []  # 0-dim outputs of a re-split forward: losses over the computed rows
         self._caller_counts = False  # the forward got num_items_in_batch: its loss is over the fed rows
         self._data_parallel_world = dist.get_world_size() if dist.is_initialized() else 1
         self.resplit_input_bytes = 0  # input bytes other ranks sent this rank by re-splitting, in all
@@ -224,7 +221,7 @@ class HeterogeneousRuntime:
     def micro_step_begin(self, inputs=(), kwargs=None):
         """A training forward begins: returns the ``(inputs, kwargs)`` the model computes (this
         rank's planned share when the ranks were fed otherwise and re-splitting is on)."""
-        self._split, self._own_losses = None, []
+        self._split = None
         self.state.weight_override = None
         if self.resplits and not self.plan.per_rank_gas:
             planned = self.plan.micro_batch_sizes
@@ -232,6 +229,8 @@ class HeterogeneousRuntime:
             # num_items_in_batch, counted over what was fed) is a loss over the fed rows.
             self._caller_counts = (kwargs or {}).get("num_items_in_batch") is not None
             inputs, kwargs, self._split = resplit_inputs(tuple(inputs), dict(kwargs or {}), planned, self.rank)
+            if self._split is not None and self._caller_counts:
+                self.state.weight_override = self._fed_weight()
             self._fed = planned[self.rank]
             if self._split is not None:
                 self.resplit_input_bytes += self._split.received_bytes((inputs, kwargs))
@@ -250,46 +249,34 @@ class HeterogeneousRuntime:
 
     def forward_end(self, outputs):
         """The forward's outputs as the caller gets them: after a re-split, every batch-first output
-        returns to the rank that was fed its sample. A loss over those returned outputs is a loss
-        over what this rank was fed, and is weighted by that (``state.weight_override``); a 0-dim
-        output (a loss computed inside the model) stays a loss over the computed rows, unless the
-        forward was given ``num_items_in_batch``: then the model divided by the caller's count of
-        the fed items (the Trainer's), and the caller scales it as a loss over what was fed."""
+        returns to the rank that was fed its sample. Every loss is weighted by the rows this rank
+        computed, as the plan says; a loss over the returned outputs is a loss over what the rank
+        was fed, and the exchange's backward rescales their gradient by fed / computed rows, so it
+        counts as such (whatever arithmetic or backward style follows). A forward given
+        ``num_items_in_batch`` (the Trainer's count of the fed items) returns a loss the caller
+        scales as one over the fed rows: that micro-step is weighted by the fed rows
+        (``state.weight_override``), and the returned rows' gradient is not rescaled."""
         split = self._split
         if split is None or not self.settings.return_outputs:
             return outputs
-        self._own_losses = [] if self._caller_counts else scalar_outputs(outputs)
-        returned = return_outputs(outputs, split)
+        scale = 1.0 if self._caller_counts else split.fed[split.rank] / split.planned[split.rank]
+        returned = return_outputs(outputs, split, scale)
         self.resplit_output_bytes += split.received_bytes(returned, outputs=True)
-        if self._caller_counts or not isinstance(outputs, torch.Tensor) or outputs.dim() > 0:
-            # A torch-style loss.backward() over returned outputs: the fed rows' weight.
-            self.state.weight_override = self._fed_weight()
         return returned
 
     def _fed_weight(self):
         split = self._split
         return len(split.fed) * split.fed[split.rank] / sum(split.fed)
 
-    def loss_over(self, loss):
-        """``engine.backward(loss)``: weight ``loss`` as a loss over the rows this rank computed (a
-        0-dim output of the forward) or over the rows it was fed (anything else, computed from the
-        returned outputs)."""
-        if self._split is None or not self.settings.return_outputs:
-            return
-        own = any(loss is candidate for candidate in self._own_losses)
-        self.state.weight_override = None if own else self._fed_weight()
-
     def backward_begin(self, loss=None):
         """engine.backward() starts: the forward part of the micro-step ends here (recorded only;
         a torch-style loss.backward() leaves forward and backward as one span)."""
-        if loss is not None:
-            self.loss_over(loss)
         if self.recording:
             self.timer.end_forward()
 
     def micro_step_end(self):
         self.state.weight_override = None
-        self._split, self._own_losses = None, []
+        self._split = None
         activations = self.meter.stop() if self.meter.active else None
         # The size that was fed (checked against the plan at forward), else the planned one.
         size = self._fed if self._fed is not None else self.config.train_micro_batch_size_per_gpu

@@ -17,8 +17,11 @@ samples so that each rank computes its planned share of the union of what was fe
   output is exchanged back through a differentiable exchange, so ``engine(x)[i]`` belongs to the
   caller's ``x[i]`` and a loss computed outside the model pairs outputs with the right labels.
   Its backward sends each output's gradient to the rank that computed it (one all-reduce of the
-  global micro-batch's rows, zeros except the rows a rank was fed: exact). Scalar outputs (a loss
-  computed inside the forward) stay the rank's own: a loss over the samples it computed.
+  global micro-batch's rows, zeros except the rows a rank was fed: exact), rescaled by fed /
+  computed rows so that a loss over the returned rows counts by what the rank was fed. Scalar
+  outputs (a loss computed inside the forward) stay the rank's own: a loss over the samples it
+  computed, weighted by those. Every rank's loss must use the same returned outputs (each one's
+  backward is a collective).
 
 Every rank runs the same collectives: one gather of two numbers per micro-step (the fed size and
 a checksum of the batch-first tensors: their number, structure, dtypes and trailing shapes),
@@ -160,11 +163,16 @@ def _rows(tensor, source_sizes, target_sizes, rank):
 
 
 class _ReturnRows(torch.autograd.Function):
-    """Computed rows -> the caller's fed rows; the gradient goes back to the computing rank."""
+    """Computed rows -> the caller's fed rows; the gradient goes back to the computing rank.
+
+    A loss over the returned rows is a loss over what this rank was fed, but the engine weighs
+    every loss by the rows the rank computed (``W * p_r / N``): the backward rescales the returned
+    rows' gradient by ``scale`` (``f_r / p_r``), so such a loss counts as ``W * f_r / N``, whatever
+    arithmetic follows and whether it is mixed with a loss computed inside the forward."""
 
     @staticmethod
-    def forward(ctx, tensor, split):
-        ctx.split = split
+    def forward(ctx, tensor, split, scale):
+        ctx.split, ctx.scale = split, scale
         return _rows(tensor, split.planned, split.fed, split.rank)
 
     @staticmethod
@@ -172,10 +180,10 @@ class _ReturnRows(torch.autograd.Function):
         split = ctx.split
         full = grad.new_zeros((sum(split.fed), ) + tuple(grad.shape[1:]))
         start = sum(split.fed[:split.rank])
-        full[start:start + split.fed[split.rank]] = grad
+        full[start:start + split.fed[split.rank]] = grad * ctx.scale if ctx.scale != 1.0 else grad
         dist.all_reduce(full)  # zeros except each rank's fed rows: the sum is exact
         begin = sum(split.planned[:split.rank])
-        return full[begin:begin + split.planned[split.rank]].clone(), None
+        return full[begin:begin + split.planned[split.rank]].clone(), None, None
 
 
 def _check(rows, dp_rank, planned, what):
@@ -224,9 +232,10 @@ def resplit_inputs(inputs, kwargs, planned, dp_rank):
     return inputs, kwargs, split
 
 
-def return_outputs(outputs, split):
+def return_outputs(outputs, split, scale=1.0):
     """``outputs`` with every batch-first tensor exchanged back to the rank fed its samples (one
-    gather of the structure first, so that every rank exchanges the same tensors)."""
+    gather of the structure first, so that every rank exchanges the same tensors); ``scale``
+    multiplies the returned rows' gradient on its way back (see ``_ReturnRows``)."""
     paths, checksum = batch_first(outputs, split.planned[split.rank])
     gathered = agree(len(paths), checksum, "the outputs")
     if len({row for row in gathered}) > 1:
@@ -240,7 +249,7 @@ def return_outputs(outputs, split):
         if path not in wanted:
             return tensor
         if tensor.requires_grad:
-            return _ReturnRows.apply(tensor, split)
+            return _ReturnRows.apply(tensor, split, scale)
         return _rows(tensor, split.planned, split.fed, split.rank)
 
     return _walk(outputs, "", back)
@@ -257,16 +266,3 @@ def _leading(value):
             if size is not None:
                 return size
     return None
-
-
-def scalar_outputs(outputs):
-    """The 0-dim tensors among ``outputs`` (a loss computed inside the forward)."""
-    found = []
-
-    def visit(_, tensor):
-        if tensor.dim() == 0:
-            found.append(tensor)
-        return tensor
-
-    _walk(outputs, "", visit)
-    return found
