@@ -397,13 +397,6 @@ class HeterogeneousRuntime:
         gathered = self.agreement.gather_from_every_rank(entry, what)
         return merge_replicas(gathered, self.plan.world_size, self._SEQUENCES, error=PlanAgreementError)
 
-    def _pooled_on_rank0(self, entry, what):
-        """The same on global rank 0 alone (None elsewhere): what only rank 0 decides with."""
-        gathered = self.agreement.gather_to_rank0(entry, what)
-        if gathered is None:
-            return None
-        return merge_replicas(gathered, self.plan.world_size, self._SEQUENCES, error=PlanAgreementError)
-
     def _profiling_step(self, timing):
         peak = self.measured_peak_bytes()
         mine = {"dp_rank": self.rank, "samples": timing.samples, "step_overhead": timing.step_overhead,
@@ -511,11 +504,15 @@ class HeterogeneousRuntime:
                 "step_overhead": sum(step.step_overhead for step in steps) / count,
                 "wall": sum(walls) / count, "walls": walls, "peak_bytes": self.measured_peak_bytes()}
         began = time.perf_counter()
-        everyone = self._pooled_on_rank0(mine, f"the measurements of step {self.steps} to agree on a plan")
+        gathered = self.agreement.gather_to_rank0(mine, f"the measurements of step {self.steps} to agree on a plan")
         box = None
-        if everyone is not None:
-            box = self._decide_rebalance(everyone, forced_models, on_demand)
-            box["peaks"], box["activations"] = self._memory_of(everyone)
+        if gathered is not None:  # rank 0: whatever fails here must reach every rank in the broadcast
+            try:
+                everyone = merge_replicas(gathered, self.plan.world_size, self._SEQUENCES, error=PlanAgreementError)
+                box = self._decide_rebalance(everyone, forced_models, on_demand)
+                box["peaks"], box["activations"] = self._memory_of(everyone)
+            except Exception as exc:  # noqa: BLE001 -- every failure must reach every rank
+                box = decision_failure(exc)
         box = self.agreement.broadcast_from_rank0(box, "the rebalancing decision")
         if "error" in box:
             raise_decision_failure(box, f"rebalancing at step {self.steps} failed")
@@ -678,7 +675,9 @@ class HeterogeneousRuntime:
             saved = Phase.PROFILING.value if state.get("profiling") else None
         if saved == Phase.PROFILING.value and self.phase is Phase.PROFILING:
             return Phase.PROFILING
-        return self._after_switch(verify=saved == Phase.VERIFYING.value or self.rebalancer.pending is not None)
+        # The saved phase alone (the same record on every rank), not the rebalancer's pending switch,
+        # which only rank 0's holds: a phase that differed between ranks would pair no collectives.
+        return self._after_switch(verify=saved == Phase.VERIFYING.value)
 
     def close(self):
         self.meter.stop()
