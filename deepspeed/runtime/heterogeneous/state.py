@@ -59,8 +59,9 @@ class HeterogeneousState:
     profiling keeps within the noise and runs again as the switch's reference, where the measured
     memory limits allow it."""
     weight_override: Optional[float] = None
-    """This micro-step's loss weight when the loss is over the rows this rank was fed rather than
-    the rows it computed (``runtime.forward_end``, re-split batches); None: the plan's."""
+    """This micro-step's loss weight when a re-split forward was given ``num_items_in_batch`` (the
+    caller normalised the loss by its count of the fed items: ``runtime.micro_step_begin``); None:
+    the plan's. A loss over returned outputs needs none: the exchange rescales its gradient."""
     runtime: Optional[object] = field(default=None, repr=False)
     """The engine's ``HeterogeneousRuntime``, created at its first hook."""
     chunk_sizes: Optional[dict] = None
