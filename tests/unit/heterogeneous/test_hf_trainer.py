@@ -128,20 +128,27 @@ def test_trainer_feeds_the_plan_follows_its_changes_and_stays_exact(tmp_path):
 
 @needs_transformers
 @pytest.mark.multiprocess
-def test_trainer_resume_equals_the_uninterrupted_run(tmp_path):
-    """resume_from_checkpoint with HeterogeneousTrainer: the Trainer loads the engine's checkpoint
+@pytest.mark.parametrize("trainer", ["heterogeneous", "stock"])
+def test_trainer_resume_equals_the_uninterrupted_run(tmp_path, trainer):
+    """resume_from_checkpoint. With HeterogeneousTrainer the Trainer loads the engine's checkpoint
     before training begins, and the sampler is registered when it begins; the sampler resumes at its
-    saved position, the Trainer does not skip batches a second time, and the resumed run trains on
-    the same rows with the same plan ([12, 4] since step 2) to the same parameters."""
+    saved position and the Trainer does not skip batches a second time. With the stock Trainer its
+    own loader skips the batches already trained and the engine re-splits the rest. Either way the
+    resumed run trains on the same rows with the same plan ([12, 4] since step 2) to the same
+    parameters."""
     save_at, steps, case = 5, 8, "global_mean:1:on_demand"
+    stock = ["--stock"] if trainer == "stock" else []
     code, output = launch_deepspeed(SCRIPT, ["--out", tmp_path, "--steps", steps, "--case", case,
-                                             "--resume-at", save_at], num_ranks=2, timeout=300, cwd=REPO_ROOT)
+                                             "--resume-at", save_at] + stock, num_ranks=2, timeout=300, cwd=REPO_ROOT)
     assert code == 0, f"Trainer run failed (exit {code}):\n{output[-6000:]}"
+    suffix = "-stock" if stock else ""
     for rank in range(2):
-        full = torch.load(tmp_path / f"global_mean-1-on_demand-rank{rank}.pt")
-        resumed = torch.load(tmp_path / f"global_mean-1-on_demand-resumed-rank{rank}.pt")
+        full = torch.load(tmp_path / f"global_mean-1-on_demand{suffix}-rank{rank}.pt")
+        resumed = torch.load(tmp_path / f"global_mean-1-on_demand-resumed{suffix}-rank{rank}.pt")
         assert resumed["fed"] == full["fed"][save_at:], (rank, resumed["fed"], full["fed"][save_at:])
         assert resumed["plans"] == full["plans"][save_at:] == [[12, 4]] * (steps - save_at), resumed["plans"]
+        if stock:
+            assert all(len(batch) == 8 for batch in full["fed"] + resumed["fed"]), "the stock loader feeds equal batches"
         for name, expected in full["params"].items():
             got = resumed["params"][name]
             assert torch.allclose(got, expected, rtol=0, atol=1e-6), \
@@ -151,28 +158,36 @@ def test_trainer_resume_equals_the_uninterrupted_run(tmp_path):
 @needs_transformers
 @pytest.mark.multiprocess
 def test_the_stock_trainer_is_exact_with_the_engine_re_splitting(tmp_path):
-    """The stock transformers.Trainer (its own loader: equal batches of 8) with the fork's config:
-    after the on-demand change to [12, 4] the engine re-splits every step's batches. The loss is the
-    Trainer's token mean over the global batch (average_tokens_across_devices, the default for a
-    causal LM) or over each rank's own batch (rank_mean); the model divides by the Trainer's
-    num_items_in_batch, counted over what was fed, so the engine weighs it by the fed rows. The
-    parameters equal one process training on the union of what the ranks were fed each step."""
+    """The stock transformers.Trainer (its own loader: equal batches of 8) with the fork's config,
+    the plan changed once by reschedule_workload (to [12, 4] after step 2) and once by profiling
+    (rank 1 emulated at a quarter of rank 0's speed): the engine re-splits every step's batches.
+    The loss is the Trainer's token mean over the global batch (average_tokens_across_devices, the
+    default for a causal LM) or over each rank's own batch (rank_mean); the model divides by the
+    Trainer's num_items_in_batch, counted over what was fed, so the engine weighs it by the fed
+    rows. The parameters equal one process training on the union of what the ranks were fed each
+    step."""
     script = _load_script()
-    cases = ["global_mean:1:on_demand", "rank_mean:1:on_demand"]
+    cases = ["global_mean:1:on_demand", "rank_mean:1:on_demand", "global_mean:1:profiling"]
     args = ["--out", tmp_path, "--steps", STEPS, "--stock"]
     for case in cases:
         args += ["--case", case]
     code, output = launch_deepspeed(SCRIPT, args, num_ranks=2, timeout=300, cwd=REPO_ROOT)
     assert code == 0, f"Trainer run failed (exit {code}):\n{output[-6000:]}"
     for case in cases:
-        loss_kind = case.split(":")[0]
-        ranks = [torch.load(tmp_path / f"{loss_kind}-1-on_demand-stock-rank{rank}.pt") for rank in range(2)]
-        assert ranks[0]["plans"] == ranks[1]["plans"]
-        switch = script.ON_DEMAND_STEP
-        assert ranks[0]["plans"] == [[8, 8]] * switch + [[12, 4]] * (STEPS - switch), ranks[0]["plans"]
+        loss_kind, _, change = case.split(":")
+        ranks = [torch.load(tmp_path / f"{loss_kind}-1-{change}-stock-rank{rank}.pt") for rank in range(2)]
+        plans = ranks[0]["plans"]
+        assert ranks[1]["plans"] == plans
+        if change == "on_demand":
+            switch = script.ON_DEMAND_STEP
+            assert plans == [[8, 8]] * switch + [[12, 4]] * (STEPS - switch), plans
+        else:
+            # Three profiling steps from the even start; rank 1's quarter speed then moves work to rank 0.
+            assert plans[0] == [8, 8] and plans[-1][0] > plans[-1][1], plans
         assert all(len(batch) == 8 for run in ranks for batch in run["fed"]), "the stock loader feeds equal batches"
         global_batches = [ranks[0]["fed"][step] + ranks[1]["fed"][step] for step in range(STEPS)]
-        reference, _ = _reference(script, global_batches)
+        reference, eval_loss = _reference(script, global_batches)
+        assert [run["eval_loss"] for run in ranks] == pytest.approx([eval_loss] * 2, rel=1e-5), case
         for name, expected in reference.items():
             for rank in range(2):
                 got = ranks[rank]["params"][name]

@@ -166,7 +166,7 @@ def main():
         for case in args.case:
             train(case, args.out, args.steps, args.stage, save_at=args.resume_at, stock=args.stock)
             if args.resume_at:
-                train(case, args.out, args.steps, args.stage, save_at=args.resume_at, resume=True)
+                train(case, args.out, args.steps, args.stage, save_at=args.resume_at, resume=True, stock=args.stock)
     finally:
         import torch.distributed as dist
         if dist.is_initialized():
