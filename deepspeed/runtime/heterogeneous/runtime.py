@@ -228,7 +228,8 @@ class HeterogeneousRuntime:
             # A loss the model normalises by the caller's count of items (the Trainer's
             # num_items_in_batch, counted over what was fed) is a loss over the fed rows.
             self._caller_counts = (kwargs or {}).get("num_items_in_batch") is not None
-            inputs, kwargs, self._split = resplit_inputs(tuple(inputs), dict(kwargs or {}), planned, self.rank)
+            inputs, kwargs, self._split = resplit_inputs(tuple(inputs), dict(kwargs or {}), planned, self.rank,
+                                                         pad_token_id=self._pad_token_id())
             if self._split is not None and self._caller_counts:
                 self.state.weight_override = self._fed_weight()
             self._fed = planned[self.rank]
@@ -263,6 +264,13 @@ class HeterogeneousRuntime:
         returned = return_outputs(outputs, split, scale)
         self.resplit_output_bytes += split.received_bytes(returned, outputs=True)
         return returned
+
+    def _pad_token_id(self):
+        """The model's padding token (a transformers model's ``config.pad_token_id``), which pads
+        ``input_ids`` when the ranks' sequence lengths differ; None: 0."""
+        config = getattr(getattr(self.engine, "module", None), "config", None)
+        value = getattr(config, "pad_token_id", None)
+        return value if isinstance(value, int) else None
 
     def _fed_weight(self):
         split = self._split

@@ -161,3 +161,135 @@ def test_a_stock_distributed_sampler_loop_is_exact_and_follows_the_plan():
                 assert accuracy == pytest.approx(expected), (case, result["metrics"])
         assert first["input_bytes"] + second["input_bytes"] > 0, case
         assert first["output_bytes"] + second["output_bytes"] > 0, case  # logits returned in every case
+
+
+def test_sequence_tensors_are_those_beside_an_attention_mask():
+    from deepspeed.runtime.heterogeneous.data.resplit import sequence_tensors
+    batch = {"input_ids": torch.zeros(4, 7, dtype=torch.long), "attention_mask": torch.ones(4, 7),
+             "labels": torch.zeros(4, 7, dtype=torch.long), "score": torch.zeros(4), "pixels": torch.zeros(4, 3, 7)}
+    found, length = sequence_tensors(((), batch), 4, pad_token_id=50)
+    assert length == 7
+    assert found == {"[1].input_ids": 50, "[1].attention_mask": 0, "[1].labels": -100}
+    assert sequence_tensors(((), {"input_ids": torch.zeros(4, 7, dtype=torch.long)}), 4) == ({}, 0)  # no mask
+
+
+# -- dynamic padding: every rank's batch padded to its own longest sequence ---------------------
+
+VOCAB, CLASSES, EMBED, SEQ_STEPS = 40, 6, 64, 9
+
+
+class _Tagger(torch.nn.Module):
+    """Per-token classes from the token's embedding and the masked mean of its sequence (a model
+    that honours its attention mask in both directions). With ``labels`` (per token, -100 where
+    padded) the loss is computed inside: per sample, the mean over its real tokens; then the mean
+    over samples, so the reference is one process on the union of the fed samples."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, EMBED)
+        self.mix = torch.nn.Linear(2 * EMBED, EMBED)
+        self.head = torch.nn.Linear(EMBED, CLASSES)
+
+    def forward(self, input_ids, attention_mask, labels=None):
+        tokens = self.embed(input_ids)
+        mask = attention_mask.unsqueeze(-1).to(tokens.dtype)
+        context = (tokens * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True)
+        logits = self.head(torch.tanh(self.mix(torch.cat([tokens, context.expand_as(tokens)], -1))))
+        if labels is None:
+            return {"logits": logits}
+        return {"loss": _tagging_loss(logits, labels), "logits": logits}
+
+
+def _tagging_loss(logits, labels):
+    per_token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="none")
+    real = (labels != -100).to(logits.dtype)
+    return ((per_token * real).sum(1) / real.sum(1)).mean()
+
+
+def _pad_batch(samples, length=None):
+    length = length or max(len(ids) for ids in samples)
+    ids = torch.zeros(len(samples), length, dtype=torch.long)
+    mask = torch.zeros(len(samples), length, dtype=torch.long)
+    for row, sample in enumerate(samples):
+        ids[row, :len(sample)], mask[row, :len(sample)] = sample, 1
+    labels = torch.where(mask.bool(), (ids * 7 + 3) % CLASSES, torch.full_like(ids, -100))
+    return ids, mask, labels
+
+
+def _padded_loop(rank, world_size, loss_inside, mask):
+    import deepspeed
+    from deepspeed.runtime.heterogeneous.data.resplit import ResplitError
+    generator = torch.Generator().manual_seed(11)
+    per_rank = BATCH // world_size
+    samples = [torch.randint(1, VOCAB, (int(torch.randint(3, 13, (1, ), generator=generator)), ), generator=generator)
+               for _ in range(BATCH * SEQ_STEPS)]
+    torch.manual_seed(0)
+    model, reference = _Tagger(), _Tagger()
+    reference.load_state_dict(model.state_dict())
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    config = {"train_batch_size": BATCH, "gradient_clipping": 0.0,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
+              "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "compute_aware",
+                                       "profile_steps": PROFILE,
+                                       "emulation": {"speeds": [1.0, 0.25], "mode": "dilation"}}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    plans, lengths, worst = [], set(), 0.0
+    for step in range(SEQ_STEPS):
+        if step == RESCHEDULE_AT:
+            engine.reschedule_workload(utilization_metrics=[1.0, 0.05])
+        everyone = samples[step * BATCH:(step + 1) * BATCH]  # rank r is fed rows [r * per_rank, ...)
+        ids, attention, labels = _pad_batch(everyone[rank * per_rank:(rank + 1) * per_rank])
+        lengths.add(ids.shape[1])
+        batch = {"input_ids": ids, "attention_mask": attention}
+        if not mask:
+            del batch["attention_mask"]
+            batch["lengths"] = attention  # a sequence tensor the engine must not pad without a mask
+        try:
+            if loss_inside:
+                out = engine(**batch, labels=labels) if mask else engine(batch["input_ids"], batch["lengths"], labels)
+                loss = out["loss"]
+            else:
+                out = engine(**batch) if mask else engine(batch["input_ids"], batch["lengths"])
+                loss = _tagging_loss(out["logits"], labels)
+        except ResplitError as error:
+            return {"error": str(error), "step": step, "plans": plans}
+        g_ids, g_mask, g_labels = _pad_batch(everyone)
+        ref_out = reference(g_ids, g_mask)["logits"]
+        # The caller's outputs keep its own length and pair with its own rows.
+        assert out["logits"].shape[:2] == ids.shape, (out["logits"].shape, ids.shape)
+        mine = ref_out[rank * per_rank:(rank + 1) * per_rank, :ids.shape[1]]
+        worst = max(worst, ((out["logits"] - mine).abs() * attention.unsqueeze(-1)).max().item())
+        engine.backward(loss)
+        engine.step()
+        ref_opt.zero_grad()
+        _tagging_loss(ref_out, g_labels).backward()
+        ref_opt.step()
+        plans.append(list(engine.heterogeneous_plan.micro_batch_sizes))
+    params = max((a.detach() - b.detach()).abs().max().item()
+                 for a, b in zip(engine.module.parameters(), reference.parameters()))
+    return {"plans": plans, "params": params, "outputs": worst, "lengths": sorted(lengths)}
+
+
+PADDED = [dict(loss_inside=True, mask=True), dict(loss_inside=False, mask=True), dict(loss_inside=True, mask=False)]
+
+
+@pytest.mark.multiprocess
+def test_dynamic_padding_is_padded_further_where_an_attention_mask_allows():
+    """Each rank's batch padded to its own longest sequence (lengths differ between ranks). With an
+    attention mask the engine pads to the longest of all and the result equals one process on the
+    union; without one, every rank stops with the message once a move is needed."""
+    results = run_subcases(_padded_loop, PADDED, world_size=2, timeout=600)
+    for case, (first, second) in zip(PADDED, results):
+        if not case["mask"]:
+            for result in (first, second):
+                assert "attention_mask" in result.get("error", ""), (case, result)
+                # It trained while the plan was the fed [8, 8] and stopped at the first step that needed a move.
+                in_force = [[8, 8]] + result["plans"]
+                assert in_force[:result["step"]] == [[8, 8]] * result["step"] != [] and in_force[-1] != [8, 8], result
+            continue
+        assert first["plans"] == second["plans"], case
+        plans = first["plans"]
+        assert plans[PROFILE - 1][0] > plans[PROFILE - 1][1] and plans[RESCHEDULE_AT][1] > plans[RESCHEDULE_AT][0], plans
+        assert len(set(first["lengths"]) | set(second["lengths"])) > 1, "the ranks' lengths should differ"
+        for result in (first, second):
+            assert result["params"] < 1e-6 and result["outputs"] < 1e-5, (case, result)

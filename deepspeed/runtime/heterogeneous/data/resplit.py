@@ -23,12 +23,21 @@ samples so that each rank computes its planned share of the union of what was fe
   computed, weighted by those. Every rank's loss must use the same returned outputs (each one's
   backward is a collective).
 
-Every rank runs the same collectives: one gather of two numbers per micro-step (the fed size and
-a checksum of the batch-first tensors: their number, structure, dtypes and trailing shapes),
-then, only where the fed sizes differ from the plan, one all-gather per batch-first input and per
-output. Structures that differ between ranks (different trailing shapes, as with dynamic
-padding) stop every rank with one message, as does a global micro-batch of another size than
-the plan's.
+- Dynamic padding (each rank's batch padded to its own longest sequence) is padded further, on
+  the right, to the longest of all ranks, when every tensor whose length differs sits in a
+  mapping with an ``attention_mask``: the mask is padded with 0, ``labels`` with -100 (which
+  transformers' losses ignore), every other sequence tensor with 0. A model that honours its
+  attention mask computes the same values for the real tokens (a causal model never looks right;
+  a bidirectional one gives the padded keys no weight), so the result is unchanged; the returned
+  outputs are cut back to the caller's length. Without an attention mask, lengths that differ
+  stop every rank with one message.
+
+Every rank runs the same collectives: one gather of four numbers per micro-step (the fed size, a
+checksum of the batch-first tensors: their number, structure, dtypes and trailing shapes, the
+same checksum with sequence lengths left out, and the sequence length), then, only where the fed
+sizes differ from the plan, one all-gather per batch-first input and per output. Structures that
+differ between ranks (other than paddable lengths) stop every rank with one message, as does a
+global micro-batch of another size than the plan's.
 """
 
 import zlib
@@ -51,6 +60,8 @@ class Split:
     fed: tuple
     planned: tuple
     rank: int
+    length: int = 0  # this rank's fed sequence length, when the inputs were padded to ``padded_length``
+    padded_length: int = 0
 
     @property
     def needed(self):
@@ -126,12 +137,72 @@ def batch_first(value, rows):
     return paths, zlib.crc32(f"{len(paths)}|{'|'.join(tokens)}".encode())
 
 
-def agree(fed, checksum, what):
-    """Every rank's (fed rows, checksum of its batch-first tensors), gathered: one collective of two
-    numbers per rank."""
+LABEL_FILL = -100  # the label transformers' losses (and torch's cross_entropy default) ignore
+
+
+def sequence_tensors(value, rows, pad_token_id=None):
+    """``({path: fill value}, length)``: the batch-first tensors that may be padded on the right
+    along dim 1, and their length. They are those in a mapping with an ``attention_mask`` of shape
+    ``[rows, length]`` whose dim 1 is ``length``; ``({}, 0)`` without such a mask (or with two of
+    different lengths). Fill values: ``labels`` -100, ``input_ids`` the model's ``pad_token_id``
+    (a model may find a sequence's end by it), anything else (the mask included) 0."""
+    found, lengths = {}, set()
+
+    def visit(node, path):
+        if isinstance(node, Mapping):
+            mask = node.get("attention_mask")
+            if isinstance(mask, torch.Tensor) and mask.dim() == 2 and int(mask.shape[0]) == rows:
+                length = int(mask.shape[1])
+                lengths.add(length)
+                for key, item in node.items():
+                    if (isinstance(item, torch.Tensor) and item.dim() >= 2 and int(item.shape[0]) == rows
+                            and int(item.shape[1]) == length):
+                        fill = LABEL_FILL if "label" in str(key) else 0
+                        if key == "input_ids" and pad_token_id is not None:
+                            fill = pad_token_id
+                        found[f"{path}.{key}"] = fill
+            for key, item in node.items():
+                visit(item, f"{path}.{key}")
+        elif isinstance(node, (list, tuple)):
+            for index, item in enumerate(node):
+                visit(item, f"{path}[{index}]")
+
+    visit(value, "")
+    if len(lengths) != 1:
+        return {}, 0
+    return found, lengths.pop()
+
+
+def _loose_checksum(value, rows, paddable):
+    """The structure's checksum with the paddable tensors' dim 1 left out."""
+    tokens = []
+
+    def visit(path, tensor):
+        if tensor.dim() > 0 and int(tensor.shape[0]) == rows:
+            shape = tuple(tensor.shape[1:])
+            if path in paddable:
+                shape = ("length", ) + shape[1:]
+            tokens.append(f"{path}:{tensor.dtype}:{shape}")
+        return tensor
+
+    _walk(value, "", visit)
+    return zlib.crc32(f"{len(tokens)}|{'|'.join(tokens)}".encode())
+
+
+def _pad(tensor, length, fill):
+    """``tensor`` padded on the right along dim 1 to ``length`` with ``fill``."""
+    missing = length - int(tensor.shape[1])
+    if missing <= 0:
+        return tensor
+    pad = tensor.new_full((tensor.shape[0], missing) + tuple(tensor.shape[2:]), fill)
+    return torch.cat([tensor, pad], dim=1)
+
+
+def agree(*numbers):
+    """Every rank's ``numbers`` (a few integers: fed rows, checksums), gathered in one collective."""
     from deepspeed.accelerator import get_accelerator
     device = "cpu" if _gloo() else get_accelerator().current_device_name()
-    mine = torch.tensor([int(fed), int(checksum)], dtype=torch.long, device=device)
+    mine = torch.tensor([int(n) for n in numbers], dtype=torch.long, device=device)
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     return [tuple(int(v) for v in row.tolist()) for row in everyone]
@@ -186,9 +257,8 @@ class _ReturnRows(torch.autograd.Function):
         return full[begin:begin + split.planned[split.rank]].clone(), None, None
 
 
-def _check(rows, dp_rank, planned, what):
-    """Raise on every rank unless the gathered rows of the ranks can be re-split."""
-    fed = [row[0] for row in rows]
+def _check_size(fed, planned):
+    """Raise on every rank unless the fed micro-batches make up the plan's global micro-batch."""
     if sum(fed) != sum(planned):
         raise ResplitError(
             f"deepspeed-hetero: the ranks were fed micro-batches of {fed} samples ({sum(fed)} in all), but the plan "
@@ -196,19 +266,22 @@ def _check(rows, dp_rank, planned, what):
             f"engine re-splits what it is fed, but not a global micro-batch of another size: feed "
             f"train_batch_size / gradient_accumulation_steps / world_size samples per rank and drop a short last "
             f"batch (drop_last=True)")
-    if len({row[1:] for row in rows}) > 1:
-        raise ResplitError(
-            f"deepspeed-hetero: the ranks' {what} differ in structure, dtype or trailing shape (tensors whose dim 0 "
-            f"is the batch), so their samples cannot be moved between ranks to follow the plan "
-            f"{list(planned)}; pad every rank's batch to the same shape (with dynamic padding: pad to a fixed "
-            f"length; the attention mask keeps the result), or feed each rank its planned share with "
-            f"engine.heterogeneous_sampler(dataset) (data-parallel rank {dp_rank})")
-    return fed
 
 
-def resplit_inputs(inputs, kwargs, planned, dp_rank):
+def _structure_error(planned, dp_rank, what):
+    return ResplitError(
+        f"deepspeed-hetero: the ranks' {what} differ in structure, dtype or trailing shape (tensors whose dim 0 "
+        f"is the batch), so their samples cannot be moved between ranks to follow the plan {list(planned)}. "
+        f"Sequences of different lengths are padded only where the batch is a mapping with an attention_mask "
+        f"of shape [batch, length] (labels padded with -100); otherwise pad every rank's batch to the same "
+        f"length, or feed each rank its planned share with engine.heterogeneous_sampler(dataset) "
+        f"(data-parallel rank {dp_rank})")
+
+
+def resplit_inputs(inputs, kwargs, planned, dp_rank, pad_token_id=None):
     """``(inputs, kwargs, split)``: this rank's planned share of what every rank was fed; ``split``
-    is None when the ranks were fed the plan (nothing moved) or nothing is batch-first."""
+    is None when the ranks were fed the plan (nothing moved) or nothing is batch-first.
+    ``pad_token_id`` pads ``input_ids`` where sequence lengths differ (see ``sequence_tensors``)."""
     rows = None
     for value in (inputs, kwargs):
         rows = _leading(value)
@@ -216,17 +289,30 @@ def resplit_inputs(inputs, kwargs, planned, dp_rank):
             break
     rows = 0 if rows is None else rows
     paths, checksum = batch_first((inputs, kwargs), rows)
-    gathered = agree(rows, checksum, "the fed batch")
-    if not any(row[0] for row in gathered):
+    paddable, length = sequence_tensors((inputs, kwargs), rows, pad_token_id)
+    gathered = agree(rows, checksum, _loose_checksum((inputs, kwargs), rows, paddable), length)
+    fed = [row[0] for row in gathered]
+    if not any(fed):
         return inputs, kwargs, None  # no rank was fed a batch-first tensor: nothing to split
-    fed = _check(gathered, dp_rank, planned, "fed batches")
+    _check_size(fed, planned)
     split = Split(tuple(fed), tuple(planned), dp_rank)
     if not split.needed or not paths:
-        return inputs, kwargs, None
+        return inputs, kwargs, None  # every rank computes what it was fed, whatever its shapes
+    padded_length = 0
+    if len({row[1] for row in gathered}) > 1:
+        lengths = [row[3] for row in gathered]
+        if len({row[2] for row in gathered}) > 1 or not all(lengths):
+            raise _structure_error(planned, dp_rank, "fed batches")
+        padded_length = max(lengths)
+        split = Split(tuple(fed), tuple(planned), dp_rank, length, padded_length)
     wanted = set(paths)
 
     def move(path, tensor):
-        return _rows(tensor.detach(), split.fed, split.planned, dp_rank) if path in wanted else tensor
+        if path not in wanted:
+            return tensor
+        if padded_length and path in paddable:
+            tensor = _pad(tensor, padded_length, paddable[path])
+        return _rows(tensor.detach(), split.fed, split.planned, dp_rank)
 
     inputs, kwargs = _walk((inputs, kwargs), "", move)
     return inputs, kwargs, split
@@ -235,22 +321,28 @@ def resplit_inputs(inputs, kwargs, planned, dp_rank):
 def return_outputs(outputs, split, scale=1.0):
     """``outputs`` with every batch-first tensor exchanged back to the rank fed its samples (one
     gather of the structure first, so that every rank exchanges the same tensors); ``scale``
-    multiplies the returned rows' gradient on its way back (see ``_ReturnRows``)."""
+    multiplies the returned rows' gradient on its way back (see ``_ReturnRows``). Where the inputs
+    were padded, outputs of the padded length are cut back to this rank's fed length."""
     paths, checksum = batch_first(outputs, split.planned[split.rank])
-    gathered = agree(len(paths), checksum, "the outputs")
+    gathered = agree(len(paths), checksum)
     if len({row for row in gathered}) > 1:
         raise ResplitError(
             "deepspeed-hetero: the model's outputs differ in structure, dtype or trailing shape between ranks, so "
             "they cannot return to the ranks that were fed their samples; set heterogeneous_config.return_outputs "
             "to false when the loss is computed inside the model")
     wanted = set(paths)
+    cut = split.padded_length and split.length < split.padded_length
 
     def back(path, tensor):
         if path not in wanted:
             return tensor
         if tensor.requires_grad:
-            return _ReturnRows.apply(tensor, split, scale)
-        return _rows(tensor, split.planned, split.fed, split.rank)
+            tensor = _ReturnRows.apply(tensor, split, scale)
+        else:
+            tensor = _rows(tensor, split.planned, split.fed, split.rank)
+        if cut and tensor.dim() >= 2 and int(tensor.shape[1]) == split.padded_length:
+            tensor = tensor[:, :split.length]
+        return tensor
 
     return _walk(outputs, "", back)
 
