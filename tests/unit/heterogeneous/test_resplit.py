@@ -64,8 +64,10 @@ class _Regressor(torch.nn.Module):
         self.net = torch.nn.Sequential(torch.nn.Linear(WIDTH, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, out))
         self.classes = classes
 
-    def forward(self, x, labels=None):
+    def forward(self, x, labels=None, copies=False):
         out = self.net(x)
+        if copies:  # two batch-first outputs of equal value
+            return {"logits": out, "copy": out * 1.0}
         if labels is None:
             return out
         loss = (torch.nn.functional.cross_entropy(out, labels) if self.classes else
@@ -115,12 +117,17 @@ def _stock_loop(rank, world_size, loss_inside, classes):
         gx, gy = features[rows], targets[rows]
         mine = slice(rank * per_rank, (rank + 1) * per_rank)
         ref_out = reference(gx)
-        if loss_inside:
+        if loss_inside in (True, "scaled"):
             out = engine(x, labels=y)
             # "scaled": arithmetic on the model's loss (as a Trainer's division by gas would) keeps it
             # a loss over the rows this rank computed.
             engine.backward(out["loss"] if loss_inside is True else out["loss"] * 1.0)
             logits = out["logits"]
+        elif loss_inside == "per_rank_output":
+            # Each rank's loss uses another of the returned outputs: one exchange for all of them.
+            out = engine(x, copies=True)
+            logits = out["logits"]
+            engine.backward(_loss(out["logits"] if rank == 0 else out["copy"], y, classes))
         else:
             logits = engine(x)
             engine.backward(_loss(logits, y, classes))
@@ -142,7 +149,8 @@ def _stock_loop(rank, world_size, loss_inside, classes):
 
 
 CASES = [dict(loss_inside=False, classes=None), dict(loss_inside=True, classes=None),
-         dict(loss_inside="scaled", classes=None), dict(loss_inside=False, classes=5)]
+         dict(loss_inside="scaled", classes=None), dict(loss_inside=False, classes=5),
+         dict(loss_inside="per_rank_output", classes=None)]
 
 
 @pytest.mark.multiprocess

@@ -17,11 +17,11 @@ samples so that each rank computes its planned share of the union of what was fe
   output is exchanged back through a differentiable exchange, so ``engine(x)[i]`` belongs to the
   caller's ``x[i]`` and a loss computed outside the model pairs outputs with the right labels.
   Its backward sends each output's gradient to the rank that computed it (one all-reduce of the
-  global micro-batch's rows, zeros except the rows a rank was fed: exact), rescaled by fed /
-  computed rows so that a loss over the returned rows counts by what the rank was fed. Scalar
-  outputs (a loss computed inside the forward) stay the rank's own: a loss over the samples it
-  computed, weighted by those. Every rank's loss must use the same returned outputs (each one's
-  backward is a collective).
+  global micro-batch's rows for all outputs, zeros except the rows a rank was fed: exact),
+  rescaled by fed / computed rows so that a loss over the returned rows counts by what the rank
+  was fed. Scalar outputs (a loss computed inside the forward) stay the rank's own: a loss over
+  the samples it computed, weighted by those. Every rank's backward must reach some returned
+  output (the exchange's backward is a collective); which ones may differ.
 
 - Dynamic padding (each rank's batch padded to its own longest sequence) is padded further, on
   the right, to the longest of all ranks, when every tensor whose length differs sits in a
@@ -234,27 +234,41 @@ def _rows(tensor, source_sizes, target_sizes, rank):
 
 
 class _ReturnRows(torch.autograd.Function):
-    """Computed rows -> the caller's fed rows; the gradient goes back to the computing rank.
+    """Computed rows -> the caller's fed rows, for every output that requires a gradient at once;
+    the gradients go back to the computing ranks in one all-reduce per dtype.
 
     A loss over the returned rows is a loss over what this rank was fed, but the engine weighs
     every loss by the rows the rank computed (``W * p_r / N``): the backward rescales the returned
     rows' gradient by ``scale`` (``f_r / p_r``), so such a loss counts as ``W * f_r / N``, whatever
-    arithmetic follows and whether it is mixed with a loss computed inside the forward."""
+    arithmetic follows and whether it is mixed with a loss computed inside the forward. One
+    function for all outputs: its backward runs once, whichever outputs a rank's loss uses (an
+    unused one contributes zeros), so ranks may use different outputs."""
 
     @staticmethod
-    def forward(ctx, tensor, split, scale):
+    def forward(ctx, split, scale, *tensors):
         ctx.split, ctx.scale = split, scale
-        return _rows(tensor, split.planned, split.fed, split.rank)
+        return tuple(_rows(tensor, split.planned, split.fed, split.rank) for tensor in tensors)
 
     @staticmethod
-    def backward(ctx, grad):
-        split = ctx.split
-        full = grad.new_zeros((sum(split.fed), ) + tuple(grad.shape[1:]))
-        start = sum(split.fed[:split.rank])
-        full[start:start + split.fed[split.rank]] = grad * ctx.scale if ctx.scale != 1.0 else grad
-        dist.all_reduce(full)  # zeros except each rank's fed rows: the sum is exact
-        begin = sum(split.planned[:split.rank])
-        return full[begin:begin + split.planned[split.rank]].clone(), None, None
+    def backward(ctx, *grads):
+        split, total = ctx.split, sum(ctx.split.fed)
+        start, begin = sum(split.fed[:split.rank]), sum(split.planned[:split.rank])
+        fulls = []
+        for grad in grads:
+            full = grad.new_zeros((total, ) + tuple(grad.shape[1:]))
+            full[start:start + split.fed[split.rank]] = grad * ctx.scale if ctx.scale != 1.0 else grad
+            fulls.append(full)
+        # Zeros except each rank's fed rows: the sum is exact. One flat buffer per dtype, in the
+        # outputs' order (the same on every rank: their structure was agreed in the forward).
+        for dtype in dict.fromkeys(full.dtype for full in fulls):
+            group = [full for full in fulls if full.dtype == dtype]
+            flat = torch.cat([full.reshape(-1) for full in group])
+            dist.all_reduce(flat)
+            offset = 0
+            for full in group:
+                full.copy_(flat[offset:offset + full.numel()].view_as(full))
+                offset += full.numel()
+        return (None, None) + tuple(full[begin:begin + split.planned[split.rank]].clone() for full in fulls)
 
 
 def _check_size(fed, planned):
@@ -332,12 +346,21 @@ def return_outputs(outputs, split, scale=1.0):
             "to false when the loss is computed inside the model")
     wanted = set(paths)
     cut = split.padded_length and split.length < split.padded_length
+    differentiable = []
+
+    def collect(path, tensor):
+        if path in wanted and tensor.requires_grad:
+            differentiable.append(tensor)
+        return tensor
+
+    _walk(outputs, "", collect)
+    returned = iter(_ReturnRows.apply(split, scale, *differentiable) if differentiable else ())
 
     def back(path, tensor):
         if path not in wanted:
             return tensor
         if tensor.requires_grad:
-            tensor = _ReturnRows.apply(tensor, split, scale)
+            tensor = next(returned)
         else:
             tensor = _rows(tensor, split.planned, split.fed, split.rank)
         if cut and tensor.dim() >= 2 and int(tensor.shape[1]) == split.padded_length:
