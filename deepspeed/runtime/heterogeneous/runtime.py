@@ -38,7 +38,7 @@ import copy
 import enum
 import statistics
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from deepspeed import comm as dist
 from deepspeed.utils import logger
@@ -48,7 +48,8 @@ from .cluster.agreement import (Agreement, PlanAgreementError, decision_failure,
 from .startup import apply_plan, rank_memory_meter
 from .memory.pool import memory_capacities
 from .data.fed_batch import fed_size
-from .data.resplit import resplit_inputs, return_outputs
+from .data.resplit import ExchangeClock, resplit_inputs, return_outputs
+from .planning.exchange import exchange_verdict, least_exchange_seconds
 from .emulation.limits import EmulatedLimits, EmulatedOutOfMemoryError, emulation_note
 from .measure import comm_clock
 from .memory.model_state import ActivationMeter, engine_model_state_bytes
@@ -105,6 +106,13 @@ class HeterogeneousRuntime:
         self.resplit_output_bytes = 0  # output bytes returned to this rank from the ranks that computed them
         self._recorded_bytes = (0, 0)  # the two counters at the last profiler record
         self._resplit_mark = (0, 0, 0)  # the two counters and the step at the last plan change
+        self.exchange_clock = ExchangeClock()  # time spent re-splitting (planning/exchange.py)
+        self.fed_sizes = None  # what the loader fed the ranks at the last re-split forward (all ranks)
+        self._exchange_mark = 0  # the moved micro-steps (exchange_clock.per_micro_step) at the last pooling
+        self._exchange_began = 0.0  # the exchange clock at this micro-step's start
+        self._micro_step_received = 0  # bytes this micro-step's re-split brought to this rank
+        self._exchange_estimate = (None, None)  # rank 0: the latest pooled (seconds, bytes) per moved micro-step
+        self._exchange_note = None  # rank 0: why the last planning kept the loader's split
         self.gas_origin = 0  # the engine's micro-step count when this rank's current gas took effect
         scheduler = self.settings.scheduler
         self.dynamic = scheduler.dynamic_rebalancing and self.settings.load_balancing_strategy == "compute_aware"
@@ -223,18 +231,22 @@ class HeterogeneousRuntime:
         rank's planned share when the ranks were fed otherwise and re-splitting is on)."""
         self._split = None
         self.state.weight_override = None
+        self._exchange_began = self.exchange_clock.seconds
         if self.resplits and not self.plan.per_rank_gas:
             planned = self.plan.micro_batch_sizes
             # A loss the model normalises by the caller's count of items (the Trainer's
             # num_items_in_batch, counted over what was fed) is a loss over the fed rows.
             self._caller_counts = (kwargs or {}).get("num_items_in_batch") is not None
             inputs, kwargs, self._split = resplit_inputs(tuple(inputs), dict(kwargs or {}), planned, self.rank,
-                                                         pad_token_id=self._pad_token_id())
+                                                         pad_token_id=self._pad_token_id(), clock=self.exchange_clock)
+            self.fed_sizes = self.exchange_clock.fed
             if self._split is not None and self._caller_counts:
                 self.state.weight_override = self._fed_weight()
             self._fed = planned[self.rank]
             if self._split is not None:
-                self.resplit_input_bytes += self._split.received_bytes((inputs, kwargs))
+                received = self._split.received_bytes((inputs, kwargs))
+                self.resplit_input_bytes += received
+                self._micro_step_received = received
         else:
             self._fed = fed_size(self.plan, self.rank, inputs, kwargs, engine_loader=self.engine_loader,
                                  check=self.check_fed_batch)
@@ -261,8 +273,10 @@ class HeterogeneousRuntime:
         if split is None or not self.settings.return_outputs:
             return outputs
         scale = 1.0 if self._caller_counts else split.fed[split.rank] / split.planned[split.rank]
-        returned = return_outputs(outputs, split, scale)
-        self.resplit_output_bytes += split.received_bytes(returned, outputs=True)
+        returned = return_outputs(outputs, split, scale, clock=self.exchange_clock)
+        received = split.received_bytes(returned, outputs=True)
+        self.resplit_output_bytes += received
+        self._micro_step_received += received
         return returned
 
     def _pad_token_id(self):
@@ -284,6 +298,9 @@ class HeterogeneousRuntime:
 
     def micro_step_end(self):
         self.state.weight_override = None
+        if self._split is not None:  # this micro-step moved samples: its exchange, backward included
+            self.exchange_clock.per_micro_step.append(
+                (self.exchange_clock.seconds - self._exchange_began, self._micro_step_received))
         self._split = None
         activations = self.meter.stop() if self.meter.active else None
         # The size that was fed (checked against the plan at forward), else the planned one.
@@ -410,7 +427,7 @@ class HeterogeneousRuntime:
         mine = {"dp_rank": self.rank, "samples": timing.samples, "step_overhead": timing.step_overhead,
                 "state_bytes": self.model_state_bytes() if self.capacities else 0,
                 "peak_bytes": peak, "capacity_peak_bytes": peak if self.state.memory_meter.measures_capacity else None,
-                "wall": max(timing.wall - self._agreement_s, 0.0)}
+                "wall": max(timing.wall - self._agreement_s, 0.0), **self._exchange_since(reset=False)}
         began = time.perf_counter()
         self.history.append(self._pooled(mine, f"the measurements of step {self.steps} to agree on a plan"))
         self._record_measured_peaks(*self._memory_of(self.history[-1]))
@@ -450,6 +467,11 @@ class HeterogeneousRuntime:
             if not last:
                 return {"plan": plan.to_dict()}
             _, self.base_models = measured_time_models(self.history, self.state.base_gas)
+            self._update_exchange_estimate(self.history[-1])
+            kept_fed = self._worth_resplitting(plan, decision.models)
+            if kept_fed is not plan:
+                plan, decision = kept_fed, replace(decision, plan=kept_fed,
+                                                   note="; ".join(filter(None, [decision.note, self._exchange_note])))
             # What dynamic rebalancing scales. A start-up plan kept within the noise has no models:
             # with dynamic rebalancing the first check fits per-sample models from its own interval
             # (so a plan kept for noise alone is corrected once the checks measure a difference);
@@ -496,9 +518,44 @@ class HeterogeneousRuntime:
     # -- dynamic rebalancing ------------------------------------------------------------------
 
     def _best_plan_for(self, models):
-        return plan_micro_batches(models, train_batch_size=self.plan.train_batch_size,
+        best = plan_micro_batches(models, train_batch_size=self.plan.train_batch_size,
                                   gradient_accumulation_steps=self.state.base_gas, strategy="compute_aware",
                                   max_micro_batch=self.memory_limits(), allow_per_rank_gas=self.per_rank_gas_allowed)
+        return self._worth_resplitting(best, models)
+
+    # -- the cost of re-splitting a stock loader's batches (planning/exchange.py) ---------------
+
+    def _exchange_since(self, reset):
+        """This rank's ``exchange_s`` and ``exchange_bytes``: the least seconds, and the mean bytes
+        received, of the micro-steps that moved anything since the last reset (None when none did).
+        The least: an exchange on a busy host now and then takes a hundred times its usual 2 ms
+        (one-off set-ups, a descheduled peer), and a plan is kept from moving only when even the
+        cheapest exchange seen costs more than it saves; the switch check judges the rest on the
+        observed step time. Pooled with the step's measurements."""
+        moved = self.exchange_clock.per_micro_step[self._exchange_mark:]
+        if reset:
+            self._exchange_mark = len(self.exchange_clock.per_micro_step)
+        if not moved:
+            return {"exchange_s": None, "exchange_bytes": None}
+        return {"exchange_s": min(seconds for seconds, _ in moved),
+                "exchange_bytes": sum(received for _, received in moved) / len(moved)}
+
+    def _update_exchange_estimate(self, entries):
+        """Rank 0: keep the latest pooled exchange cost (an interval that moved nothing keeps the last)."""
+        seconds, received = least_exchange_seconds(entries)
+        if seconds is not None:
+            self._exchange_estimate = (seconds, received)
+
+    def _worth_resplitting(self, plan, models):
+        """Rank 0: ``plan``, or the loader's split when re-splitting to ``plan`` costs more than it
+        saves (``self._exchange_note`` says why)."""
+        self._exchange_note = None
+        if not self.resplits or models is None:
+            return plan
+        seconds, received = self._exchange_estimate
+        verdict = exchange_verdict(plan, self.fed_sizes, models, seconds, received)
+        self._exchange_note = verdict.note
+        return verdict.plan
 
     def _check_rebalance(self, forced_models=None, on_demand=False):
         """Every rank: pool the interval's measurements, let rank 0 decide, switch together."""
@@ -510,7 +567,8 @@ class HeterogeneousRuntime:
         mine = {"dp_rank": self.rank, "samples": [s for step in steps for s in step.samples],
                 "step_times": [step.time_per_micro_step for step in steps if step.time_per_micro_step is not None],
                 "step_overhead": sum(step.step_overhead for step in steps) / count,
-                "wall": sum(walls) / count, "walls": walls, "peak_bytes": self.measured_peak_bytes()}
+                "wall": sum(walls) / count, "walls": walls, "peak_bytes": self.measured_peak_bytes(),
+                **self._exchange_since(reset=True)}
         began = time.perf_counter()
         gathered = self.agreement.gather_to_rank0(mine, f"the measurements of step {self.steps} to agree on a plan")
         box = None
@@ -547,6 +605,7 @@ class HeterogeneousRuntime:
         try:
             walls = [max(step) for step in zip(*(entry["walls"] for entry in everyone))]
             wall = statistics.median(walls) if walls else max(entry["wall"] for entry in everyone)
+            self._update_exchange_estimate(everyone)
             judged = self._observe_last_event(walls)
             if judged is not None and judged.revert:
                 return {"plan": judged.plan.to_dict(), "reason": judged.reason, "gain": judged.predicted_gain,
@@ -563,13 +622,15 @@ class HeterogeneousRuntime:
                 return {"keep": note or "nothing to check", "gain": 0.0, "note": note,
                         "verify": self.rebalancer.pending is not None}
             if not decision.rebalance:
-                return {"keep": decision.reason, "gain": decision.predicted_gain, "note": note,
+                return {"keep": decision.reason, "gain": decision.predicted_gain,
+                        "note": "; ".join(filter(None, [note, self._exchange_note])) or None,
                         "verify": self.rebalancer.pending is not None}
             old = self.plan
             unchecked = self.rebalancer.switched(old, decision.plan, walls, self.rebalancer.previous_models,
                                                  f"rebalance at step {self.steps}")
             return {"plan": decision.plan.to_dict(), "reason": decision.reason, "gain": decision.predicted_gain,
-                    "wall": wall, "verify": unchecked is None, "note": "; ".join(filter(None, [note, unchecked]))}
+                    "wall": wall, "verify": unchecked is None,
+                    "note": "; ".join(filter(None, [note, self._exchange_note, unchecked]))}
         except Exception as exc:  # noqa: BLE001 -- every failure must reach every rank
             return decision_failure(exc)
 

@@ -7,7 +7,7 @@
         optimizer.step(); optimizer.zero_grad()
 
 Accelerate feeds every rank an equal batch; the engine re-splits them into the plan (rank 1
-emulated at a quarter of rank 0's speed; profiling moves work, then ``reschedule_workload``) and
+emulated at a tenth of rank 0's speed; profiling moves work, then ``reschedule_workload``) and
 returns the outputs to the ranks fed them. The reference is plain torch in one process on the
 union of what the ranks were fed at each step (gathered by the test itself).
 
@@ -58,7 +58,7 @@ def _accelerate_loop(rank, world_size, metric):
                  "zero_optimization": {"stage": 1},
                  "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "compute_aware",
                                           "profile_steps": PROFILE,
-                                          "emulation": {"speeds": [1.0, 0.25], "mode": "dilation"}}}
+                                          "emulation": {"speeds": [1.0, 0.1], "mode": "dilation"}}}
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_config))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     loader = DataLoader(TensorDataset(features, targets), batch_size=BATCH // world_size, shuffle=False)

@@ -160,7 +160,7 @@ def test_trainer_resume_equals_the_uninterrupted_run(tmp_path, trainer):
 def test_the_stock_trainer_is_exact_with_the_engine_re_splitting(tmp_path):
     """The stock transformers.Trainer (its own loader: equal batches of 8) with the fork's config,
     the plan changed once by reschedule_workload (to [12, 4] after step 2) and once by profiling
-    (rank 1 emulated at a quarter of rank 0's speed): the engine re-splits every step's batches.
+    (rank 1 emulated at a tenth of rank 0's speed): the engine re-splits every step's batches.
     The loss is the Trainer's token mean over the global batch (average_tokens_across_devices, the
     default for a causal LM) or over each rank's own batch (rank_mean); the model divides by the
     Trainer's num_items_in_batch, counted over what was fed, so the engine weighs it by the fed
@@ -182,7 +182,7 @@ def test_the_stock_trainer_is_exact_with_the_engine_re_splitting(tmp_path):
             switch = script.ON_DEMAND_STEP
             assert plans == [[8, 8]] * switch + [[12, 4]] * (STEPS - switch), plans
         else:
-            # Three profiling steps from the even start; rank 1's quarter speed then moves work to rank 0.
+            # Three profiling steps from the even start; rank 1's tenth of the speed then moves work to rank 0.
             assert plans[0] == [8, 8] and plans[-1][0] > plans[-1][1], plans
         assert all(len(batch) == 8 for run in ranks for batch in run["fed"]), "the stock loader feeds equal batches"
         global_batches = [ranks[0]["fed"][step] + ranks[1]["fed"][step] for step in range(STEPS)]

@@ -4,7 +4,7 @@ returns the outputs to the ranks that were fed their samples (data/resplit.py).
 
 Each rank computes its own single-process reference (plain torch, no DeepSpeed) on the union of
 what every rank's ``DistributedSampler`` fed at each step, so the expectation never goes through
-the code under test. The plan changes twice: after profiling (rank 1 emulated at a quarter of rank 0's
+the code under test. The plan changes twice: after profiling (rank 1 emulated at a tenth of rank 0's
 speed) and by ``reschedule_workload``."""
 
 from collections import namedtuple
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from deepspeed.runtime.heterogeneous.data.resplit import Split, _walk, batch_first
-from harness import run_subcases
+from harness import run_ranks, run_subcases
 
 BATCH, WIDTH, HIDDEN, STEPS, PROFILE, RESCHEDULE_AT = 16, 256, 2048, 9, 5, 7
 
@@ -98,7 +98,7 @@ def _stock_loop(rank, world_size, loss_inside, classes):
               "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
               "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "compute_aware",
                                        "profile_steps": PROFILE,
-                                       "emulation": {"speeds": [1.0, 0.25], "mode": "dilation"}}}
+                                       "emulation": {"speeds": [1.0, 0.1], "mode": "dilation"}}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     # The stock loader: equal batches, whatever the plan.
     loader = DataLoader(dataset, batch_size=per_rank, shuffle=False, drop_last=True,
@@ -239,7 +239,7 @@ def _padded_loop(rank, world_size, loss_inside, mask):
               "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
               "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "compute_aware",
                                        "profile_steps": PROFILE,
-                                       "emulation": {"speeds": [1.0, 0.25], "mode": "dilation"}}}
+                                       "emulation": {"speeds": [1.0, 0.1], "mode": "dilation"}}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     plans, lengths, worst = [], set(), 0.0
     for step in range(SEQ_STEPS):
@@ -301,3 +301,84 @@ def test_dynamic_padding_is_padded_further_where_an_attention_mask_allows():
         assert len(set(first["lengths"]) | set(second["lengths"])) > 1, "the ranks' lengths should differ"
         for result in (first, second):
             assert result["params"] < 1e-6 and result["outputs"] < 1e-5, (case, result)
+
+
+# -- a plan not worth its exchange ---------------------------------------------------------------
+
+
+def test_exchange_verdict_keeps_the_fed_split_when_the_exchange_costs_more():
+    from deepspeed.runtime.heterogeneous.planning.exchange import exchange_verdict, least_exchange_seconds
+    from deepspeed.runtime.heterogeneous.planning.planner import Plan, TimeModel
+    models = [TimeModel(0.0, 0.001), TimeModel(0.0, 0.002)]  # rank 1 half as fast: 8 samples 8 ms vs 16 ms
+    candidate = Plan((11, 5), (1, 1), 16, "compute_aware", (0.011, 0.010))
+    # Fed [8, 8] takes 16 ms, [11, 5] 11 ms: 5 ms saved. An exchange of 2 ms pays, one of 6 ms does not.
+    assert exchange_verdict(candidate, (8, 8), models, 0.002).plan is candidate
+    kept = exchange_verdict(candidate, (8, 8), models, 0.006, 4096)
+    assert kept.plan.micro_batch_sizes == (8, 8) and kept.plan.predicted_rank_times == pytest.approx((0.008, 0.016))
+    assert "kept the loader's split [8, 8]" in kept.note and "0.006 s per step" in kept.note and "4,096 B" in kept.note
+    # Not measured yet, or the plan is what was fed: the candidate stands.
+    assert exchange_verdict(candidate, (8, 8), models, None).plan is candidate
+    assert exchange_verdict(candidate, (11, 5), models, 1.0).plan is candidate
+    # Per-micro-step cost counts once per micro-step: gas 2 doubles it.
+    doubled = Plan((11, 5), (2, 2), 32, "compute_aware", (0.022, 0.020))
+    assert exchange_verdict(doubled, (8, 8), models, 0.004).plan is doubled  # 10 ms saved, 8 ms exchanged
+    assert exchange_verdict(doubled, (8, 8), models, 0.006).plan.micro_batch_sizes == (8, 8)
+    assert least_exchange_seconds([{"exchange_s": 0.01, "exchange_bytes": 10}, {"exchange_s": 0.003,
+                                                                               "exchange_bytes": 30},
+                                   {"exchange_s": None}]) == (0.003, 30)
+
+
+REPEAT = 1024  # each output row: WIDTH * REPEAT float32 = 1 MiB
+
+
+class _WideOutputs(torch.nn.Module):
+    """A small regressor, and outputs 1024 times as wide (an expanded view, which costs no
+    compute): re-splitting to move a few samples costs more in returned outputs than it saves."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(WIDTH, 512), torch.nn.Tanh(), torch.nn.Linear(512, WIDTH))
+
+    def forward(self, x):
+        return self.net(x).unsqueeze(-1).expand(-1, -1, REPEAT)
+
+
+def _costly_outputs_loop(rank, world_size):
+    import deepspeed
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+    generator = torch.Generator().manual_seed(3)
+    steps = PROFILE + 3
+    features = torch.randn(BATCH * steps, WIDTH, generator=generator)
+    targets = torch.randn(BATCH * steps, WIDTH, REPEAT, generator=generator)
+    dataset = TensorDataset(features, targets)
+    torch.manual_seed(0)
+    model = _WideOutputs()
+    config = {"train_batch_size": BATCH, "gradient_clipping": 0.0,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
+              "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "compute_aware",
+                                       "profile_steps": PROFILE,
+                                       "emulation": {"speeds": [1.0, 0.4], "mode": "dilation"}}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    loader = DataLoader(dataset, batch_size=BATCH // world_size, drop_last=True,
+                        sampler=DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False))
+    plans = []
+    for x, y in loader:
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
+        plans.append(list(engine.heterogeneous_plan.micro_batch_sizes))
+    runtime = engine._heterogeneous_runtime()
+    return {"plans": plans, "note": runtime._exchange_note, "estimate": runtime._exchange_estimate,
+            "probed": runtime.exchange_clock.micro_steps}
+
+
+@pytest.mark.multiprocess
+def test_a_plan_not_worth_its_exchange_keeps_the_loaders_split():
+    """Rank 1 at 0.4 of rank 0's speed saves a few milliseconds of compute per step if it gives rank 0 some of
+    its samples, but their outputs (1 MiB per sample) cost more to return: after profiling (whose
+    probes moved samples, and so measured the exchange) the plan is the loader's own [8, 8], and
+    rank 0 says why."""
+    first, second = run_ranks(_costly_outputs_loop, world_size=2, timeout=600)
+    assert first["plans"] == second["plans"]
+    assert first["probed"] > 0 and first["plans"][PROFILE - 1:] == [[8, 8]] * (len(first["plans"]) - PROFILE + 1), \
+        first["plans"]
+    assert first["note"] and "kept the loader's split [8, 8]" in first["note"], first

@@ -11,7 +11,7 @@ The loop is Accelerate's own, unchanged, with the fork's config in its DeepSpeed
         optimizer.step(); optimizer.zero_grad()
 
 Accelerate feeds every rank an equal batch; the engine re-splits them into the plan (rank 1
-emulated at a quarter of rank 0's speed, PROFILE profiling steps that move work to rank 0, then
+emulated at a tenth of rank 0's speed, PROFILE profiling steps that move work to rank 0, then
 ``model.reschedule_workload`` at step RESCHEDULE_AT with rank 1 the faster per sample) and returns
 the outputs to the ranks fed them. Next to it each rank trains a reference in plain torch, in
 this process, on the union of what every rank was fed at the step (gathered with
@@ -66,7 +66,7 @@ def accelerate_loop(rank, world_size, metric):
                  "zero_optimization": {"stage": 1},
                  "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "compute_aware",
                                           "profile_steps": PROFILE,
-                                          "emulation": {"speeds": [1.0, 0.25], "mode": "dilation"}}}
+                                          "emulation": {"speeds": [1.0, 0.1], "mode": "dilation"}}}
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_config))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     loader = DataLoader(TensorDataset(features, targets), batch_size=BATCH // world_size, shuffle=False)

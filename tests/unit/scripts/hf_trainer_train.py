@@ -10,7 +10,7 @@ one process. A case is ``LOSS:GAS:CHANGE``:
 
 - LOSS ``global_mean``: the Trainer's default for a causal LM (loss over the global batch's token
   count); ``rank_mean``: average_tokens_across_devices=False (each rank's own mean).
-- CHANGE ``profiling``: rank 1 emulated at a quarter of rank 0's speed (time dilation) and 3
+- CHANGE ``profiling``: rank 1 emulated at a tenth of rank 0's speed (time dilation) and 3
   profiling steps, which re-plan from what they measure (the outcome depends on the timings);
   ``on_demand``: no profiling, and ``engine.reschedule_workload`` with rank 1 three times slower
   at the end of step 2, a certain change to [12, 4].
@@ -75,7 +75,7 @@ ON_DEMAND_BUSY_SECONDS = [1.0, 3.0]
 def ds_config(stage, change):
     heterogeneous = {"enabled": True, "load_balancing_strategy": "compute_aware"}
     if change == "profiling":
-        heterogeneous.update(profile_steps=3, emulation={"speeds": [1.0, 0.25], "mode": "dilation"})
+        heterogeneous.update(profile_steps=3, emulation={"speeds": [1.0, 0.1], "mode": "dilation"})
     elif change == "on_demand":
         heterogeneous.update(profile_steps=0)
     else:

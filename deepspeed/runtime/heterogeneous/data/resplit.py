@@ -40,6 +40,7 @@ differ between ranks (other than paddable lengths) stop every rank with one mess
 global micro-batch of another size than the plan's.
 """
 
+import time
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -48,9 +49,33 @@ import torch
 
 from deepspeed import comm as dist
 
+from ..measure import comm_clock
+
 
 class ResplitError(ValueError):
     """The ranks' fed micro-batches cannot be re-split into the plan (every rank raises it)."""
+
+
+class ExchangeClock:
+    """Seconds spent moving inputs and returning outputs (forward and backward), and the
+    micro-steps that moved anything: what the planner weighs a plan's exchange by
+    (``planning/exchange.py``). On an asynchronous device the times are those of the host."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.micro_steps = 0
+        self.fed = None  # the ranks' fed sizes at the last forward (the same on every rank)
+        self.per_micro_step = []  # (seconds, bytes received) of each micro-step that moved (the runtime's)
+
+    @staticmethod
+    def mark():
+        return time.perf_counter(), comm_clock.seconds_dilated
+
+    def timed(self, mark):
+        """Add the time since ``mark()``, less what time dilation slept in it (the emulated compute
+        of a slower device, which a real one would have finished before the exchange began)."""
+        began, dilated = mark
+        self.seconds += time.perf_counter() - began - (comm_clock.seconds_dilated - dilated)
 
 
 @dataclass(frozen=True)
@@ -245,12 +270,13 @@ class _ReturnRows(torch.autograd.Function):
     unused one contributes zeros), so ranks may use different outputs."""
 
     @staticmethod
-    def forward(ctx, split, scale, *tensors):
-        ctx.split, ctx.scale = split, scale
+    def forward(ctx, split, scale, clock, *tensors):
+        ctx.split, ctx.scale, ctx.clock = split, scale, clock
         return tuple(_rows(tensor, split.planned, split.fed, split.rank) for tensor in tensors)
 
     @staticmethod
     def backward(ctx, *grads):
+        began = ExchangeClock.mark()
         split, total = ctx.split, sum(ctx.split.fed)
         start, begin = sum(split.fed[:split.rank]), sum(split.planned[:split.rank])
         fulls = []
@@ -268,7 +294,10 @@ class _ReturnRows(torch.autograd.Function):
             for full in group:
                 full.copy_(flat[offset:offset + full.numel()].view_as(full))
                 offset += full.numel()
-        return (None, None) + tuple(full[begin:begin + split.planned[split.rank]].clone() for full in fulls)
+        grads = tuple(full[begin:begin + split.planned[split.rank]].clone() for full in fulls)
+        if ctx.clock is not None:
+            ctx.clock.timed(began)
+        return (None, None, None) + grads
 
 
 def _check_size(fed, planned):
@@ -292,10 +321,11 @@ def _structure_error(planned, dp_rank, what):
         f"(data-parallel rank {dp_rank})")
 
 
-def resplit_inputs(inputs, kwargs, planned, dp_rank, pad_token_id=None):
+def resplit_inputs(inputs, kwargs, planned, dp_rank, pad_token_id=None, clock=None):
     """``(inputs, kwargs, split)``: this rank's planned share of what every rank was fed; ``split``
     is None when the ranks were fed the plan (nothing moved) or nothing is batch-first.
-    ``pad_token_id`` pads ``input_ids`` where sequence lengths differ (see ``sequence_tensors``)."""
+    ``pad_token_id`` pads ``input_ids`` where sequence lengths differ (see ``sequence_tensors``);
+    ``clock`` (an ``ExchangeClock``) counts the time spent moving."""
     rows = None
     for value in (inputs, kwargs):
         rows = _leading(value)
@@ -306,6 +336,8 @@ def resplit_inputs(inputs, kwargs, planned, dp_rank, pad_token_id=None):
     paddable, length = sequence_tensors((inputs, kwargs), rows, pad_token_id)
     gathered = agree(rows, checksum, _loose_checksum((inputs, kwargs), rows, paddable), length)
     fed = [row[0] for row in gathered]
+    if clock is not None:
+        clock.fed = tuple(fed) if any(fed) else None
     if not any(fed):
         return inputs, kwargs, None  # no rank was fed a batch-first tensor: nothing to split
     _check_size(fed, planned)
@@ -328,11 +360,15 @@ def resplit_inputs(inputs, kwargs, planned, dp_rank, pad_token_id=None):
             tensor = _pad(tensor, padded_length, paddable[path])
         return _rows(tensor.detach(), split.fed, split.planned, dp_rank)
 
+    began = ExchangeClock.mark()
     inputs, kwargs = _walk((inputs, kwargs), "", move)
+    if clock is not None:
+        clock.timed(began)
+        clock.micro_steps += 1
     return inputs, kwargs, split
 
 
-def return_outputs(outputs, split, scale=1.0):
+def return_outputs(outputs, split, scale=1.0, clock=None):
     """``outputs`` with every batch-first tensor exchanged back to the rank fed its samples (one
     gather of the structure first, so that every rank exchanges the same tensors); ``scale``
     multiplies the returned rows' gradient on its way back (see ``_ReturnRows``). Where the inputs
@@ -354,7 +390,8 @@ def return_outputs(outputs, split, scale=1.0):
         return tensor
 
     _walk(outputs, "", collect)
-    returned = iter(_ReturnRows.apply(split, scale, *differentiable) if differentiable else ())
+    began = ExchangeClock.mark()
+    returned = iter(_ReturnRows.apply(split, scale, clock, *differentiable) if differentiable else ())
 
     def back(path, tensor):
         if path not in wanted:
@@ -367,7 +404,10 @@ def return_outputs(outputs, split, scale=1.0):
             tensor = tensor[:, :split.length]
         return tensor
 
-    return _walk(outputs, "", back)
+    outputs = _walk(outputs, "", back)
+    if clock is not None:
+        clock.timed(began)
+    return outputs
 
 
 def _leading(value):

@@ -231,7 +231,9 @@ class Emulator:
         began, in_collectives = self._since
         compute = time.perf_counter() - began - (comm_clock.seconds_in_collectives() - in_collectives)
         if compute > 0:
-            time.sleep(compute * (1.0 / self.speed - 1.0))
+            slept = compute * (1.0 / self.speed - 1.0)
+            time.sleep(slept)
+            comm_clock.seconds_dilated += slept
         self._since = _own_mark()
 
     def close(self):

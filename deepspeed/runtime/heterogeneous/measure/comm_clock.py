@@ -52,6 +52,9 @@ counts as the rank's own): time dilation stretches the compute that preceded the
 there (``emulation.Emulator``), so that a peer waits at the collective as it would for a slower
 device."""
 _synchronize = None  # the device's synchronize() while collectives are timed on an async device
+seconds_dilated = 0.0
+"""Seconds time dilation slept before collectives in this process (``before_collective``): the
+emulated slower compute, which a span that contains a collective leaves out of its own time."""
 
 
 def synchronize_collectives(on, accelerator=None):
