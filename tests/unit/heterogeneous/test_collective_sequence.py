@@ -171,6 +171,32 @@ def _compute_aware(rank, entries, stage, steps=7, reschedule_at=5):
     return {"plans": plans}
 
 
+def _stock_resplit(rank, entries, stage, steps=7, reschedule_at=5):
+    """A stock loader's equal batches re-split by the engine (profiling, then an on-demand
+    re-plan), the loss computed outside the model: every rank moves inputs, returns outputs and
+    exchanges their gradients the same way, whatever it was fed or computes."""
+    import deepspeed
+
+    config = {"train_batch_size": 16, "gradient_clipping": 1.0, "zero_optimization": {"stage": stage},
+              "optimizer": ADAM,
+              "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "compute_aware",
+                                       "profile_steps": 3, "scheduler": {"imbalance_threshold": 0.01},
+                                       "emulation": {"speeds": [1.0, 0.1], "mode": "dilation"}}}
+    model = make_model()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    _, inputs, targets = dataset().tensors
+    plans = []
+    for step in range(steps):
+        if step == reschedule_at:
+            engine.reschedule_workload([1.0, 0.05])  # rank 1 now the faster
+        plans.append(list(engine.heterogeneous_plan.micro_batch_sizes))
+        chunk = slice(step * 16 + rank * 8, step * 16 + rank * 8 + 8)  # equal shares, whatever the plan
+        engine.backward(torch.nn.functional.mse_loss(engine(inputs[chunk]), targets[chunk]))
+        engine.step()
+    runtime = engine._heterogeneous_runtime()
+    return {"plans": plans, "moved": runtime.resplit_input_bytes + runtime.resplit_output_bytes}
+
+
 def _per_rank_gas(rank, entries, stage, caps=(2, 3), steps=5):
     """Emulated memory holds 2 and 3 samples: the plan accumulates a different number of
     micro-steps on each rank (ZeRO-0/1 only), the engine's loader feeding them."""
@@ -220,7 +246,8 @@ def _fork_off(rank, entries, stage, steps=2):
     return {"clock_running": comm_clock._timing, "handle_wrapped": isinstance(handle, comm_clock.TimedWork)}
 
 
-_CASES = {"manual": _manual, "compute_aware": _compute_aware, "per_rank_gas": _per_rank_gas, "fork_off": _fork_off}
+_CASES = {"manual": _manual, "compute_aware": _compute_aware, "per_rank_gas": _per_rank_gas, "fork_off": _fork_off,
+          "stock_resplit": _stock_resplit}
 
 
 def record_case(rank, world_size, kind, **params):
@@ -240,6 +267,7 @@ CASES = {
     **{f"fp16 adaptive scaler zero{stage}, overflow on rank 1": dict(kind="manual", stage=stage, gas=1, steps=4,
                                                                      fp16=True, overflow_at=2) for stage in (0, 2, 3)},
     "per-rank gas zero1 (emulated memory)": dict(kind="per_rank_gas", stage=1),
+    "stock loader re-split zero2, loss outside, profiling + reschedule_workload": dict(kind="stock_resplit", stage=2),
     **{f"uneven ZeRO partitions [0.7, 0.3] zero{stage}": dict(kind="manual", stage=stage, shares=(0.7, 0.3))
        for stage in (1, 2)},
     "negative: rank 1 issues an extra all_reduce": dict(kind="manual", stage=0, steps=2, extra_collective_at=0),
@@ -277,6 +305,11 @@ def test_every_rank_issues_the_same_collectives(recorded, name):
         plans = first["info"]["plans"]
         assert len({tuple(plan) for plan in plans}) > 1, plans  # the plan did change while recorded
         assert plans[-1][0] > plans[-1][1], plans
+    if case["kind"] == "stock_resplit":
+        plans = first["info"]["plans"]
+        assert plans[-1][1] > plans[-1][0] and any(p[0] > p[1] for p in plans), plans  # both re-plans moved work
+        assert first["info"]["moved"] > 0 and second["info"]["moved"] > 0, (first["info"], second["info"])
+        assert "all_gather" in ops, ops
     if case.get("fp16"):
         assert first["info"]["scaler"] == "AdaptiveLossScaler", first["info"]
         # rank 1's overflow skipped the step on both ranks (the first steps may overflow too)

@@ -35,11 +35,13 @@ samples so that each rank computes its planned share of the union of what was fe
 Every rank runs the same collectives: one gather of four numbers per micro-step (the fed size, a
 checksum of the batch-first tensors: their number, structure, dtypes and trailing shapes, the
 same checksum with sequence lengths left out, and the sequence length), then, only where the fed
-sizes differ from the plan, one all-gather per batch-first input and per output. Structures that
+sizes differ from the plan, one all-gather per dtype of the batch-first inputs and one per dtype
+of the outputs (their backward: one all-reduce per dtype). Structures that
 differ between ranks (other than paddable lengths) stop every rank with one message, as does a
 global micro-batch of another size than the plan's.
 """
 
+import math
 import time
 import zlib
 from collections.abc import Mapping
@@ -241,21 +243,37 @@ def _gloo():
 def _rows(tensor, source_sizes, target_sizes, rank):
     """Rows ``[T_r, T_r + t_r)`` of the ranks' tensors concatenated in rank order, where each rank
     holds ``source_sizes[rank]`` rows: one all-gather, padded to the largest."""
+    return _rows_of_many([tensor], source_sizes, target_sizes, rank)[0]
+
+
+def _rows_of_many(tensors, source_sizes, target_sizes, rank):
+    """``_rows`` of every tensor in ``tensors`` (the same number of rows each), with one all-gather
+    per dtype: each tensor's rows are flattened and laid side by side, so that many small inputs
+    (``input_ids``, ``attention_mask``, ``labels``) cost one collective, not one each."""
     world = len(source_sizes)
     longest = max(source_sizes)
-    send = tensor
-    if send.dtype == torch.bool:  # gloo reduces no bool tensors
-        send = send.to(torch.uint8)
-    if send.shape[0] < longest:
-        pad = send.new_zeros((longest - send.shape[0], ) + tuple(send.shape[1:]))
-        send = torch.cat([send, pad])
-    send = send.contiguous()
-    gathered = [torch.empty_like(send) for _ in range(world)]
-    dist.all_gather(gathered, send)
-    full = torch.cat([gathered[r][:source_sizes[r]] for r in range(world)])
     start = sum(target_sizes[:rank])
-    out = full[start:start + target_sizes[rank]]
-    return out.to(torch.bool) if tensor.dtype == torch.bool else out
+    out = [None] * len(tensors)
+    groups = {}
+    for index, tensor in enumerate(tensors):
+        dtype = torch.uint8 if tensor.dtype == torch.bool else tensor.dtype  # gloo moves no bool tensors
+        groups.setdefault(dtype, []).append(index)
+    for dtype, indices in groups.items():
+        rows = int(tensors[indices[0]].shape[0])
+        widths = [math.prod(tensors[i].shape[1:]) for i in indices]
+        send = torch.cat([tensors[i].to(dtype).reshape(rows, -1) for i in indices], dim=1)
+        if rows < longest:
+            send = torch.cat([send, send.new_zeros((longest - rows, send.shape[1]))])
+        send = send.contiguous()
+        gathered = [torch.empty_like(send) for _ in range(world)]
+        dist.all_gather(gathered, send)
+        full = torch.cat([gathered[r][:source_sizes[r]] for r in range(world)])[start:start + target_sizes[rank]]
+        offset = 0
+        for i, width in zip(indices, widths):
+            piece = full[:, offset:offset + width].reshape((target_sizes[rank], ) + tuple(tensors[i].shape[1:]))
+            out[i] = piece.to(torch.bool) if tensors[i].dtype == torch.bool else piece
+            offset += width
+    return out
 
 
 class _ReturnRows(torch.autograd.Function):
@@ -272,7 +290,7 @@ class _ReturnRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, split, scale, clock, *tensors):
         ctx.split, ctx.scale, ctx.clock = split, scale, clock
-        return tuple(_rows(tensor, split.planned, split.fed, split.rank) for tensor in tensors)
+        return tuple(_rows_of_many(list(tensors), split.planned, split.fed, split.rank))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -352,16 +370,19 @@ def resplit_inputs(inputs, kwargs, planned, dp_rank, pad_token_id=None, clock=No
         padded_length = max(lengths)
         split = Split(tuple(fed), tuple(planned), dp_rank, length, padded_length)
     wanted = set(paths)
+    sending = []
 
-    def move(path, tensor):
-        if path not in wanted:
-            return tensor
-        if padded_length and path in paddable:
-            tensor = _pad(tensor, padded_length, paddable[path])
-        return _rows(tensor.detach(), split.fed, split.planned, dp_rank)
+    def collect(path, tensor):
+        if path in wanted:
+            if padded_length and path in paddable:
+                tensor = _pad(tensor, padded_length, paddable[path])
+            sending.append(tensor.detach())
+        return tensor
 
     began = ExchangeClock.mark()
-    inputs, kwargs = _walk((inputs, kwargs), "", move)
+    _walk((inputs, kwargs), "", collect)
+    received = iter(_rows_of_many(sending, split.fed, split.planned, dp_rank))
+    inputs, kwargs = _walk((inputs, kwargs), "", lambda path, tensor: next(received) if path in wanted else tensor)
     if clock is not None:
         clock.timed(began)
         clock.micro_steps += 1
@@ -392,14 +413,13 @@ def return_outputs(outputs, split, scale=1.0, clock=None):
     _walk(outputs, "", collect)
     began = ExchangeClock.mark()
     returned = iter(_ReturnRows.apply(split, scale, clock, *differentiable) if differentiable else ())
+    plain = [tensor for path, tensor in _tensors(outputs) if path in wanted and not tensor.requires_grad]
+    plain = iter(_rows_of_many(plain, split.planned, split.fed, split.rank) if plain else ())
 
     def back(path, tensor):
         if path not in wanted:
             return tensor
-        if tensor.requires_grad:
-            tensor = next(returned)
-        else:
-            tensor = _rows(tensor, split.planned, split.fed, split.rank)
+        tensor = next(returned) if tensor.requires_grad else next(plain)
         if cut and tensor.dim() >= 2 and int(tensor.shape[1]) == split.padded_length:
             tensor = tensor[:, :split.length]
         return tensor
@@ -408,6 +428,18 @@ def return_outputs(outputs, split, scale=1.0, clock=None):
     if clock is not None:
         clock.timed(began)
     return outputs
+
+
+def _tensors(value):
+    """``[(path, tensor)]`` of every tensor in ``value``, in ``_walk``'s order."""
+    found = []
+
+    def visit(path, tensor):
+        found.append((path, tensor))
+        return tensor
+
+    _walk(value, "", visit)
+    return found
 
 
 def _leading(value):
