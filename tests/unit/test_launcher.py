@@ -143,3 +143,33 @@ def test_a_busy_master_port_is_one_line_naming_it(tmp_path):
     lines = [line for line in err.splitlines() if line.startswith("deepspeed: error:")]
     assert len(lines) == 1 and f"port {port} (--master_port) is already in use on this host" in lines[0], err
     assert "--master_port " in lines[0].split("e.g.")[-1] and "Traceback" not in err and "must not run" not in out + err
+
+
+def test_a_launch_warns_once_per_job_not_once_per_process(tmp_path):
+    """The accelerator is detected once per launch (the local launcher and ranks inherit
+    DS_ACCELERATOR), and torch's deprecation warning about upstream's collectives comes from
+    global rank 0 alone: a two-rank run warns "Setting accelerator to CPU" once (six times before),
+    and the deprecation at most once."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch, deepspeed\n"
+        "model = torch.nn.Linear(8, 8)\n"
+        "config = {'train_batch_size': 4, 'zero_optimization': {'stage': 2},\n"
+        "          'optimizer': {'type': 'AdamW', 'params': {'lr': 0.1, 'torch_adam': True}},\n"
+        "          'heterogeneous_config': {'enabled': True, 'load_balancing_strategy': 'manual',\n"
+        "                                   'micro_batch_sizes': [3, 1]}}\n"
+        "engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)\n"
+        "x = torch.randn(engine.heterogeneous_plan.micro_batch_sizes[engine.global_rank], 8)\n"
+        "engine.backward(engine(x).pow(2).mean())\n"
+        "engine.step()\n")
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {key: value for key, value in os.environ.items() if key != "DS_ACCELERATOR"}
+    proc = subprocess.run([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port), str(script)],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=240)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert output.count("Setting accelerator to CPU") == 1, output[-4000:]
+    assert output.count("is deprecated. Please use") <= 1, output[-4000:]

@@ -158,6 +158,7 @@ class HeterogeneousState:
         state = cls(settings)
         if not settings.enabled:
             return state
+        quiet_repeated_warnings()
         state.dp_rank = data_parallel_rank(mpu, mesh_device, world_size, param_dict.get("sequence_parallel_size"))
         summary = settings_summary(settings)
         key = _cluster_key(summary, state.dp_rank, world_size)
@@ -221,6 +222,17 @@ class HeterogeneousState:
         from .startup import configure_heterogeneous_batch
         configure_heterogeneous_batch(ds_config, self)
         return True
+
+
+def quiet_repeated_warnings(environ=None):
+    """Torch's deprecation warnings about the collectives upstream calls
+    (``torch.distributed.all_gather_into_tensor`` is deprecated ...) are shown by global rank 0
+    alone: every rank would print the same line, about code the user cannot change."""
+    import os
+    import warnings
+    environ = os.environ if environ is None else environ
+    if environ.get("RANK", "0") != "0":
+        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
 
 
 def one_line_config_errors():

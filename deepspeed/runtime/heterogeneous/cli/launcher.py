@@ -27,7 +27,12 @@ def dispatch_subcommand(argv):
 
 
 def pin_detected_accelerator(environ=None):
-    """Make every later accelerator detection in this process agree with the first, silently.
+    """Make every later accelerator detection in this process, and in the processes it starts,
+    agree with the first, silently.
+
+    The ``deepspeed`` launcher calls this once per launch: its local launcher and every rank
+    inherit DS_ACCELERATOR, so "Setting accelerator to CPU" is warned once per job, not by each
+    process (six times for two ranks). Remote hosts are not told: each detects its own.
 
     Run from a source checkout (the repository root on sys.path), the report imports upstream's
     op list, which prefers the checkout's top-level ``accelerator`` package to
