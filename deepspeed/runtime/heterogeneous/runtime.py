@@ -608,8 +608,10 @@ class HeterogeneousRuntime:
             self._update_exchange_estimate(everyone)
             judged = self._observe_last_event(walls)
             if judged is not None and judged.revert:
+                # A comparison's first half leaves the switch pending: its second half is judged
+                # one interval later, with or without dynamic rebalancing.
                 return {"plan": judged.plan.to_dict(), "reason": judged.reason, "gain": judged.predicted_gain,
-                        "wall": wall, "revert": True}
+                        "wall": wall, "revert": True, "verify": self.rebalancer.pending is not None}
             note = None if judged is None else judged.reason
             if on_demand:
                 models = forced_models or window_models([e["samples"] for e in everyone], self.base_models,

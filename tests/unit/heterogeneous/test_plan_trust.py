@@ -234,16 +234,42 @@ def test_a_switch_that_made_the_step_slower_is_reverted_and_not_retried_soon():
     assert again.rebalance and list(again.plan.micro_batch_sizes) == [25, 7]
 
 
-def test_a_switch_within_the_noise_is_kept():
+def test_a_faster_switch_is_kept():
     rebalancer = Rebalancer(None)
     old, new = UNIFORM, _plan([18, 14])
     rebalancer.switched(old, new, [1.0, 1.2, 0.8], None, "rebalance")
-    decision = rebalancer.judge_switch(new, [1.05, 1.25, 0.85, 1.05])
+    decision = rebalancer.judge_switch(new, [0.95, 1.15, 0.8, 0.95])
     assert not decision.rebalance and decision.reason.endswith("kept")
     assert rebalancer.judge_switch(new, [5.0] * 5) is None  # judged once
     # A switch without a measured step before it is not checked, and says so.
     assert "not checked" in rebalancer.switched(old, new, [], None, "reschedule")
     assert rebalancer.judge_switch(new, [5.0] * 5) is None
+
+
+def test_a_slower_switch_within_the_noise_is_compared_on_more_steps():
+    """Two steps before the switch (profiling's at the start-up plan) and a +20% median after it:
+    within the noise of so few steps, so the plan before runs again for one interval, and the plan
+    whose steps, all counted, are the faster stays."""
+    chosen = [TimeModel(0.0, 0.02), TimeModel(0.0, 0.05)]
+    for again, stays in (([1.0, 1.02, 0.98, 1.01], UNIFORM), ([1.5, 1.45, 1.55, 1.5], "new")):
+        rebalancer = Rebalancer(None, retry_after_checks=3)
+        old, new = UNIFORM, _plan([22, 10])
+        rebalancer.plan_chosen(chosen)
+        rebalancer.switched(old, new, [1.0, 1.3], None, "switch after profiling")
+        first = rebalancer.judge_switch(new, [1.2, 1.05, 1.4, 1.2])
+        assert first.rebalance and first.revert and first.plan is old, first
+        assert "within the noise; back to [16, 16] for one interval" in first.reason
+        assert rebalancer.pending is not None and rebalancer.pending.comparing  # judged again later
+        assert rebalancer.reference_models == [TimeModel(0.0, 1 / 16), TimeModel(0.0, 1 / 16)]
+        second = rebalancer.judge_switch(old, again)
+        if stays is UNIFORM:  # 1.005 s over 6 steps at [16, 16] against 1.2 s at [22, 10]
+            assert not second.rebalance and "[16, 16] stays; [22, 10] is not tried again for 3 checks" in second.reason
+            skewed = [TimeModel(0.0, 1.0), TimeModel(0.0, 2.2)]
+            assert not rebalancer.check_on_demand(old, skewed, _best_plan_for, threshold=0.1).rebalance  # barred
+        else:  # [16, 16] now 1.5 s: [22, 10] was the faster after all, and its models come back
+            assert second.rebalance and second.plan is new and second.reason.endswith("back to [22, 10]")
+            assert rebalancer.reference_models == chosen
+        assert rebalancer.pending is None
 
 
 def test_a_rebalance_that_backfires_restores_the_models_of_the_old_plan():

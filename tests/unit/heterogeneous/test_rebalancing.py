@@ -257,19 +257,20 @@ def reference(step_indices, size):
 
 @pytest.mark.multiprocess
 def test_speed_change_is_followed_within_two_checks_and_training_stays_exact():
-    change, steps = 13, 28
+    change, steps = 17, 32
     cases = [
         # Rank 0 runs at 0.4 of rank 1's speed; at step 13 it is the fast one and rank 1 drops to 0.3.
         # Whatever profiling chose (work moved to rank 1, or [8, 8] kept), following the change
         # moves work to rank 0. Unequal ranks at start-up keep the test independent of profiling:
         # with equal ranks, a noise-driven plan close to the one the change calls for would leave
         # nothing to follow (test_plan_trust covers the gate on equal ranks). The
-        # change comes after the check at step 11: the switch after profiling is judged at step 7
+        # change comes after the check at step 15: the switch after profiling is judged at step 7
         # and may be reverted there (on this fixed-cost-dominated model [4, 12] can be no faster
-        # than [8, 8]), and the plan's baseline interval (steps 8-11 then) must not contain it.
+        # than [8, 8]), or, slower within the noise, compared with [8, 8] again until step 11; the
+        # baseline interval of the plan that stays (steps 12-15 then) must not contain the change.
         dict(speeds=[0.4, 1.0], schedule=[{"step": change, "speeds": [1.0, 0.3]}], steps=steps),
         # Constant speeds over a longer run (11 checks): no move on noise (see the assertion).
-        dict(speeds=[1.0, 0.5], schedule=None, steps=2 * steps),
+        dict(speeds=[1.0, 0.5], schedule=None, steps=56),
     ]
     changed, steady = run_subcases(train, cases, world_size=2, timeout=600)
     fast, slow = changed
@@ -286,16 +287,17 @@ def test_speed_change_is_followed_within_two_checks_and_training_stays_exact():
     # A move whose predicted gain is within the measured noise is refused (the policy's gate,
     # test_a_predicted_gain_within_the_measured_noise_moves_nothing). One move can still come when
     # the plan's first interval paid one-off costs at its new sizes, which later intervals read as
-    # a speed-up (e.g. [12, 4] -> [13, 3] at step 15, then 14.6% faster). It must
-    # be kept by the switch check and not undone: at most one event, no revert, no slower step.
+    # a speed-up (e.g. [12, 4] -> [13, 3] at step 15, then 14.6% faster). It must not stay if it
+    # made the step slower: kept only within the step-time noise of a loaded 2-core machine (a
+    # fresh-clone CI run once observed -8.7% for a kept move), else sent back to the plan before
+    # (a revert, or the first half of a comparison, which may return to the move once).
     # (The check of the switch after profiling, at step 7, may revert it: that is its job.)
     judged = [event for event in steady[0]["judged"] if event[0] > 3 + CHECK_INTERVAL]
-    assert len(judged) <= 1, (judged, steady[0]["plans"])
-    for step, kind, gain in judged:
-        assert kind == "rebalance", judged
-        # Within the step-time noise of a loaded 2-core machine: a fresh-clone CI run once observed
-        # -8.7% for a move the switch check kept (its noise bound was larger).
-        assert (gain is None and step > 2 * steps - CHECK_INTERVAL) or gain > -0.10, judged
+    moves = [event for event in judged if event[1] == "rebalance"]
+    assert len(moves) <= 1 and len(judged) <= 3, (judged, steady[0]["plans"])
+    for step, kind, gain in moves:
+        slower = gain is not None and gain <= -0.10
+        assert not slower or any(later[1] == "revert" and later[0] > step for later in judged), judged
 
 
 @pytest.mark.multiprocess

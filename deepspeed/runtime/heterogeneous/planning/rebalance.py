@@ -25,7 +25,9 @@ what it was meant to improve: the observed step time (wall, the slowest rank) of
 the new plan against the steps before it (``slowdown_beyond_noise``). A switch that made the
 step slower beyond the noise is reverted, and the plan it brought is not adopted again for
 ``RETRY_AFTER_CHECKS`` checks: a prediction is only a prediction, and a user must be able to
-trust that a plan never stays worse than the one it replaced.
+trust that a plan never stays worse than the one it replaced. A step slower within the noise
+sends the run back to the plan before for one more interval, and the plan whose steps are the
+faster, all counted, stays.
 """
 
 from dataclasses import dataclass, field
@@ -147,6 +149,11 @@ class PendingSwitch:
     label: str = "switch"
     after: List[float] = field(default_factory=list)
     """Per-step wall seconds at ``new_plan`` so far (checks shorter than ``MIN_STEPS_TO_JUDGE`` add up)."""
+    comparing: bool = False
+    """The second half of a comparison: the switch to ``old_plan`` observed a slower step within the
+    noise, so ``new_plan``, the plan it replaced, runs again for one interval; ``earlier`` holds
+    ``new_plan``'s steps from before that switch."""
+    earlier: List[float] = field(default_factory=list)
 
 
 def plan_step_time(models, plan):
@@ -195,7 +202,13 @@ class Rebalancer:
         """Judge the pending switch from ``after``, the per-step wall seconds (the slowest rank's)
         at ``plan`` since the switch. Returns None when there is nothing to judge yet (no pending
         switch, or fewer than ``MIN_STEPS_TO_JUDGE`` steps), else a Decision: ``rebalance`` and
-        ``revert`` with the old plan when the step got slower beyond the noise."""
+        ``revert`` with the old plan when the step got slower beyond the noise.
+
+        A step slower than before but within the noise is not evidence either way, and the plan
+        before is the safer one (uniform, after profiling): that plan runs again for one interval,
+        and the one of the two whose steps, all counted, have the lower median stays (the other is
+        not tried again for ``retry_after_checks`` checks). A plan is never kept on a slower
+        observation alone."""
         pending = self.pending
         if pending is None:
             return None
@@ -207,19 +220,47 @@ class Rebalancer:
         if len(after) < MIN_STEPS_TO_JUDGE:
             return None
         self.pending = None
+        if pending.comparing:
+            return self._compared(pending, after)
         slowdown, bound = slowdown_beyond_noise(pending.before, after)
         before, now = median(pending.before), median(after)
         observed = (f"{pending.label}: observed step time {before:.4g} s over {len(pending.before)} step(s) at "
                     f"{list(pending.old_plan.micro_batch_sizes)} -> {now:.4g} s over {len(after)} step(s) at "
                     f"{list(plan.micro_batch_sizes)} ({slowdown:+.1%}, noise bound {bound:.1%})")
-        if slowdown <= bound:
+        if slowdown <= 0:
             return Decision(False, -slowdown, f"{observed}: kept")
+        if slowdown <= bound:
+            # Run the plan before again for one interval; the models that chose this one go along.
+            self.pending = PendingSwitch(plan, pending.old_plan, self.reference_models, list(after), pending.label,
+                                         comparing=True, earlier=list(pending.before))
+            self.plan_chosen(pending.old_models or balanced_models(pending.old_plan))
+            return Decision(True, -slowdown, f"{observed}: slower, within the noise; back to "
+                            f"{list(pending.old_plan.micro_batch_sizes)} for one interval, to compare the two "
+                            f"plans on more steps", pending.old_plan, revert=True)
         self.reverted[plan_key(pending.new_plan)] = self.retry_after_checks
         self.plan_chosen(pending.old_models or balanced_models(pending.old_plan))
         return Decision(True, -slowdown, f"{observed}: slower beyond the noise, reverted; "
                         f"{list(plan.micro_batch_sizes)} is not tried again for {self.retry_after_checks} checks",
                         pending.old_plan, revert=True)
 
+
+    def _compared(self, pending, after):
+        """The second half of a comparison: ``pending.new_plan`` (the plan before the switch) ran
+        ``after`` now and ``pending.earlier`` before; ``pending.old_plan`` (the switch's) ran
+        ``pending.before``. The lower median of all their steps stays."""
+        kept, tried = pending.new_plan, pending.old_plan
+        kept_steps = list(pending.earlier) + list(after)
+        kept_time, tried_time = median(kept_steps), median(pending.before)
+        observed = (f"{pending.label}: compared on more steps, {list(kept.micro_batch_sizes)} "
+                    f"{kept_time:.4g} s over {len(kept_steps)} step(s), {list(tried.micro_batch_sizes)} "
+                    f"{tried_time:.4g} s over {len(pending.before)} step(s)")
+        if kept_time <= tried_time:
+            self.reverted[plan_key(tried)] = self.retry_after_checks
+            return Decision(False, 0.0, f"{observed}: {list(kept.micro_batch_sizes)} stays; "
+                            f"{list(tried.micro_batch_sizes)} is not tried again for {self.retry_after_checks} checks")
+        self.plan_chosen(pending.old_models or balanced_models(tried))
+        return Decision(True, 1.0 - tried_time / kept_time, f"{observed}: back to {list(tried.micro_batch_sizes)}",
+                        tried, revert=True)
 
     def plan_chosen(self, models):
         """A plan chosen by ``models`` is in force from now on; its first interval is the baseline."""
@@ -310,7 +351,8 @@ class Rebalancer:
             "pending": None if pending is None else {
                 "old_plan": pending.old_plan.to_dict(), "new_plan": pending.new_plan.to_dict(),
                 "old_models": _models_state(pending.old_models), "before": list(pending.before),
-                "label": pending.label, "after": list(pending.after)},
+                "label": pending.label, "after": list(pending.after), "comparing": pending.comparing,
+                "earlier": list(pending.earlier)},
             "reverted": [[list(sizes), list(gas), count] for (sizes, gas), count in self.reverted.items()],
             "startup_plan": None if self.startup_plan is None else self.startup_plan.to_dict(),
             "previous_models": _models_state(self.previous_models),
@@ -328,7 +370,7 @@ class Rebalancer:
         self.pending = None if pending is None else PendingSwitch(
             Plan.from_dict(pending["old_plan"]), Plan.from_dict(pending["new_plan"]),
             _models_from_state(pending["old_models"]), list(pending["before"]), pending["label"],
-            list(pending["after"]))
+            list(pending["after"]), bool(pending.get("comparing", False)), list(pending.get("earlier", [])))
         self.reverted = {(tuple(sizes), tuple(gas)): int(count) for sizes, gas, count in state.get("reverted", [])}
         startup = state.get("startup_plan")
         self.startup_plan = None if startup is None else Plan.from_dict(startup)
