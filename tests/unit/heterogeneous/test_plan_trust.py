@@ -300,7 +300,7 @@ def test_reschedule_on_demand_applies_the_threshold():
                                        _best_plan_for, threshold=0.1)
     assert large.rebalance and list(large.plan.micro_batch_sizes) == [24, 8]
     assert Rebalancer(RebalancePolicy(0.5)).check_on_demand(UNIFORM, models, _best_plan_for).reason.endswith(
-        "<= threshold 50%")
+        "<= threshold 50% (scheduler.imbalance_threshold)")
     with pytest.raises(ValueError, match="imbalance_threshold"):
         Rebalancer(None).check_on_demand(UNIFORM, models, _best_plan_for)
 
@@ -435,3 +435,14 @@ def test_a_switch_after_profiling_that_made_the_step_slower_is_reverted():
     assert plans[PROFILE - 1 + CHECK_INTERVAL:] == [[8, 8]] * (steps - PROFILE + 1 - CHECK_INTERVAL), plans
     assert fast["events"] == [(PROFILE + CHECK_INTERVAL, profiled, [8, 8], "revert")], fast["events"]
     assert not fast["verifying"] and not fast["pending"]
+
+
+def test_every_rebalancing_verdict_names_the_setting_that_would_change_it():
+    policy = RebalancePolicy(0.1, cooldown_checks=1, consecutive=1)
+    assert "scheduler.check_interval" in policy.check(1.0, 0.97, noise=0.05).reason  # within the noise
+    assert "scheduler.imbalance_threshold" in policy.check(1.0, 0.95).reason  # below the threshold
+    assert "scheduler.imbalance_threshold" in policy.check(1.0, 0.5).reason  # a move
+    assert "scheduler.cooldown_checks" in policy.check(1.0, 0.5).reason  # the cool-down after it
+    rebalancer = Rebalancer(None)
+    rebalancer.switched(UNIFORM, _plan([18, 14]), [1.0, 1.0, 1.0], None, "rebalance")
+    assert "scheduler.check_interval" in rebalancer.judge_switch(_plan([18, 14]), [0.9, 0.9, 0.9]).reason

@@ -252,7 +252,8 @@ def trusted_plan(history, startup_plan, gradient_accumulation_steps, limits, all
                                  f"gives rank(s) {absurd} more than {SHARE_LIMIT:g}x the samples of the measured "
                                  f"speed ratio, or less than 1/{SHARE_LIMIT:g} of them, so the plan of that ratio is "
                                  f"used", best)
-    return ProfilingDecision(best, models, note, best)
+    return ProfilingDecision(best, models, f"{note}: the plan follows the measured speeds (a fixed split instead: "
+                             f"load_balancing_strategy \"manual\" with micro_batch_sizes)", best)
 
 
 def exceeds_limits(plan, limits):

@@ -84,14 +84,17 @@ class RebalancePolicy:
             self.streak = 0
             if self.cooldown > 0:
                 self.cooldown -= 1
-            return Decision(False, 0.0, f"predicted gain {gain:.1%} is within the measured noise {noise:.1%}")
+            return Decision(False, 0.0, f"predicted gain {gain:.1%} is within the measured noise {noise:.1%} "
+                            f"(a longer scheduler.check_interval measures more steps per check)")
         if self.cooldown > 0:
             self.cooldown -= 1
             self.streak = 0
-            return Decision(False, gain, f"cool-down after a rebalance ({self.cooldown} more check(s))")
+            return Decision(False, gain, f"cool-down after a rebalance ({self.cooldown} more check(s), "
+                            f"scheduler.cooldown_checks)")
         if gain <= self.threshold:
             self.streak = 0
-            return Decision(False, gain, f"predicted gain {gain:.1%} <= threshold {self.threshold:.0%}")
+            return Decision(False, gain, f"predicted gain {gain:.1%} <= threshold {self.threshold:.0%} "
+                            f"(scheduler.imbalance_threshold)")
         self.streak += 1
         if self.streak < self.consecutive:
             return Decision(False, gain, f"predicted gain {gain:.1%} > threshold on {self.streak} of "
@@ -99,8 +102,8 @@ class RebalancePolicy:
         self.streak = 0
         self.cooldown = self.cooldown_checks
         self.events += 1
-        return Decision(True, gain, f"predicted gain {gain:.1%} > threshold {self.threshold:.0%} on "
-                        f"{self.consecutive} consecutive checks")
+        return Decision(True, gain, f"predicted gain {gain:.1%} > threshold {self.threshold:.0%} "
+                        f"(scheduler.imbalance_threshold) on {self.consecutive} consecutive checks")
 
 
 @dataclass
@@ -226,7 +229,8 @@ class Rebalancer:
         before, now = median(pending.before), median(after)
         observed = (f"{pending.label}: observed step time {before:.4g} s over {len(pending.before)} step(s) at "
                     f"{list(pending.old_plan.micro_batch_sizes)} -> {now:.4g} s over {len(after)} step(s) at "
-                    f"{list(plan.micro_batch_sizes)} ({slowdown:+.1%}, noise bound {bound:.1%})")
+                    f"{list(plan.micro_batch_sizes)} ({slowdown:+.1%}, noise bound {bound:.1%}; judged "
+                    f"scheduler.check_interval steps after the switch)")
         if slowdown <= 0:
             return Decision(False, -slowdown, f"{observed}: kept")
         if slowdown <= bound:
@@ -303,9 +307,11 @@ class Rebalancer:
         current = plan_step_time(models, plan)
         gain = predicted_gain(current, best.predicted_step_time)
         if gain > threshold:
-            decision = Decision(True, gain, f"on demand, predicted gain {gain:.1%} > threshold {threshold:.0%}")
+            decision = Decision(True, gain, f"on demand, predicted gain {gain:.1%} > threshold {threshold:.0%} "
+                                f"(scheduler.imbalance_threshold)")
         else:
-            decision = Decision(False, gain, f"on demand, predicted gain {gain:.1%} <= threshold {threshold:.0%}")
+            decision = Decision(False, gain, f"on demand, predicted gain {gain:.1%} <= threshold {threshold:.0%} "
+                                f"(scheduler.imbalance_threshold)")
         return self._adopt_if_new(plan, best, models, decision)
 
     def _decide(self, plan, models, best_plan_for, noise):
