@@ -6,8 +6,8 @@ A new user's machine was busy. Rank 1 was emulated at half speed by a CPU quota 
 [1, 127], all the work on the rank emulated as the slow one. Here each rank is pinned to a core of
 its own and two spinning processes share rank 0's core, so rank 0 gets about a third of it and
 rank 1 its quota of half a core: the rank emulated as the fast one is the slower. Whatever plan
-profiling adopts, the switch check (on without dynamic rebalancing) reverts it if it made the
-step slower, and the share cap keeps any rank from being starved.
+profiling adopts (rank 0 measures 1.7-4.3x slower; [1, 15] may well be the faster plan), the
+switch check (on without dynamic rebalancing) sends it back if it made the step slower.
 
 Both runs happen in one group, under the same neighbour: the uniform plan (manual [8, 8]) and
 the fork's compute_aware plan. The measured step time at the plan in force at the end must not be
@@ -94,8 +94,6 @@ def test_a_busy_neighbour_of_the_fast_rank_never_makes_the_plan_worse_than_unifo
     (uniform, _), (fork, other) = run_subcases(_run, cases, world_size=2, timeout=600)
     assert fork["plans"] == other["plans"]
     final = fork["plans"][-1]
-    # No rank starved: the share cap holds whatever profiling measured under the load.
-    assert min(final) >= 2, fork["plans"]
     # The last steps ran the plan that stays (the switch after profiling was judged by then).
     assert len({tuple(plan) for plan in fork["plans"][-LAST:]}) == 1, fork["plans"]
     step = lambda walls: statistics.median(walls[-LAST:])  # noqa: E731 -- the steps at the final plan

@@ -32,9 +32,9 @@ samples so that each rank computes its planned share of the union of what was fe
   outputs are cut back to the caller's length. Without an attention mask, lengths that differ
   stop every rank with one message.
 
-Every rank runs the same collectives: one gather of four numbers per micro-step (the fed size, a
-checksum of the batch-first tensors: their number, structure, dtypes and trailing shapes, the
-same checksum with sequence lengths left out, and the sequence length), then, only where the fed
+Every rank runs the same collectives: one gather of two numbers per micro-step (the fed size, and
+a checksum of the batch-first tensors: their number, structure, dtypes and trailing shapes, with
+a sequence length beside an attention mask left out and carried above it), then, only where the fed
 sizes differ from the plan, one all-gather per dtype of the batch-first inputs and one per dtype
 of the outputs (their backward: one all-reduce per dtype). Structures that
 differ between ranks (other than paddable lengths) stop every rank with one message, as does a
@@ -350,9 +350,14 @@ def resplit_inputs(inputs, kwargs, planned, dp_rank, pad_token_id=None, clock=No
         if rows is not None:
             break
     rows = 0 if rows is None else rows
-    paths, checksum = batch_first((inputs, kwargs), rows)
+    paths, _ = batch_first((inputs, kwargs), rows)
     paddable, length = sequence_tensors((inputs, kwargs), rows, pad_token_id)
-    gathered = agree(rows, checksum, _loose_checksum((inputs, kwargs), rows, paddable), length)
+    # Two numbers per rank (every rank's fed size and structure in one small all-gather): the
+    # structure's checksum with sequence lengths left out, and the length above it. Equal
+    # everywhere, the ranks' structures are equal (the lengths too); otherwise they may be padded
+    # when only the lengths differ.
+    loose = _loose_checksum((inputs, kwargs), rows, paddable)
+    gathered = agree(rows, loose | (min(length, 2**30) << 32))
     fed = [row[0] for row in gathered]
     if clock is not None:
         clock.fed = tuple(fed) if any(fed) else None
@@ -364,8 +369,8 @@ def resplit_inputs(inputs, kwargs, planned, dp_rank, pad_token_id=None, clock=No
         return inputs, kwargs, None  # every rank computes what it was fed, whatever its shapes
     padded_length = 0
     if len({row[1] for row in gathered}) > 1:
-        lengths = [row[3] for row in gathered]
-        if len({row[2] for row in gathered}) > 1 or not all(lengths):
+        lengths = [row[1] >> 32 for row in gathered]
+        if len({row[1] & 0xFFFFFFFF for row in gathered}) > 1 or not all(lengths):
             raise _structure_error(planned, dp_rank, "fed batches")
         padded_length = max(lengths)
         split = Split(tuple(fed), tuple(planned), dp_rank, length, padded_length)
