@@ -31,83 +31,6 @@ from harness import (REPO_ROOT, _kill_process_tree, fork_environment, free_port,
 
 accelerate = pytest.importorskip("accelerate")
 
-BATCH, WIDTH, HIDDEN, STEPS, PROFILE, RESCHEDULE_AT = 16, 256, 2048, 9, 5, 7
-
-
-def _accelerate_loop(rank, world_size, metric):
-    import torch.distributed as tdist
-    from accelerate import Accelerator, DeepSpeedPlugin
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from accelerate.state import AcceleratorState
-    AcceleratorState._reset_state(True)  # one Accelerator per case (the sub-cases share a process)
-    os.environ.setdefault("ACCELERATE_USE_DEEPSPEED", "true")
-    generator = torch.Generator().manual_seed(5)
-    features = torch.randn(BATCH * STEPS, WIDTH, generator=generator)
-    classes = 4 if metric else None
-    targets = (torch.randint(0, classes, (BATCH * STEPS, ), generator=generator) if classes else
-               torch.randn(BATCH * STEPS, 8, generator=generator))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(WIDTH, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, classes or 8))
-    reference = torch.nn.Sequential(torch.nn.Linear(WIDTH, HIDDEN), torch.nn.Tanh(),
-                                    torch.nn.Linear(HIDDEN, classes or 8))
-    reference.load_state_dict(model.state_dict())
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
-    ds_config = {"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH // world_size,
-                 "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-                 "zero_optimization": {"stage": 1},
-                 "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "compute_aware",
-                                          "profile_steps": PROFILE,
-                                          "emulation": {"speeds": [1.0, 0.1], "mode": "dilation"}}}
-    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_config))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    loader = DataLoader(TensorDataset(features, targets), batch_size=BATCH // world_size, shuffle=False)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    loss_fn = torch.nn.functional.cross_entropy if classes else torch.nn.functional.mse_loss
-    plans, worst, metrics = [], 0.0, []
-    for step, (x, y) in enumerate(loader):
-        if step == STEPS:
-            break
-        if step == RESCHEDULE_AT:
-            model.reschedule_workload(utilization_metrics=[1.0, 0.05])  # rank 1 now the faster per sample
-        fed = [None] * world_size
-        tdist.all_gather_object(fed, (x, y))  # the test's own view of what every rank was fed
-        gx, gy = torch.cat([f[0] for f in fed]), torch.cat([f[1] for f in fed])
-        mine = slice(sum(len(f[0]) for f in fed[:rank]), sum(len(f[0]) for f in fed[:rank + 1]))
-        ref_out = reference(gx)
-        out = model(x)
-        accelerator.backward(loss_fn(out, y))
-        optimizer.step()
-        optimizer.zero_grad()
-        worst = max(worst, (out.detach() - ref_out[mine].detach()).abs().max().item())
-        if classes:
-            metrics.append(((out.argmax(-1) == y).float().mean().item(),
-                            (ref_out[mine].argmax(-1) == gy[mine]).float().mean().item()))
-        ref_opt.zero_grad()
-        loss_fn(ref_out, gy).backward()
-        ref_opt.step()
-        plans.append(list(model.heterogeneous_plan.micro_batch_sizes))
-    params = max((a.detach() - b.detach()).abs().max().item()
-                 for a, b in zip(model.module.parameters(), reference.parameters()))
-    return {"plans": plans, "params": params, "outputs": worst, "metrics": metrics}
-
-
-@pytest.mark.multiprocess
-def test_a_stock_accelerate_loop_is_exact_and_follows_the_plan():
-    cases = [dict(metric=False), dict(metric=True)]
-    for case, (first, second) in zip(cases, run_subcases(_accelerate_loop, cases, world_size=2, timeout=900)):
-        assert first["plans"] == second["plans"], case
-        plans = first["plans"]
-        assert any(plan != [8, 8] for plan in plans[:PROFILE]), (case, plans)  # profiling's plans moved rows
-        assert plans[RESCHEDULE_AT][1] > plans[RESCHEDULE_AT][0], (case, plans)  # and reschedule_workload back
-        for result in (first, second):
-            assert result["params"] < 1e-6 and result["outputs"] < 1e-5, (case, result["params"], result["outputs"])
-            for accuracy, expected in result["metrics"]:
-                assert accuracy == pytest.approx(expected), (case, result["metrics"])
-
-
-# -- the same loop under the launchers ----------------------------------------------------------
-
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "accelerate_loop.py"
 SCRIPT_CASES = ["mse", "accuracy"]
 
@@ -117,6 +40,29 @@ def _load_script():
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     return script
+
+
+def _accelerate_loop(rank, world_size, metric):
+    """The script's loop (tests/unit/scripts/accelerate_loop.py), in a harness rank."""
+    return _load_script().accelerate_loop(rank, world_size, metric)
+
+
+@pytest.mark.multiprocess
+def test_a_stock_accelerate_loop_is_exact_and_follows_the_plan():
+    script = _load_script()
+    cases = [dict(metric=False), dict(metric=True)]
+    for case, (first, second) in zip(cases, run_subcases(_accelerate_loop, cases, world_size=2, timeout=900)):
+        assert first["plans"] == second["plans"], case
+        plans = first["plans"]
+        assert any(plan != [8, 8] for plan in plans[:script.PROFILE]), (case, plans)  # profiling's plans moved rows
+        assert plans[script.RESCHEDULE_AT][1] > plans[script.RESCHEDULE_AT][0], (case, plans)  # reschedule: back
+        for result in (first, second):
+            assert result["params"] < 1e-6 and result["outputs"] < 1e-5, (case, result["params"], result["outputs"])
+            for accuracy, expected in result["metrics"]:
+                assert accuracy == pytest.approx(expected), (case, result["metrics"])
+
+
+# -- the same loop under the launchers ----------------------------------------------------------
 
 
 def _script_args(out, launcher):
