@@ -21,8 +21,9 @@ def _torchrun(tmp_path, loader):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                str(free_port()), str(SCRIPT), "--out", str(tmp_path), "--loader", loader]
     proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=240)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    return [torch.load(tmp_path / f"{loader}-rank{rank}.pt") for rank in range(2)]
+    files = [tmp_path / f"{loader}-rank{rank}.pt" for rank in range(2)]
+    assert proc.returncode == 0 and all(f.exists() for f in files), (proc.stdout + proc.stderr)[-6000:]
+    return [torch.load(f) for f in files]
 
 
 def _reference(script, fed):

@@ -16,6 +16,7 @@ trained parameters (or the error).
 
 import argparse
 import os
+import sys
 
 import torch
 
@@ -67,7 +68,12 @@ def main():
         result["error"] = str(error)
     result["params"] = [p.detach().clone() for p in engine.module.parameters()]
     torch.save(result, os.path.join(args.out, f"{args.loader}-rank{rank}.pt"))
-    torch.distributed.destroy_process_group()
+    torch.distributed.barrier()  # both ranks saved
+    # Skip the interpreter's teardown: gloo's threads sometimes abort a rank there ("terminate
+    # called without an active exception"), after the run's work is done and saved.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
