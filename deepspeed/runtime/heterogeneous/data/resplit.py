@@ -240,16 +240,12 @@ def _gloo():
     return torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo"
 
 
-def _rows(tensor, source_sizes, target_sizes, rank):
-    """Rows ``[T_r, T_r + t_r)`` of the ranks' tensors concatenated in rank order, where each rank
-    holds ``source_sizes[rank]`` rows: one all-gather, padded to the largest."""
-    return _rows_of_many([tensor], source_sizes, target_sizes, rank)[0]
-
-
 def _rows_of_many(tensors, source_sizes, target_sizes, rank):
-    """``_rows`` of every tensor in ``tensors`` (the same number of rows each), with one all-gather
-    per dtype: each tensor's rows are flattened and laid side by side, so that many small inputs
-    (``input_ids``, ``attention_mask``, ``labels``) cost one collective, not one each."""
+    """Rows ``[T_r, T_r + t_r)`` of each tensor of ``tensors`` concatenated over the ranks in rank
+    order, where each rank holds ``source_sizes[rank]`` rows (the same in each of its tensors):
+    one all-gather per dtype, padded to the largest; each tensor's rows are flattened and laid
+    side by side, so that many small inputs (``input_ids``, ``attention_mask``, ``labels``) cost
+    one collective, not one each."""
     world = len(source_sizes)
     longest = max(source_sizes)
     start = sum(target_sizes[:rank])
