@@ -75,6 +75,9 @@ class HeterogeneousEngineMixin:
         runtime = self._heterogeneous_runtime()
         if runtime is None:
             raise RuntimeError("reschedule_workload() needs heterogeneous_config enabled")
+        if self._config.heterogeneous.pipeline is not None:
+            raise RuntimeError("reschedule_workload() is not supported with a PipelineModule: the pipeline engine fixes "
+                               "each replica's micro-batches when it starts, so the replicas keep their start-up plan")
         return runtime.reschedule(utilization_metrics)
 
     def _heterogeneous_refuse(self, method):
@@ -145,7 +148,9 @@ class HeterogeneousEngineMixin:
             raise ValueError("heterogeneous_config.enabled does not support data_efficiency curriculum learning: "
                              "its sampler sets every rank's batch size itself, the plan sets per-rank ones. "
                              "Disable one of them")
-        batch_sampler = self.heterogeneous_sampler(dataset, shuffle=True, drop_last=self.dataloader_drop_last())
+        # In order for a pipeline, as upstream's pipeline engine reads its training data.
+        shuffle = not getattr(self, "pipeline_parallelism", False)
+        batch_sampler = self.heterogeneous_sampler(dataset, shuffle=shuffle, drop_last=self.dataloader_drop_last())
         self._heterogeneous_runtime().engine_loader = True
         return HeterogeneousDataLoader(dataset, batch_sampler, collate_fn=collate_fn, tput_timer=self.tput_timer,
                                        num_workers=num_workers or 0,

@@ -86,7 +86,7 @@ class HeterogeneousRuntime:
         # slowest member sets the replica's pace.
         self.agreement = Agreement(f"data-parallel rank {self.rank}")
         self.capacities = memory_capacities(self.state)
-        self.limits = EmulatedLimits(self.settings.emulation, self.rank,
+        self.limits = EmulatedLimits(self.settings.emulation, self.state.emulated_rank,
                                      self.capacities[self.rank] if self.capacities else None)
         self.timer = StepTimer()
         self.meter = ActivationMeter()
@@ -132,6 +132,8 @@ class HeterogeneousRuntime:
         # On more than one host, the hosts and their measured links go under the title.
         self.log_plan("plan at start-up", self.plan,
                       "\n  ".join(filter(None, [topology_note(self.state.topology), self._emulation_note()])) or None)
+        if self.state.pipeline is not None and dist.get_rank() == 0:  # the stages, under the replicas' plan
+            print(self.state.pipeline.table(), flush=True)
 
     @property
     def plan(self):

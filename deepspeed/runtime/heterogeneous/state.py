@@ -46,6 +46,11 @@ class HeterogeneousState:
     """The fork's parsed blocks (heterogeneous_config, heterogeneous_memory, heterogeneous_offload)."""
     dp_rank: int = 0
     """This process's data-parallel rank, derived once from the mpu / mesh at config time."""
+    emulation_rank: Optional[int] = None
+    """This process's entry in the emulation's lists: its global rank with pipeline parallelism
+    (each process is a device), else None (its data-parallel rank)."""
+    pipeline: Optional[object] = field(default=None, repr=False)
+    """The ``pipeline.PipelineLayout`` of a heterogeneous PipelineModule (None otherwise)."""
     devices: Optional[List[DeviceDescription]] = None
     """Every data-parallel rank's device, in rank order (None when no decision needs them)."""
     precision: Optional[PrecisionChoice] = None
@@ -91,6 +96,11 @@ class HeterogeneousState:
     @property
     def enabled(self):
         return self.settings.enabled
+
+    @property
+    def emulated_rank(self):
+        """This process's index in ``emulation.speeds`` / ``memory_gb``."""
+        return self.dp_rank if self.emulation_rank is None else self.emulation_rank
 
     @property
     def loss_weight(self):
@@ -149,7 +159,8 @@ class HeterogeneousState:
         from .cluster.topology import discover_topology
 
         try:
-            settings = load_heterogeneous_settings(param_dict, world_size=world_size)
+            settings = load_heterogeneous_settings(param_dict, world_size=world_size,
+                                                   process_count=_pipeline_process_count(mpu, world_size))
         except HeterogeneousConfigError:
             one_line_config_errors()
             raise
@@ -160,13 +171,16 @@ class HeterogeneousState:
             return state
         quiet_repeated_warnings()
         state.dp_rank = data_parallel_rank(mpu, mesh_device, world_size, param_dict.get("sequence_parallel_size"))
+        if _pipeline_process_count(mpu, world_size) is not None:
+            from deepspeed import comm as dist
+            state.emulation_rank = dist.get_rank()
         summary = settings_summary(settings)
         key = _cluster_key(summary, state.dp_rank, world_size)
         if key not in _cluster_facts:
             # Before the fork's first collective: a rank whose environment or config differs, or
             # that runs without the fork, ends here with an error naming it rather than in a hang.
             check_settings_agree(summary)
-            devices = gather_local_devices(settings, state.dp_rank, int(world_size))
+            devices = gather_local_devices(settings, state.dp_rank, int(world_size), state.emulated_rank)
             _cluster_facts[key] = (devices, discover_topology(state.dp_rank, int(world_size)))
         state.devices, state.topology = _cluster_facts[key]
         state.precision = choose_precision_for_config(settings.config.mixed_precision_support, state.devices,
@@ -183,16 +197,29 @@ class HeterogeneousState:
         configure_zero3_settings(state, param_dict, user_zero)  # ZeRO-3: fewer collectives per step
         return state
 
-    def engine_starting(self, ds_config, engine_class, model=None, optimizer=None):
+    def engine_starting(self, ds_config, engine_class, model=None, optimizer=None, model_parameters=None):
         """The engine is about to be built from ``ds_config`` (``HeterogeneousEngineMixin.__init__``):
-        refuse engines the fork does not drive, put an emulated rank under its memory cgroup, and
+        build a PipelineModule whose partition was deferred to it, put an emulated rank under its memory cgroup, and
         keep the start-up plan within memory now that the model is known (``startup.cap_startup_plan``).
         Nothing when the fork is off."""
+        from .pipeline import PARTITION_METHOD, is_deferred
         if not self.enabled:
+            if is_deferred(model):
+                raise ValueError(f"PipelineModule(partition_method='{PARTITION_METHOD}') needs heterogeneous_config."
+                                 "enabled: true in the DeepSpeed config (its stages are sized from the devices the fork "
+                                 "describes); or use one of upstream's methods ('parameters', 'uniform', 'type:...')")
             return
-        refuse_unsupported_engine(engine_class)
         from .emulation.emulator import start_memory_limit
-        start_memory_limit(self.settings.config.emulation, self.dp_rank)  # before the engine allocates
+        start_memory_limit(self.settings.config.emulation, self.emulated_rank)  # before the engine allocates
+        from .pipeline import is_pipeline
+        if is_pipeline(model):
+            from .pipeline import build_stages, check_pipeline_settings, replica_plan
+            from .startup import apply_plan
+            check_pipeline_settings(self)
+            self.pipeline = build_stages(self, model, model_parameters)
+            plan = replica_plan(self, self.pipeline, ds_config)
+            if plan is not None:
+                apply_plan(ds_config, plan)
         if model is not None:
             from .startup import cap_startup_plan
             from .startup import apply_rank_offload, place_engine_state
@@ -272,15 +299,13 @@ def _cluster_key(summary, dp_rank, world_size):
     return json.dumps(summary, sort_keys=True, default=str), int(dp_rank), int(world_size), group
 
 
-def refuse_unsupported_engine(engine_class):
-    """Raise for an engine class the fork cannot drive: the pipeline engine (and its subclasses)
-    runs its own schedule, data path and optimizer step, so no profiling, re-planning or per-rank
-    micro-batch would take effect there."""
-    from deepspeed.runtime.pipe.engine import PipelineEngine
-    if issubclass(engine_class, PipelineEngine):
-        raise ValueError(f"heterogeneous_config.enabled is true, but pipeline parallelism ({engine_class.__name__} "
-                         "for a PipelineModule) is not supported by deepspeed-hetero: the pipeline engine runs "
-                         "its own schedule and data path, so per-rank micro-batches, profiling and rebalancing "
-                         "would not apply. Set heterogeneous_config.enabled to false (and leave "
-                         "DS_HETEROGENEOUS_ENV unset) to train the PipelineModule as upstream does, or train a "
-                         "model that is not a PipelineModule (data parallelism, ZeRO) for heterogeneous training")
+def _pipeline_process_count(mpu, world_size):
+    """The number of processes when ``mpu`` is a pipeline grid with more than one stage (the
+    emulation's lists are then per global rank), else None."""
+    if mpu is None or not hasattr(mpu, "get_pipe_parallel_world_size"):
+        return None
+    if int(mpu.get_pipe_parallel_world_size()) <= 1:
+        return None
+    from deepspeed import comm as dist
+    return int(dist.get_world_size())
+

@@ -76,12 +76,13 @@ def _needs_devices(settings):
             or settings.memory.enabled)  # the memory pool places by each rank's capacity
 
 
-def gather_local_devices(settings, dp_rank, world_size):
-    """``gather_devices`` when a decision needs the devices (None otherwise), with this rank's
-    emulated memory in place of its real capacity."""
+def gather_local_devices(settings, dp_rank, world_size, emulated_rank=None):
+    """``gather_devices`` when a decision needs the devices (None otherwise), with this process's
+    emulated memory (entry ``emulated_rank``, default ``dp_rank``) in place of its real capacity."""
     if not _needs_devices(settings):
         return None
-    return gather_devices(dp_rank, world_size, emulated_memory_bytes(settings.config.emulation, dp_rank))
+    index = dp_rank if emulated_rank is None else emulated_rank
+    return gather_devices(dp_rank, world_size, emulated_memory_bytes(settings.config.emulation, index))
 
 
 

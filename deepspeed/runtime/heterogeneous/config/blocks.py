@@ -124,6 +124,15 @@ class CommunicationConfig(DeepSpeedConfigModel):
         return self
 
 
+class PipelineConfig(DeepSpeedConfigModel):
+    """``heterogeneous_config.pipeline``: a ``PipelineModule`` built with
+    ``partition_method="heterogeneous"`` (docs/pipeline.md)."""
+
+    stage_layers: Optional[List[PositiveInt]] = None
+    """Layers per stage, in stage order (the manual partition); None: cut where the slowest stage's
+    cost / speed is least."""
+
+
 class HeterogeneousConfig(DeepSpeedConfigModel):
     """``heterogeneous_config``: per-device work allocation. Off by default (upstream behaviour)."""
 
@@ -154,6 +163,8 @@ class HeterogeneousConfig(DeepSpeedConfigModel):
     exchange when the loss is computed inside the model (outputs then follow the computed rows)."""
     communication: CommunicationConfig = Field(default_factory=CommunicationConfig)
     """How gradients travel between hosts (hierarchical reduction, inter-host compression)."""
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    """How a PipelineModule's layers are cut into stages (``partition_method="heterogeneous"``)."""
 
     @model_validator(mode="after")
     def _consistent(self):

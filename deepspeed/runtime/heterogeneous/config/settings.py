@@ -155,7 +155,7 @@ def env_flag(name, environ):
     raise ValueError(f"environment variable {name}={raw!r}: use one of 1/true/yes/on or 0/false/no/off")
 
 
-def load_heterogeneous_settings(param_dict, world_size=None, environ=None):
+def load_heterogeneous_settings(param_dict, world_size=None, environ=None, process_count=None):
     """Parse the fork's blocks of a ds_config dict.
 
     Args:
@@ -165,6 +165,8 @@ def load_heterogeneous_settings(param_dict, world_size=None, environ=None):
         world_size: data-parallel world size, to check per-rank lists; None skips that check.
         environ: the environment to read DS_HETEROGENEOUS_ENV / DS_ADAPTIVE_SCHEDULING from
             (default ``os.environ``).
+        process_count: with pipeline or model parallelism, the number of processes (global ranks):
+            the emulation's lists are per global rank then; None: per data-parallel rank.
 
     Returns:
         HeterogeneousSettings. Raises ValueError naming the key and the allowed values.
@@ -208,7 +210,7 @@ def load_heterogeneous_settings(param_dict, world_size=None, environ=None):
     offload = _build(HeterogeneousOffloadConfig, f"{ZERO_OPTIMIZATION}.{HETEROGENEOUS_OFFLOAD}", offload_raw)
 
     if world_size is not None and config.enabled:
-        _check_per_rank_lists(config, int(world_size))
+        _check_per_rank_lists(config, int(world_size), process_count)
     if isinstance(memory.zero_partitions, list):
         if not config.enabled:
             notes.append(f"{HETEROGENEOUS_MEMORY}.zero_partitions ignored: uneven ZeRO partitions need "
@@ -264,13 +266,26 @@ def misspelled_block_note(key, fork_key):
             "settings apply)")
 
 
-def _check_per_rank_lists(config, world_size):
-    lists = {"micro_batch_sizes": config.micro_batch_sizes}
+def _check_per_rank_lists(config, world_size, process_count=None):
+    """One entry per data-parallel rank; with pipeline or model parallelism (``process_count``
+    processes), the emulation's lists have one entry per global rank: each process is a device."""
+    micro = config.micro_batch_sizes
+    if isinstance(micro, list) and len(micro) != world_size:
+        raise ValueError(f"invalid DeepSpeed config: {HETEROGENEOUS_CONFIG}.micro_batch_sizes has {len(micro)} "
+                         f"entries but the data-parallel world has {world_size} ranks; give one entry per rank")
+    lists = {}
     if config.emulation is not None:
         lists.update({"emulation.speeds": config.emulation.speeds, "emulation.memory_gb": config.emulation.memory_gb})
         for index, change in enumerate(config.emulation.speed_schedule or []):
             lists[f"emulation.speed_schedule[{index}].speeds"] = change.speeds
+    per_process = process_count is not None and int(process_count) != world_size
+    expected = int(process_count) if per_process else world_size
     for key, values in lists.items():
-        if isinstance(values, list) and len(values) != world_size:
+        if isinstance(values, list) and len(values) != expected:
+            if per_process:
+                raise ValueError(f"invalid DeepSpeed config: {HETEROGENEOUS_CONFIG}.{key} has {len(values)} entries "
+                                 f"but the job has {expected} processes; with pipeline or model parallelism "
+                                 f"({expected} processes, {world_size} data-parallel replica(s)) the emulation "
+                                 f"gives one entry per global rank")
             raise ValueError(f"invalid DeepSpeed config: {HETEROGENEOUS_CONFIG}.{key} has {len(values)} entries but "
                              f"the data-parallel world has {world_size} ranks; give one entry per rank")

@@ -1,0 +1,210 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Heterogeneous pipeline parallelism (docs/pipeline.md): a ``PipelineModule`` whose stages are
+sized to their devices, and data-parallel replicas of it that take uneven shares of the batch.
+
+``PipelineModule(..., partition_method="heterogeneous")`` builds no layer at construction: the
+stages' speeds and memory are in the DeepSpeed config, which the module does not see
+(``pipe-heterogeneous-partition.patch`` defers it). As the engine starts
+(``HeterogeneousState.engine_starting``), ``build_stages``
+
+1. learns every global rank's speed (its device's spec score relative to the fastest, times its
+   ``emulation.speeds`` entry on an emulated cluster; one gather over all processes, the same on
+   every rank) and, when known, its memory;
+2. weighs each layer by its trainable parameters, building one layer at a time as upstream's
+   ``parameters`` method does;
+3. cuts the layers so that the slowest stage's ``cost / speed`` is least (``planning/stages.py``),
+   or takes ``heterogeneous_config.pipeline.stage_layers``;
+4. builds this stage's layers, and fills a ``model_parameters`` list that was taken from the module
+   before the build (then empty);
+5. with the ``compute_aware`` strategy, gives each replica a micro-batch in proportion to its
+   pipeline's speed: its slowest stage's ``cost / speed`` per sample.
+
+The exactness of uneven replicas needs nothing pipeline-specific: the last stage's loss goes
+through ``engine.backward``, which weights it by the replica's share of the global batch, and the
+other stages receive gradients already weighted. The partition stays for the whole run.
+"""
+
+from dataclasses import dataclass
+from deepspeed import comm as dist
+from deepspeed.utils import logger
+
+from .cluster.agreement import Agreement
+from .measure.devices import describe_local_device, local_device_index
+from .planning.stages import (ADAM_BYTES_PER_PARAMETER, StagePartition, given_partition, manual_partition,
+                              partition_stages, replica_sample_times, stage_speeds)
+
+PARTITION_METHOD = "heterogeneous"
+
+
+def defer_partition(module):
+    """``PipelineModule._partition_layers`` for ``partition_method="heterogeneous"``: nothing is
+    built until the engine starts (``build_stages``)."""
+    module._heterogeneous_deferred = True
+    module.parts = None
+
+
+def is_deferred(model):
+    return bool(getattr(model, "_heterogeneous_deferred", False))
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """What the plan table and the profiler show of a heterogeneous pipeline."""
+
+    partition: StagePartition
+    upstream: StagePartition
+    """Upstream's ``parameters`` partition of the same layers, under the same speeds."""
+    stage_speeds: tuple
+    rank_speeds: tuple
+    coords: tuple
+    """Per global rank, (stage, replica)."""
+    layer_costs: tuple
+    replica_times: tuple
+    """Per replica, its time per sample (its slowest stage's cost / speed)."""
+
+    @property
+    def stages(self):
+        return len(self.stage_speeds)
+
+    @property
+    def replicas(self):
+        return len(self.replica_times)
+
+    def table(self):
+        lines = [f"[deepspeed-hetero] pipeline: {self.stages} stage(s) x {self.replicas} replica(s) (the plan's ranks "
+                 f"are the replicas), partition {self.partition.method} (layer cost: trainable parameters; a stage's "
+                 f"speed: its slowest replica's)"]
+        lines.append("stage  layers  range      parameters  speed  time/sample  (parameters partition: layers, time)")
+        for s in range(self.stages):
+            a, b = self.partition.parts[s], self.partition.parts[s + 1]
+            ua, ub = self.upstream.parts[s], self.upstream.parts[s + 1]
+            lines.append(f"{s:5d}  {b - a:6d}  {f'{a}-{b - 1}':9s}  {int(sum(self.layer_costs[a:b])):10d}  "
+                         f"{self.stage_speeds[s]:5.3g}  {self.partition.stage_times[s]:11.4g}  "
+                         f"({ub - ua}, {self.upstream.stage_times[s]:.4g})")
+        ranks = {}
+        for g, (s, r) in enumerate(self.coords):
+            ranks.setdefault(r, []).append(f"{g}@{self.rank_speeds[g]:g}")
+        for r in range(self.replicas):
+            lines.append(f"replica {r}: global ranks (stage order) {', '.join(ranks.get(r, []))}; time/sample "
+                         f"{self.replica_times[r]:.4g}")
+        gain = self.upstream.bottleneck / self.partition.bottleneck if self.partition.bottleneck else 1.0
+        lines.append(f"slowest stage {self.partition.bottleneck:.4g} per sample vs {self.upstream.bottleneck:.4g} "
+                     f"with upstream's parameters partition (predicted {gain:.2f}x)")
+        return "\n".join(lines)
+
+
+def _rank_speeds_and_memory(state):
+    """Per global rank, (relative speed, memory bytes or None), the same list on every rank."""
+    emulation = state.settings.config.emulation
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    device = describe_local_device(local_rank=local_device_index(), measure=False)
+    emulated = emulation.speeds[rank] if emulation is not None and emulation.speeds else 1.0
+    memory = None
+    if emulation is not None and emulation.memory_gb:
+        memory = float(emulation.memory_gb[rank]) * 2**30
+    mine = {"rank": rank, "score": float(device.spec_score), "speed": float(emulated), "memory": memory}
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = Agreement(f"global rank {rank}").gather_from_every_rank(mine, "every stage's device")
+    else:
+        gathered = [mine]
+    gathered = sorted(gathered, key=lambda entry: entry["rank"])
+    fastest = max(entry["score"] for entry in gathered) or 1.0
+    speeds = [entry["speed"] * (entry["score"] / fastest if entry["score"] > 0 else 1.0) for entry in gathered]
+    return speeds, [entry["memory"] for entry in gathered]
+
+
+def is_pipeline(model):
+    from deepspeed.runtime.pipe.module import PipelineModule
+    return isinstance(model, PipelineModule)
+
+
+def build_stages(state, model, model_parameters=None):
+    """Partition and build a deferred ``PipelineModule`` (see the module docstring); returns its
+    ``PipelineLayout``. A module partitioned by one of upstream's methods keeps its stages: the
+    layout then describes them (and the replicas' plan still follows their speeds)."""
+    from deepspeed.runtime import utils as ds_utils
+
+    topo = model._topo
+    world = topo.world_size()
+    coords = tuple((topo.get_coord(g).pipe, topo.get_coord(g).data) for g in range(world))
+    stages, replicas = model.num_stages, topo.get_dim("data")
+    rank_speeds, rank_memory = _rank_speeds_and_memory(state)
+    speeds = stage_speeds(rank_speeds, [c[0] for c in coords], stages)
+    costs = [float(c) for c in model._count_layer_params()]
+    capacities = None
+    if any(m is not None for m in rank_memory):
+        capacities = [None] * stages
+        threshold = state.settings.memory.hbm_utilization_threshold
+        for memory, (stage, _) in zip(rank_memory, coords):
+            if memory is not None:
+                room = memory * threshold
+                capacities[stage] = room if capacities[stage] is None else min(capacities[stage], room)
+    stage_layers = state.settings.config.pipeline.stage_layers
+    if not is_deferred(model):
+        if stage_layers:
+            raise ValueError("heterogeneous_config.pipeline.stage_layers needs PipelineModule(partition_method="
+                             f"'{PARTITION_METHOD}'): this module was partitioned by upstream's method at construction")
+        partition = given_partition([int(p) for p in model.parts], costs, speeds, "upstream")
+    elif stage_layers:
+        partition = manual_partition(stage_layers, costs, speeds)
+    else:
+        partition = partition_stages(costs, speeds, [ADAM_BYTES_PER_PARAMETER * c for c in costs], capacities)
+    upstream = given_partition([int(p) for p in ds_utils.partition_balanced(weights=[int(c) for c in costs], num_parts=stages)], costs,
+                               speeds, "parameters")
+    if is_deferred(model):
+        _build(model, partition)
+    if isinstance(model_parameters, list) and not model_parameters:
+        # Taken from the module before it was built: the list the caller passed is the one the
+        # engine reads, so it is filled in place.
+        model_parameters.extend(p for p in model.parameters() if p.requires_grad)
+    elif isinstance(model_parameters, list) and model_parameters and isinstance(model_parameters[0], dict) and \
+            not any(group.get("params") for group in model_parameters):
+        raise ValueError("partition_method 'heterogeneous' builds the PipelineModule's layers as the engine starts, so "
+                         "parameter groups taken from it before deepspeed.initialize are empty: pass "
+                         "model_parameters=model.parameters() (or leave it out), or build the groups with "
+                         "partition_method 'parameters' and heterogeneous_config.pipeline.stage_layers")
+    layout = PipelineLayout(partition, upstream, tuple(speeds), tuple(rank_speeds), coords, tuple(costs),
+                            tuple(replica_sample_times(partition, costs, rank_speeds, coords, replicas)))
+    return layout
+
+
+def _build(model, partition):
+    from deepspeed.accelerator import get_accelerator
+    model.parts = list(partition.parts)
+    model._heterogeneous_deferred = False
+    stage = model.stage_id
+    model._set_bounds(start=model.parts[stage], stop=model.parts[stage + 1])
+    model._build()
+    model.to(get_accelerator().device_name(model.local_rank))
+    model.tied_comms = model._index_tied_modules()
+    model._synchronize_tied_weights()
+
+
+def replica_plan(state, layout, ds_config):
+    """The ``compute_aware`` start-up plan of pipeline replicas: micro-batch sizes in proportion to
+    each replica's pipeline speed (the same gas everywhere). None for other strategies."""
+    if state.settings.config.load_balancing_strategy != "compute_aware" or layout.replicas < 2:
+        return None
+    from .planning.planner import TimeModel, plan_micro_batches
+    models = [TimeModel(0.0, t) for t in layout.replica_times]
+    return plan_micro_batches(models, train_batch_size=state.plan.train_batch_size,
+                              gradient_accumulation_steps=state.base_gas or 1,
+                              strategy="compute_aware").with_prior_times()
+
+
+def check_pipeline_settings(state):
+    """Refuse what the fork does not drive with a pipeline, naming the setting. The pipeline engine
+    fixes each replica's micro-batch size and count when it starts, so the plan cannot change
+    during the run: profiling steps are skipped (a note says so when they were asked for) and
+    dynamic rebalancing is refused."""
+    config = state.settings.config
+    if config.scheduler.dynamic_rebalancing:
+        raise ValueError("heterogeneous_config.scheduler.dynamic_rebalancing is not supported with a PipelineModule: "
+                         "the pipeline engine fixes each replica's micro-batches when it starts, so the replicas keep "
+                         "their start-up plan (set dynamic_rebalancing to false)")
+    if config.profile_steps:
+        if "profile_steps" in config.model_fields_set and (not dist.is_initialized() or dist.get_rank() == 0):
+            logger.warning(f"deepspeed-hetero: heterogeneous_config.profile_steps {config.profile_steps} is not used with "
+                           "a PipelineModule: the stages and the replicas' micro-batches come from the devices' speeds "
+                           "(emulation.speeds, device scores) and stay for the run")
+        config.profile_steps = 0

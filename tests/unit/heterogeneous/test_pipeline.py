@@ -1,0 +1,224 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Heterogeneous pipeline parallelism: stages sized to their devices, uneven replicas, exact.
+
+The partition arithmetic is checked against brute force; the pipeline runs (2 stages, and 2
+stages x 2 replicas with ZeRO-1, activation checkpointing on and off) against one process training
+the same layers on the global batch."""
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from deepspeed.runtime.heterogeneous.config.settings import load_heterogeneous_settings
+from deepspeed.runtime.heterogeneous.planning.stages import (StagePartitionError, balanced_bound, manual_partition,
+                                                             partition_stages, replica_sample_times, stage_speeds)
+from harness import run_subcases
+
+# -- the partition ---------------------------------------------------------------------------------
+
+
+def test_a_half_speed_stage_gets_half_the_layers_of_a_full_speed_one():
+    result = partition_stages([1.0] * 12, [1.0, 0.5])
+    assert result.layers_per_stage == (8, 4) and result.stage_times == (8.0, 8.0)
+    assert partition_stages([1.0] * 12, [1.0, 1.0]).layers_per_stage == (6, 6)
+    # Three stages at [1.0, 0.5, 0.5]: 6 + 3 + 3 layers, every stage 6 per sample.
+    assert partition_stages([1.0] * 12, [1.0, 0.5, 0.5]).layers_per_stage == (6, 3, 3)
+
+
+def _brute_force(costs, speeds, layer_bytes=None, capacity=None):
+    best = None
+    for cuts in itertools.combinations(range(1, len(costs)), len(speeds) - 1):
+        parts = (0, *cuts, len(costs))
+        if capacity is not None and any(c is not None and sum(layer_bytes[a:b]) > c
+                                        for a, b, c in zip(parts, parts[1:], capacity)):
+            continue
+        value = max(sum(costs[a:b]) / s for a, b, s in zip(parts, parts[1:], speeds))
+        if best is None or value < best:
+            best = value
+    return best
+
+
+def test_the_partition_is_the_least_bottleneck_of_all_contiguous_ones():
+    rng = random.Random(7)
+    for _ in range(300):
+        layers, stages = rng.randint(2, 9), rng.randint(1, 4)
+        if stages > layers:
+            continue
+        costs = [rng.choice([0.0, 1.0, 2.0, 5.0, rng.random()]) for _ in range(layers)]
+        speeds = [rng.choice([1.0, 0.5, 0.25, rng.uniform(0.1, 1.0)]) for _ in range(stages)]
+        result = partition_stages(costs, speeds)
+        assert result.bottleneck == pytest.approx(_brute_force(costs, speeds), rel=1e-12)
+        assert result.parts[0] == 0 and result.parts[-1] == layers and min(result.layers_per_stage) >= 1
+
+
+def test_the_partition_keeps_each_stage_within_its_memory():
+    costs = [1.0] * 8
+    layer_bytes = [10.0] * 8
+    assert partition_stages(costs, [1.0, 0.5]).bottleneck == 6.0  # 5 or 6 layers on the fast stage
+    # The fast stage holds only 40 bytes: 4 layers, and the slow stage's 4 take 8 per sample.
+    result = partition_stages(costs, [1.0, 0.5], layer_bytes, [40.0, None])
+    assert result.layers_per_stage == (4, 4) and result.bottleneck == 8.0
+    assert result.bottleneck == _brute_force(costs, [1.0, 0.5], layer_bytes, [40.0, None])
+    with pytest.raises(StagePartitionError, match="use more stages, or give the stages more memory"):
+        partition_stages(costs, [1.0, 0.5], layer_bytes, [30.0, 30.0])
+
+
+def test_bad_partitions_are_refused_with_what_is_allowed():
+    with pytest.raises(StagePartitionError, match="3 layer\\(s\\) cannot fill 4 pipeline stages"):
+        partition_stages([1.0] * 3, [1.0] * 4)
+    with pytest.raises(StagePartitionError, match="stage_layers \\[4, 4\\] must give each of the 2 stages"):
+        manual_partition([4, 4], [1.0] * 12, [1.0, 0.5])
+    assert manual_partition([9, 3], [1.0] * 12, [1.0, 0.5]).stage_times == (9.0, 6.0)
+
+
+def test_stage_speeds_replica_times_and_the_balanced_bound():
+    # Global ranks (stage, replica): 0 (0, 0), 1 (0, 1), 2 (1, 0), 3 (1, 1); replica 1 at half speed.
+    coords = [(0, 0), (0, 1), (1, 0), (1, 1)]
+    speeds = [1.0, 0.5, 1.0, 0.5]
+    assert stage_speeds(speeds, [c[0] for c in coords], 2) == [0.5, 0.5]
+    partition = partition_stages([1.0] * 12, [0.5, 0.5])
+    assert replica_sample_times(partition, [1.0] * 12, speeds, coords, 2) == [6.0, 12.0]
+    # 12 units over speeds 1.0 + 0.5, 4 micro-batches through 2 stages: (4 + 1) / 4 of 8.
+    assert balanced_bound([1.0] * 12, [1.0, 0.5], 4) == pytest.approx(10.0)
+
+
+def test_emulation_lists_are_per_global_rank_with_a_pipeline():
+    config = {"heterogeneous_config": {"enabled": True, "emulation": {"speeds": [1.0, 0.5]}}}
+    with pytest.raises(ValueError, match="the job has 4 processes; with pipeline or model parallelism \\(4 processes, "
+                       "2 data-parallel replica\\(s\\)\\) the emulation gives one entry per global rank"):
+        load_heterogeneous_settings(dict(config), world_size=2, process_count=4)
+    config["heterogeneous_config"]["emulation"]["speeds"] = [1.0, 0.5, 1.0, 0.5]
+    assert load_heterogeneous_settings(dict(config), world_size=2, process_count=4).config.emulation.speeds[3] == 0.5
+
+
+# -- pipelines against one process -----------------------------------------------------------------
+
+WIDTH, BLOCKS, BATCH, STEPS, LR = 8, 6, 16, 3, 0.1
+
+
+def _layers():
+    torch.manual_seed(1)
+    layers = []
+    for _ in range(BLOCKS):
+        layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh()]
+    return layers
+
+
+def _data(size):
+    generator = torch.Generator().manual_seed(2)
+    return torch.utils.data.TensorDataset(torch.randn(size, WIDTH, generator=generator),
+                                          torch.randn(size, WIDTH, generator=generator))
+
+
+def _config(heterogeneous, zero=0):
+    return {"train_batch_size": BATCH, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": zero},
+            "zero_allow_untested_optimizer": True, "optimizer": {"type": "SGD", "params": {"lr": LR}},
+            "heterogeneous_config": {"enabled": True, **heterogeneous}}
+
+
+def _pipeline(rank, world_size, heterogeneous, stages=2, zero=0, checkpoint_interval=0,
+              partition_method="heterogeneous", eager_parameters=True):
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+    net = PipelineModule(layers=_layers(), num_stages=stages, loss_fn=torch.nn.MSELoss(),
+                         partition_method=partition_method, activation_checkpoint_interval=checkpoint_interval)
+    parameters = [p for p in net.parameters() if p.requires_grad] if eager_parameters else net.parameters()
+    engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=parameters, config=_config(heterogeneous, zero),
+                                           training_data=_data(BATCH * (STEPS + 1)))
+    losses = [float(engine.train_batch()) for _ in range(STEPS)]
+    return {"losses": losses, "parts": [int(p) for p in net.parts], "stage": engine.stage_id,
+            "sizes": list(engine.heterogeneous_plan.micro_batch_sizes),
+            "state": {key: value.detach().clone() for key, value in engine.module.state_dict().items()}}
+
+
+def _reference():
+    """One process, the same layers, the global batch in loader order."""
+    model = torch.nn.Sequential(*_layers())
+    inputs, targets = _data(BATCH * (STEPS + 1)).tensors
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        rows = slice(step * BATCH, (step + 1) * BATCH)
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(inputs[rows]), targets[rows])
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+def _assert_exact(results, atol=1e-6):
+    losses, state = _reference()
+    for result in results:
+        assert result["losses"] == pytest.approx(losses, abs=atol), (result["losses"], losses)
+        for key, value in result["state"].items():  # PipelineModule names a layer by its global index
+            torch.testing.assert_close(value, state[key], rtol=0, atol=atol)
+
+
+@pytest.mark.multiprocess
+def test_two_stages_on_mixed_speeds_are_sized_to_them_and_exact():
+    dilation = {"emulation": {"speeds": [1.0, 0.5], "mode": "dilation"}}
+    cases = [
+        dict(heterogeneous=dilation),
+        dict(heterogeneous=dilation, checkpoint_interval=1),
+        # A lazy parameter generator is read after the build.
+        dict(heterogeneous=dilation, eager_parameters=False),
+        dict(heterogeneous={**dilation, "pipeline": {"stage_layers": [9, 3]}}),
+        # Upstream's partition, the fork on: its stages stay, and training stays exact.
+        dict(heterogeneous=dilation, partition_method="parameters"),
+    ]
+    results = run_subcases(_pipeline, cases, world_size=2, timeout=600)
+    # 6 x (Linear, Tanh): the full-speed stage takes 4 linear layers, the half-speed one 2.
+    for case in results[:3]:
+        assert [r["parts"] for r in case] == [[0, 7, 12]] * 2
+    assert [r["parts"] for r in results[3]] == [[0, 9, 12]] * 2
+    assert [r["parts"] for r in results[4]] == [[0, 6, 12]] * 2
+    for case in results:
+        _assert_exact(case)
+
+
+@pytest.mark.multiprocess
+def test_two_stages_by_two_uneven_replicas_with_zero1_are_exact():
+    # Global ranks (stage, replica): 0 (0, 0), 1 (0, 1), 2 (1, 0), 3 (1, 1): replica 1 runs at half
+    # speed on both stages, so it gets a third of the batch's micro-batch: [6, 2] of 8 per micro-step.
+    slow_replica = {"emulation": {"speeds": [1.0, 0.5, 1.0, 0.5], "mode": "dilation"}}
+    cases = [
+        dict(heterogeneous=slow_replica, zero=1),
+        dict(heterogeneous=slow_replica, zero=1, checkpoint_interval=2),
+        dict(heterogeneous={"load_balancing_strategy": "manual", "micro_batch_sizes": [3, 5]}, zero=0),
+    ]
+    results = run_subcases(_pipeline, cases, world_size=4, timeout=600)
+    assert [r["sizes"] for r in results[0]] == [[6, 2]] * 4
+    assert [r["sizes"] for r in results[2]] == [[3, 5]] * 4
+    for case in results:
+        _assert_exact(case)
+
+
+def _refused(rank, world_size, heterogeneous, enabled=True):
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+    net = PipelineModule(layers=_layers(), num_stages=2, loss_fn=torch.nn.MSELoss(), partition_method="heterogeneous")
+    config = _config(heterogeneous)
+    config["heterogeneous_config"]["enabled"] = enabled
+    try:
+        deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.multiprocess
+def test_what_a_pipeline_cannot_do_is_refused_by_name():
+    cases = [
+        dict(heterogeneous={}, enabled=False),
+        dict(heterogeneous={"scheduler": {"dynamic_rebalancing": True}}),
+        dict(heterogeneous={"emulation": {"speeds": [1.0]}}),
+        dict(heterogeneous={"pipeline": {"stage_layers": [12]}}),
+    ]
+    off, rebalancing, speeds, layers = [case[0] for case in run_subcases(_refused, cases, world_size=2, timeout=300)]
+    assert "partition_method='heterogeneous') needs heterogeneous_config.enabled: true" in off
+    assert "dynamic_rebalancing is not supported with a PipelineModule" in rebalancing
+    assert "emulation.speeds has 1 entries but the job has 2 processes" in speeds
+    assert "stage_layers [12] must give each of the 2 stages at least one layer" in layers
