@@ -59,6 +59,8 @@ class PipelineLayout:
     coords: tuple
     """Per global rank, (stage, replica)."""
     layer_costs: tuple
+    cost_unit: str
+    """What ``layer_costs`` are: measured seconds, or trainable parameters."""
     replica_times: tuple
     """Per replica, its time per sample (its slowest stage's cost / speed)."""
 
@@ -72,13 +74,13 @@ class PipelineLayout:
 
     def table(self):
         lines = [f"[deepspeed-hetero] pipeline: {self.stages} stage(s) x {self.replicas} replica(s) (the plan's ranks "
-                 f"are the replicas), partition {self.partition.method} (layer cost: trainable parameters; a stage's "
+                 f"are the replicas), partition {self.partition.method} (layer cost: {self.cost_unit}; a stage's "
                  f"speed: its slowest replica's)"]
-        lines.append("stage  layers  range      parameters  speed  time/sample  (parameters partition: layers, time)")
+        lines.append("stage  layers  range      cost        speed  cost/speed   (parameters partition: layers, cost/speed)")
         for s in range(self.stages):
             a, b = self.partition.parts[s], self.partition.parts[s + 1]
             ua, ub = self.upstream.parts[s], self.upstream.parts[s + 1]
-            lines.append(f"{s:5d}  {b - a:6d}  {f'{a}-{b - 1}':9s}  {int(sum(self.layer_costs[a:b])):10d}  "
+            lines.append(f"{s:5d}  {b - a:6d}  {f'{a}-{b - 1}':9s}  {sum(self.layer_costs[a:b]):10.4g}  "
                          f"{self.stage_speeds[s]:5.3g}  {self.partition.stage_times[s]:11.4g}  "
                          f"({ub - ua}, {self.upstream.stage_times[s]:.4g})")
         ranks = {}
@@ -118,19 +120,149 @@ def is_pipeline(model):
     return isinstance(model, PipelineModule)
 
 
-def build_stages(state, model, model_parameters=None):
+PROBE_REPEATS = 3
+"""Each layer's forward and backward is timed this many times on the probe; the least counts."""
+
+
+def _probe_layer(spec, device):
+    """A callable for layer ``spec`` on ``device`` and how to undo what the probe did to it."""
+    import torch
+    from deepspeed.runtime.pipe.module import LayerSpec, TiedLayerSpec
+    if isinstance(spec, torch.nn.Module):
+        before = next((p.device for p in spec.parameters()), None)
+        spec.to(device)
+
+        def restore():  # the caller's module as it was: where it was, no gradient from the probe
+            for parameter in spec.parameters():
+                parameter.grad = None
+            if before is not None:
+                spec.to(before)
+
+        return spec, restore
+    if isinstance(spec, LayerSpec):
+        module = spec.build().to(device)
+        if isinstance(spec, TiedLayerSpec) and spec.forward_fn is not None:
+            return (lambda x: spec.forward_fn(module, x)), (lambda: None)
+        return module, (lambda: None)
+    return spec, (lambda: None)
+
+
+def _tensors(value):
+    import torch
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+def _detached(value, device, requires_grad):
+    import torch
+    if torch.is_tensor(value):
+        value = value.detach().to(device)
+        return value.requires_grad_(requires_grad and value.is_floating_point())
+    if isinstance(value, (tuple, list)):
+        return type(value)(_detached(v, device, requires_grad) for v in value)
+    return value
+
+
+def measure_layer_costs(model, training_data, micro_batch_size):
+    """Per layer, the least of ``PROBE_REPEATS`` timings of its forward and backward on this rank's
+    device, fed the previous layer's output for the first ``micro_batch_size`` samples of
+    ``training_data`` (the pipeline's convention: a sample is ``(inputs, labels)``), and the bytes
+    of its output. Layers are built one at a time (as upstream's ``parameters`` method does); the
+    random number generator is left as it was. Raises on a layer the probe cannot run."""
+    import time
+
+    import torch
+    from torch.utils.data import default_collate
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    device = accelerator.device_name(model.local_rank)
+    count = min(int(micro_batch_size), len(training_data))
+    batch = default_collate([training_data[i] for i in range(count)])
+    x = batch[0] if isinstance(batch, (tuple, list)) else batch
+    costs, output_bytes = [], []
+    with torch.random.fork_rng(devices=[]):
+        for spec in model._layer_specs:
+            layer, restore = _probe_layer(spec, device)
+            best, out = float("inf"), None
+            for _ in range(PROBE_REPEATS):
+                inputs = _detached(x, device, requires_grad=True)
+                accelerator.synchronize()
+                began = time.perf_counter()
+                out = layer(inputs)
+                grads = [t for t in _tensors(out) if t.requires_grad]
+                if grads:
+                    torch.autograd.backward(grads, [torch.ones_like(t) for t in grads])
+                accelerator.synchronize()
+                best = min(best, time.perf_counter() - began)
+            costs.append(best)
+            output_bytes.append(sum(t.numel() * t.element_size() for t in _tensors(out)))
+            x = _detached(out, device, requires_grad=False)
+            restore()
+            del layer
+    return costs, output_bytes
+
+
+def _agreed_costs(state, model, training_data, counts):
+    """The layer costs every rank uses, and what they are (for the table): measured on every rank
+    and combined as the median over ranks of each layer's share of its rank's total (ranks that
+    run at other speeds agree on the shares), scaled to the median total; else parameter counts."""
+    config = state.settings.config.pipeline
+    parameters = [float(c) for c in counts]
+    if config.layer_cost == "parameters":
+        return parameters, "trainable parameters"
+    if training_data is None or not hasattr(training_data, "__getitem__") or not hasattr(training_data, "__len__"):
+        return parameters, "trainable parameters (no map-style training_data to time the layers on)"
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    try:
+        mine = {"rank": rank, "costs": measure_layer_costs(model, training_data, state.plan.micro_batch_sizes[0])[0]}
+    except Exception as error:  # a layer the probe cannot run: every rank learns it at the gather
+        mine = {"rank": rank, "error": f"{type(error).__name__}: {error}"}
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = Agreement(f"global rank {rank}").gather_from_every_rank(mine, "every rank's layer timings")
+    else:
+        gathered = [mine]
+    failed = [entry for entry in gathered if "error" in entry]
+    if failed:
+        raise ValueError(f"deepspeed-hetero: timing the PipelineModule's layers on the first micro-batch of "
+                         f"training_data failed on global rank {failed[0]['rank']} ({failed[0]['error']}); set "
+                         "heterogeneous_config.pipeline.layer_cost to \"parameters\" to weigh layers by their "
+                         "parameters instead")
+    shares, totals = [], []
+    for entry in gathered:
+        total = sum(entry["costs"]) or 1.0
+        totals.append(total)
+        shares.append([c / total for c in entry["costs"]])
+    scale = _median(totals)
+    costs = [_median([share[layer] for share in shares]) * scale for layer in range(len(parameters))]
+    return costs, f"forward + backward seconds, timed on {len(gathered)} rank(s)"
+
+
+def _median(values):
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else 0.5 * (ordered[middle - 1] + ordered[middle])
+
+
+def build_stages(state, model, model_parameters=None, training_data=None):
     """Partition and build a deferred ``PipelineModule`` (see the module docstring); returns its
     ``PipelineLayout``. A module partitioned by one of upstream's methods keeps its stages: the
     layout then describes them (and the replicas' plan still follows their speeds)."""
     from deepspeed.runtime import utils as ds_utils
 
+    deferred = is_deferred(model)
     topo = model._topo
     world = topo.world_size()
     coords = tuple((topo.get_coord(g).pipe, topo.get_coord(g).data) for g in range(world))
     stages, replicas = model.num_stages, topo.get_dim("data")
     rank_speeds, rank_memory = _rank_speeds_and_memory(state)
     speeds = stage_speeds(rank_speeds, [c[0] for c in coords], stages)
-    costs = [float(c) for c in model._count_layer_params()]
+    counts = model._count_layer_params()  # builds each layer once, as upstream's 'parameters' method does
+    costs, cost_unit = _agreed_costs(state, model, training_data, counts) if deferred else (
+        [float(c) for c in counts], "trainable parameters")
     capacities = None
     if any(m is not None for m in rank_memory):
         capacities = [None] * stages
@@ -140,7 +272,7 @@ def build_stages(state, model, model_parameters=None):
                 room = memory * threshold
                 capacities[stage] = room if capacities[stage] is None else min(capacities[stage], room)
     stage_layers = state.settings.config.pipeline.stage_layers
-    if not is_deferred(model):
+    if not deferred:
         if stage_layers:
             raise ValueError("heterogeneous_config.pipeline.stage_layers needs PipelineModule(partition_method="
                              f"'{PARTITION_METHOD}'): this module was partitioned by upstream's method at construction")
@@ -148,22 +280,23 @@ def build_stages(state, model, model_parameters=None):
     elif stage_layers:
         partition = manual_partition(stage_layers, costs, speeds)
     else:
-        partition = partition_stages(costs, speeds, [ADAM_BYTES_PER_PARAMETER * c for c in costs], capacities)
-    upstream = given_partition([int(p) for p in ds_utils.partition_balanced(weights=[int(c) for c in costs], num_parts=stages)], costs,
+        layer_bytes = [ADAM_BYTES_PER_PARAMETER * c for c in counts] if capacities else None
+        partition = partition_stages(costs, speeds, layer_bytes, capacities)
+    upstream = given_partition([int(p) for p in ds_utils.partition_balanced(weights=counts, num_parts=stages)], costs,
                                speeds, "parameters")
-    if is_deferred(model):
+    if deferred:
         _build(model, partition)
-    if isinstance(model_parameters, list) and not model_parameters:
+    if deferred and isinstance(model_parameters, list) and not model_parameters:
         # Taken from the module before it was built: the list the caller passed is the one the
         # engine reads, so it is filled in place.
         model_parameters.extend(p for p in model.parameters() if p.requires_grad)
-    elif isinstance(model_parameters, list) and model_parameters and isinstance(model_parameters[0], dict) and \
-            not any(group.get("params") for group in model_parameters):
+    elif deferred and isinstance(model_parameters, list) and model_parameters and \
+            isinstance(model_parameters[0], dict) and not any(group.get("params") for group in model_parameters):
         raise ValueError("partition_method 'heterogeneous' builds the PipelineModule's layers as the engine starts, so "
                          "parameter groups taken from it before deepspeed.initialize are empty: pass "
-                         "model_parameters=model.parameters() (or leave it out), or build the groups with "
-                         "partition_method 'parameters' and heterogeneous_config.pipeline.stage_layers")
-    layout = PipelineLayout(partition, upstream, tuple(speeds), tuple(rank_speeds), coords, tuple(costs),
+                         "model_parameters=model.parameters() (or leave it out), or use one of upstream's partition "
+                         "methods to build the groups before deepspeed.initialize")
+    layout = PipelineLayout(partition, upstream, tuple(speeds), tuple(rank_speeds), coords, tuple(costs), cost_unit,
                             tuple(replica_sample_times(partition, costs, rank_speeds, coords, replicas)))
     return layout
 

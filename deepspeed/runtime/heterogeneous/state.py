@@ -197,7 +197,7 @@ class HeterogeneousState:
         configure_zero3_settings(state, param_dict, user_zero)  # ZeRO-3: fewer collectives per step
         return state
 
-    def engine_starting(self, ds_config, engine_class, model=None, optimizer=None, model_parameters=None):
+    def engine_starting(self, ds_config, engine, model=None, optimizer=None, model_parameters=None):
         """The engine is about to be built from ``ds_config`` (``HeterogeneousEngineMixin.__init__``):
         build a PipelineModule whose partition was deferred to it, put an emulated rank under its memory cgroup, and
         keep the start-up plan within memory now that the model is known (``startup.cap_startup_plan``).
@@ -216,7 +216,7 @@ class HeterogeneousState:
             from .pipeline import build_stages, check_pipeline_settings, replica_plan
             from .startup import apply_plan
             check_pipeline_settings(self)
-            self.pipeline = build_stages(self, model, model_parameters)
+            self.pipeline = build_stages(self, model, model_parameters, getattr(engine, "training_data", None))
             plan = replica_plan(self, self.pipeline, ds_config)
             if plan is not None:
                 apply_plan(ds_config, plan)

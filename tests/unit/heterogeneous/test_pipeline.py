@@ -119,23 +119,24 @@ def _config(heterogeneous, zero=0):
 
 
 def _pipeline(rank, world_size, heterogeneous, stages=2, zero=0, checkpoint_interval=0,
-              partition_method="heterogeneous", eager_parameters=True):
+              partition_method="heterogeneous", eager_parameters=True, layers=None):
     import deepspeed
     from deepspeed.pipe import PipelineModule
-    net = PipelineModule(layers=_layers(), num_stages=stages, loss_fn=torch.nn.MSELoss(),
+    net = PipelineModule(layers=_uneven_layers() if layers == "uneven" else _layers(), num_stages=stages, loss_fn=torch.nn.MSELoss(),
                          partition_method=partition_method, activation_checkpoint_interval=checkpoint_interval)
     parameters = [p for p in net.parameters() if p.requires_grad] if eager_parameters else net.parameters()
     engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=parameters, config=_config(heterogeneous, zero),
                                            training_data=_data(BATCH * (STEPS + 1)))
     losses = [float(engine.train_batch()) for _ in range(STEPS)]
     return {"losses": losses, "parts": [int(p) for p in net.parts], "stage": engine.stage_id,
+            "cost_unit": engine._config.heterogeneous.pipeline.cost_unit,
             "sizes": list(engine.heterogeneous_plan.micro_batch_sizes),
             "state": {key: value.detach().clone() for key, value in engine.module.state_dict().items()}}
 
 
-def _reference():
+def _reference(layers=None):
     """One process, the same layers, the global batch in loader order."""
-    model = torch.nn.Sequential(*_layers())
+    model = torch.nn.Sequential(*(layers or _layers()))
     inputs, targets = _data(BATCH * (STEPS + 1)).tensors
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
@@ -149,8 +150,8 @@ def _reference():
     return losses, model.state_dict()
 
 
-def _assert_exact(results, atol=1e-6):
-    losses, state = _reference()
+def _assert_exact(results, atol=1e-6, layers=None):
+    losses, state = _reference(layers)
     for result in results:
         assert result["losses"] == pytest.approx(losses, abs=atol), (result["losses"], losses)
         for key, value in result["state"].items():  # PipelineModule names a layer by its global index
@@ -159,13 +160,15 @@ def _assert_exact(results, atol=1e-6):
 
 @pytest.mark.multiprocess
 def test_two_stages_on_mixed_speeds_are_sized_to_them_and_exact():
-    dilation = {"emulation": {"speeds": [1.0, 0.5], "mode": "dilation"}}
+    dilation = {"emulation": {"speeds": [1.0, 0.5], "mode": "dilation"}, "pipeline": {"layer_cost": "parameters"}}
     cases = [
         dict(heterogeneous=dilation),
         dict(heterogeneous=dilation, checkpoint_interval=1),
         # A lazy parameter generator is read after the build.
         dict(heterogeneous=dilation, eager_parameters=False),
         dict(heterogeneous={**dilation, "pipeline": {"stage_layers": [9, 3]}}),
+        # Measured layer costs (the default): the partition depends on the timings; exact all the same.
+        dict(heterogeneous={"emulation": dilation["emulation"]}),
         # Upstream's partition, the fork on: its stages stay, and training stays exact.
         dict(heterogeneous=dilation, partition_method="parameters"),
     ]
@@ -174,9 +177,43 @@ def test_two_stages_on_mixed_speeds_are_sized_to_them_and_exact():
     for case in results[:3]:
         assert [r["parts"] for r in case] == [[0, 7, 12]] * 2
     assert [r["parts"] for r in results[3]] == [[0, 9, 12]] * 2
-    assert [r["parts"] for r in results[4]] == [[0, 6, 12]] * 2
+    assert results[4][0]["cost_unit"] == "forward + backward seconds, timed on 2 rank(s)"
+    assert results[4][0]["parts"] == results[4][1]["parts"]
+    assert [r["parts"] for r in results[5]] == [[0, 6, 12]] * 2
     for case in results:
         _assert_exact(case)
+
+
+class _Repeated(torch.nn.Module):
+    """Few parameters, much compute: one small linear layer applied ``times`` times."""
+
+    def __init__(self, times):
+        super().__init__()
+        self.linear, self.times = torch.nn.Linear(WIDTH, WIDTH), times
+
+    def forward(self, x):
+        for _ in range(self.times):
+            x = torch.tanh(self.linear(x))
+        return x
+
+
+def _uneven_layers():
+    torch.manual_seed(3)
+    return [_Repeated(200)] + [torch.nn.Linear(WIDTH, WIDTH) for _ in range(6)]
+
+
+@pytest.mark.multiprocess
+def test_measured_layer_costs_put_a_costly_layer_of_few_parameters_alone_on_a_stage():
+    """Seven layers of 72 parameters each; the first applies its linear layer 200 times. Weighed by
+    parameters it is one of seven equal layers (cut 3 + 4); timed, it costs more than
+    the other six together and gets a stage of its own."""
+    cases = [dict(heterogeneous={"pipeline": {"layer_cost": cost}}, layers="uneven") for cost in ("measured",
+                                                                                                 "parameters")]
+    measured, counted = run_subcases(_pipeline, cases, world_size=2, timeout=600)
+    assert [r["parts"] for r in measured] == [[0, 1, 7]] * 2
+    assert [r["parts"] for r in counted] == [[0, 3, 7]] * 2
+    for case in (measured, counted):
+        _assert_exact(case, layers=_uneven_layers())
 
 
 @pytest.mark.multiprocess

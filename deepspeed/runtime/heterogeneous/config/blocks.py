@@ -131,6 +131,10 @@ class PipelineConfig(DeepSpeedConfigModel):
     stage_layers: Optional[List[PositiveInt]] = None
     """Layers per stage, in stage order (the manual partition); None: cut where the slowest stage's
     cost / speed is least."""
+    layer_cost: Literal["measured", "parameters"] = "measured"
+    """measured: each layer's forward and backward timed on the first micro-batch of the engine's
+    training_data as the engine starts (parameters when no training_data is given); parameters: its
+    trainable parameters, as upstream's 'parameters' method weighs it."""
 
 
 class HeterogeneousConfig(DeepSpeedConfigModel):
