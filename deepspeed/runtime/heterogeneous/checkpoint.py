@@ -72,8 +72,13 @@ def save_state(engine, client_state):
         "runtime": runtime.state_dict(),
         "windows": [entry["window"] for entry in everyone],
         "samplers": mine["samplers"],
+        "pipeline_parts": None if state_pipeline(engine) is None else list(state_pipeline(engine).partition.parts),
     }
     return {**client_state, KEY: record}
+
+
+def state_pipeline(engine):
+    return engine._config.heterogeneous.pipeline
 
 
 def load_state(engine, client_state, load_module_only=False):
@@ -106,6 +111,15 @@ def restore(engine, record):
     runtime = engine._heterogeneous_runtime()
     saved = Plan.from_dict(record["plan"])
     current = state.plan
+    if state.pipeline is not None:
+        _check_pipeline_parts(state.pipeline, record.get("pipeline_parts"))
+        if (saved.micro_batch_sizes, saved.gradient_accumulation_steps) != (current.micro_batch_sizes,
+                                                                            current.gradient_accumulation_steps):
+            # The pipeline engine fixed each replica's micro-batches as it started; the samplers
+            # resume the same global batches under this run's split.
+            _log(engine, f"the checkpoint's replica plan {list(saved.micro_batch_sizes)} differs from this run's "
+                 f"{list(current.micro_batch_sizes)}, which stays (a pipeline keeps its start-up plan)")
+        saved = current
     same_shape = (saved.world_size == current.world_size and saved.train_batch_size == current.train_batch_size
                   and (runtime.per_rank_gas_allowed or not saved.per_rank_gas))
     same_cluster = same_shape and record["cluster"] == cluster_signature(state)
@@ -126,6 +140,26 @@ def restore(engine, record):
         _log(engine, "the checkpoint was written on another cluster (devices, emulation or strategy differ): "
              "profiling runs again from the plan in force")
     _restore_samplers(runtime, record["samplers"])
+
+
+def check_pipeline_checkpoint(engine, checkpoint):
+    """The pipeline engine's module load (before its optimizer state loads): refuse a checkpoint of
+    other stages with a message that says how to resume from it. Nothing when the fork is off."""
+    layout = state_pipeline(engine)
+    record = checkpoint.get(KEY) if isinstance(checkpoint, dict) else None
+    if layout is not None and isinstance(record, dict):
+        _check_pipeline_parts(layout, record.get("pipeline_parts"))
+
+
+def _check_pipeline_parts(layout, saved_parts):
+    """A pipeline checkpoint holds each stage's optimizer state for its layers: it resumes only
+    into the same stages."""
+    if saved_parts is None or list(saved_parts) == list(layout.partition.parts):
+        return
+    saved = [b - a for a, b in zip(saved_parts, saved_parts[1:])]
+    raise ValueError(f"deepspeed-hetero: the checkpoint was saved by pipeline stages of {saved} layers, and this run "
+                     f"cut {list(layout.partition.layers_per_stage)}; each stage's optimizer state belongs to its "
+                     f"layers, so set heterogeneous_config.pipeline.stage_layers to {saved} to resume from it")
 
 
 def _restore_samplers(runtime, states):

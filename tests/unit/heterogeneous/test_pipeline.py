@@ -259,3 +259,45 @@ def test_what_a_pipeline_cannot_do_is_refused_by_name():
     assert "dynamic_rebalancing is not supported with a PipelineModule" in rebalancing
     assert "emulation.speeds has 1 entries but the job has 2 processes" in speeds
     assert "stage_layers [12] must give each of the 2 stages at least one layer" in layers
+
+
+def _resume(rank, world_size, heterogeneous, save_dir, resume_layers=None):
+    """Train 3 steps, saving after step 2; then a new engine loads that checkpoint and trains step
+    3 again. ``resume_layers``: the resumed run's stage_layers (a different cut)."""
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+
+    def engine(layers_per_stage=None):
+        net = PipelineModule(layers=_layers(), num_stages=2, loss_fn=torch.nn.MSELoss(), partition_method="heterogeneous")
+        config = _config(heterogeneous)
+        if layers_per_stage:
+            config["heterogeneous_config"]["pipeline"] = {"stage_layers": layers_per_stage}
+        return deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config,
+                                    training_data=_data(BATCH * (STEPS + 1)))[0]
+
+    first = engine()
+    losses = [float(first.train_batch()) for _ in range(2)]
+    first.save_checkpoint(save_dir, tag="two")
+    losses.append(float(first.train_batch()))
+    resumed = engine(resume_layers)
+    try:
+        resumed.load_checkpoint(save_dir, tag="two")
+    except ValueError as error:
+        return {"error": str(error)}
+    return {"losses": losses, "resumed": float(resumed.train_batch()),
+            "same": all(torch.equal(a, b) for a, b in zip(first.module.state_dict().values(),
+                                                          resumed.module.state_dict().values()))}
+
+
+@pytest.mark.multiprocess
+def test_a_pipeline_resumes_exactly_into_the_same_stages(tmp_path):
+    speeds = {"emulation": {"speeds": [1.0, 0.5], "mode": "dilation"}, "pipeline": {"layer_cost": "parameters"}}
+    cases = [dict(heterogeneous=speeds, save_dir=str(tmp_path / "same")),
+             dict(heterogeneous=speeds, save_dir=str(tmp_path / "other"), resume_layers=[6, 6])]
+    same, other = run_subcases(_resume, cases, world_size=2, timeout=600)
+    for result in same:
+        assert result["resumed"] == result["losses"][2] and result["same"], result
+    for result in other:
+        assert ("the checkpoint was saved by pipeline stages of [7, 5] layers, and this run cut [6, 6]; each stage's "
+                "optimizer state belongs to its layers, so set heterogeneous_config.pipeline.stage_layers to [7, 5]"
+                in result["error"]), result
