@@ -301,3 +301,29 @@ def test_a_pipeline_resumes_exactly_into_the_same_stages(tmp_path):
         assert ("the checkpoint was saved by pipeline stages of [7, 5] layers, and this run cut [6, 6]; each stage's "
                 "optimizer state belongs to its layers, so set heterogeneous_config.pipeline.stage_layers to [7, 5]"
                 in result["error"]), result
+
+
+def _recorded(rank, world_size, heterogeneous):
+    from deepspeed.runtime.heterogeneous.measure.collective_log import recording
+    with recording() as entries:
+        _pipeline(rank, world_size, heterogeneous, zero=1)
+    return list(entries)
+
+
+@pytest.mark.multiprocess
+def test_uneven_replicas_issue_the_same_collectives_in_every_group():
+    """2 stages x 2 replicas, micro-batches [6, 2] (ZeRO-1): in every process group, each member
+    issues the same sequence of collectives (the stage's all-reduces, the pipeline's transfers
+    between the two ranks of a replica, the fork's gathers over all ranks). Point-to-point ops pair
+    a send with a receive and are left out."""
+    from deepspeed.runtime.heterogeneous.measure.collective_log import mismatch_report
+    slow_replica = {"emulation": {"speeds": [1.0, 0.5, 1.0, 0.5], "mode": "dilation"}}
+    sequences = run_subcases(_recorded, [dict(heterogeneous=slow_replica)], world_size=4, timeout=600)[0]
+    groups = {entry.group for sequence in sequences for entry in sequence if len(entry.group) > 1}
+    assert (0, 1) in groups and (2, 3) in groups and (0, 1, 2, 3) in groups, groups  # stage groups, the world
+    for group in sorted(groups):
+        members = [[entry for entry in sequences[rank] if entry.group == group
+                    and entry.op not in ("send", "recv", "isend", "irecv")] for rank in group]
+        assert members[0], group
+        report = mismatch_report(members)
+        assert not report, f"group {group}:\n{report}"
