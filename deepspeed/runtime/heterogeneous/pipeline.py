@@ -4,14 +4,15 @@ sized to their devices, and data-parallel replicas of it that take uneven shares
 
 ``PipelineModule(..., partition_method="heterogeneous")`` builds no layer at construction: the
 stages' speeds and memory are in the DeepSpeed config, which the module does not see
-(``pipe-heterogeneous-partition.patch`` defers it). As the engine starts
+(``pipe-heterogeneous.patch`` defers it). As the engine starts
 (``HeterogeneousState.engine_starting``), ``build_stages``
 
 1. learns every global rank's speed (its device's spec score relative to the fastest, times its
    ``emulation.speeds`` entry on an emulated cluster; one gather over all processes, the same on
    every rank) and, when known, its memory;
-2. weighs each layer by its trainable parameters, building one layer at a time as upstream's
-   ``parameters`` method does;
+2. weighs each layer by its forward and backward time, measured on every rank on the first
+   micro-batch of ``training_data`` (``measure_layer_costs``; the median share over ranks), or by
+   its trainable parameters (``pipeline.layer_cost: "parameters"``, or no map-style data);
 3. cuts the layers so that the slowest stage's ``cost / speed`` is least (``planning/stages.py``),
    or takes ``heterogeneous_config.pipeline.stage_layers``;
 4. builds this stage's layers, and fills a ``model_parameters`` list that was taken from the module
@@ -25,6 +26,7 @@ other stages receive gradients already weighted. The partition stays for the who
 """
 
 from dataclasses import dataclass
+
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
@@ -120,8 +122,9 @@ def is_pipeline(model):
     return isinstance(model, PipelineModule)
 
 
-PROBE_REPEATS = 3
-"""Each layer's forward and backward is timed this many times on the probe; the least counts."""
+PROBE_REPEATS = 5
+"""Each layer's forward and backward is timed this many times on the probe, after one untimed
+run; the least counts (a burst of another process's work lengthens some runs, never shortens one)."""
 
 
 def _probe_layer(spec, device):
@@ -167,8 +170,8 @@ def _detached(value, device, requires_grad):
 
 
 def measure_layer_costs(model, training_data, micro_batch_size):
-    """Per layer, the least of ``PROBE_REPEATS`` timings of its forward and backward on this rank's
-    device, fed the previous layer's output for the first ``micro_batch_size`` samples of
+    """Per layer, the least of ``PROBE_REPEATS`` timings (after one untimed run) of its forward and
+    backward on this rank's device, fed the previous layer's output for the first ``micro_batch_size`` samples of
     ``training_data`` (the pipeline's convention: a sample is ``(inputs, labels)``), and the bytes
     of its output. Layers are built one at a time (as upstream's ``parameters`` method does); the
     random number generator is left as it was. Raises on a layer the probe cannot run."""
@@ -188,7 +191,7 @@ def measure_layer_costs(model, training_data, micro_batch_size):
         for spec in model._layer_specs:
             layer, restore = _probe_layer(spec, device)
             best, out = float("inf"), None
-            for _ in range(PROBE_REPEATS):
+            for repeat in range(PROBE_REPEATS + 1):
                 inputs = _detached(x, device, requires_grad=True)
                 accelerator.synchronize()
                 began = time.perf_counter()
@@ -197,7 +200,8 @@ def measure_layer_costs(model, training_data, micro_batch_size):
                 if grads:
                     torch.autograd.backward(grads, [torch.ones_like(t) for t in grads])
                 accelerator.synchronize()
-                best = min(best, time.perf_counter() - began)
+                if repeat:  # the first run warms up: allocations, kernels, caches
+                    best = min(best, time.perf_counter() - began)
             costs.append(best)
             output_bytes.append(sum(t.numel() * t.element_size() for t in _tensors(out)))
             x = _detached(out, device, requires_grad=False)
