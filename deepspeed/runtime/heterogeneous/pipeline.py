@@ -159,14 +159,25 @@ def _tensors(value):
     return []
 
 
-def _detached(value, device, requires_grad):
+def _detached(value, device, requires_grad, dtype=None):
+    """``value``'s tensors detached onto ``device``; floating ones in ``dtype`` (the layer's: the
+    layers are probed before the engine casts them, e.g. to bf16, and the data may be cast already)."""
     import torch
     if torch.is_tensor(value):
         value = value.detach().to(device)
+        if dtype is not None and value.is_floating_point():
+            value = value.to(dtype)
         return value.requires_grad_(requires_grad and value.is_floating_point())
     if isinstance(value, (tuple, list)):
-        return type(value)(_detached(v, device, requires_grad) for v in value)
+        return type(value)(_detached(v, device, requires_grad, dtype) for v in value)
     return value
+
+
+def _floating_dtype(layer):
+    import torch
+    if isinstance(layer, torch.nn.Module):
+        return next((p.dtype for p in layer.parameters() if p.is_floating_point()), None)
+    return None
 
 
 def measure_layer_costs(model, training_data, micro_batch_size):
@@ -190,9 +201,10 @@ def measure_layer_costs(model, training_data, micro_batch_size):
     with torch.random.fork_rng(devices=[]):
         for spec in model._layer_specs:
             layer, restore = _probe_layer(spec, device)
+            dtype = _floating_dtype(layer)
             best, out = float("inf"), None
             for repeat in range(PROBE_REPEATS + 1):
-                inputs = _detached(x, device, requires_grad=True)
+                inputs = _detached(x, device, requires_grad=True, dtype=dtype)
                 accelerator.synchronize()
                 began = time.perf_counter()
                 out = layer(inputs)

@@ -119,19 +119,22 @@ def _config(heterogeneous, zero=0):
 
 
 def _pipeline(rank, world_size, heterogeneous, stages=2, zero=0, checkpoint_interval=0,
-              partition_method="heterogeneous", eager_parameters=True, layers=None):
+              partition_method="heterogeneous", eager_parameters=True, layers=None, bf16=False):
     import deepspeed
     from deepspeed.pipe import PipelineModule
     net = PipelineModule(layers=_uneven_layers() if layers == "uneven" else _layers(), num_stages=stages, loss_fn=torch.nn.MSELoss(),
                          partition_method=partition_method, activation_checkpoint_interval=checkpoint_interval)
     parameters = [p for p in net.parameters() if p.requires_grad] if eager_parameters else net.parameters()
-    engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=parameters, config=_config(heterogeneous, zero),
-                                           training_data=_data(BATCH * (STEPS + 1)))
+    config, data = _config(heterogeneous, zero), _data(BATCH * (STEPS + 1))
+    if bf16:  # the pipeline feeds its inputs as they come: in the model's dtype
+        config["bf16"] = {"enabled": True}
+        data = torch.utils.data.TensorDataset(*(t.bfloat16() for t in data.tensors))
+    engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=parameters, config=config, training_data=data)
     losses = [float(engine.train_batch()) for _ in range(STEPS)]
     return {"losses": losses, "parts": [int(p) for p in net.parts], "stage": engine.stage_id,
             "cost_unit": engine._config.heterogeneous.pipeline.cost_unit,
             "sizes": list(engine.heterogeneous_plan.micro_batch_sizes),
-            "state": {key: value.detach().clone() for key, value in engine.module.state_dict().items()}}
+            "state": {key: value.detach().float().clone() for key, value in engine.module.state_dict().items()}}
 
 
 def _reference(layers=None):
@@ -225,12 +228,22 @@ def test_two_stages_by_two_uneven_replicas_with_zero1_are_exact():
         dict(heterogeneous=slow_replica, zero=1),
         dict(heterogeneous=slow_replica, zero=1, checkpoint_interval=2),
         dict(heterogeneous={"load_balancing_strategy": "manual", "micro_batch_sizes": [3, 5]}, zero=0),
+        dict(heterogeneous=slow_replica, zero=1, bf16=True),
     ]
     results = run_subcases(_pipeline, cases, world_size=4, timeout=600)
     assert [r["sizes"] for r in results[0]] == [[6, 2]] * 4
     assert [r["sizes"] for r in results[2]] == [[3, 5]] * 4
-    for case in results:
+    for case in results[:3]:
         _assert_exact(case)
+    # bf16 (upstream's BF16_Optimizer, fp32 master weights): within bf16 rounding of the fp32 run, a
+    # few units of bf16's 2**-8 relative spacing at the parameters' magnitude.
+    assert [r["sizes"] for r in results[3]] == [[6, 2]] * 4
+    losses, state = _reference()
+    scale = max(value.abs().max().item() for value in state.values())
+    for result in results[3]:
+        assert result["losses"] == pytest.approx(losses, rel=2**-6)
+        for key, value in result["state"].items():
+            torch.testing.assert_close(value, state[key], rtol=0, atol=4 * 2**-8 * scale)
 
 
 def _refused(rank, world_size, heterogeneous, enabled=True):
