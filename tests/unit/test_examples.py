@@ -140,6 +140,17 @@ def test_seed_config_under_the_deepspeed_launcher():
     assert "dtype torch.bfloat16" in steps[-1]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_pipeline_snippet_under_the_deepspeed_launcher():
+    code, output = launch_deepspeed(EXAMPLES / "snippets" / "pipeline.py", timeout=200, cwd=REPO_ROOT)
+    assert code == 0, output[-6000:]
+    assert "[deepspeed-hetero] pipeline: 2 stage(s) x 1 replica(s)" in output, output[-6000:]
+    held = sorted(re.findall(r"stage (\d) holds layers (\d+)-(\d+)", output))
+    assert [stage for stage, _, _ in held] == ["0", "1"], output[-6000:]
+    assert held[0][1] == "0" and int(held[1][1]) == int(held[0][2]) + 1 and held[1][2] == "11", held
+
+
 def clean_environment():
     """This process's environment without any launcher's variables, as for ``python train.py``."""
     variables = {k: v for k, v in os.environ.items()

@@ -98,7 +98,8 @@ class PipelineLayout:
 
 
 def _rank_speeds_and_memory(state):
-    """Per global rank, (relative speed, memory bytes or None), the same list on every rank."""
+    """Per global rank: its relative speed, its memory in bytes (or None) and its local rank; the
+    same lists on every rank."""
     emulation = state.settings.config.emulation
     rank = dist.get_rank() if dist.is_initialized() else 0
     device = describe_local_device(local_rank=local_device_index(), measure=False)
@@ -106,7 +107,8 @@ def _rank_speeds_and_memory(state):
     memory = None
     if emulation is not None and emulation.memory_gb:
         memory = float(emulation.memory_gb[rank]) * 2**30
-    mine = {"rank": rank, "score": float(device.spec_score), "speed": float(emulated), "memory": memory}
+    mine = {"rank": rank, "score": float(device.spec_score), "speed": float(emulated), "memory": memory,
+            "local": int(local_device_index())}
     if dist.is_initialized() and dist.get_world_size() > 1:
         gathered = Agreement(f"global rank {rank}").gather_from_every_rank(mine, "every stage's device")
     else:
@@ -114,13 +116,18 @@ def _rank_speeds_and_memory(state):
     gathered = sorted(gathered, key=lambda entry: entry["rank"])
     fastest = max(entry["score"] for entry in gathered) or 1.0
     speeds = [entry["speed"] * (entry["score"] / fastest if entry["score"] > 0 else 1.0) for entry in gathered]
-    return speeds, [entry["memory"] for entry in gathered]
+    return speeds, [entry["memory"] for entry in gathered], [entry["local"] for entry in gathered]
 
 
 def is_pipeline(model):
     from deepspeed.runtime.pipe.module import PipelineModule
     return isinstance(model, PipelineModule)
 
+
+PROBE_WARMUP_SECONDS = 0.3
+"""Before any layer is timed, the first layer runs for at least this long (at least 10 times): a
+process's first backward passes start its thread pools, which on a CPU made the first layers of
+the probe read up to 3x slower than the same layers later."""
 
 PROBE_REPEATS = 5
 """Each layer's forward and backward is timed this many times on the probe, after one untimed
@@ -199,6 +206,7 @@ def measure_layer_costs(model, training_data, micro_batch_size):
     x = batch[0] if isinstance(batch, (tuple, list)) else batch
     costs, output_bytes = [], []
     with torch.random.fork_rng(devices=[]):
+        _warm_up(model._layer_specs[0], x, device)
         for spec in model._layer_specs:
             layer, restore = _probe_layer(spec, device)
             dtype = _floating_dtype(layer)
@@ -222,10 +230,32 @@ def measure_layer_costs(model, training_data, micro_batch_size):
     return costs, output_bytes
 
 
-def _agreed_costs(state, model, training_data, counts):
+def _warm_up(spec, x, device):
+    import time
+
+    import torch
+    layer, restore = _probe_layer(spec, device)
+    dtype = _floating_dtype(layer)
+    began, runs = time.perf_counter(), 0
+    while runs < 10 or time.perf_counter() - began < PROBE_WARMUP_SECONDS:
+        out = layer(_detached(x, device, requires_grad=True, dtype=dtype))
+        grads = [t for t in _tensors(out) if t.requires_grad]
+        if grads:
+            torch.autograd.backward(grads, [torch.ones_like(t) for t in grads])
+        runs += 1
+        if runs >= 1000:
+            break
+    restore()
+
+
+def _agreed_costs(state, model, training_data, counts, local_ranks):
     """The layer costs every rank uses, and what they are (for the table): measured on every rank
     and combined as the median over ranks of each layer's share of its rank's total (ranks that
-    run at other speeds agree on the shares), scaled to the median total; else parameter counts."""
+    run at other speeds agree on the shares), scaled to the median total; else parameter counts.
+
+    The ranks of one host probe in turns (local rank 0 on every host, then local rank 1, ...; a
+    barrier between turns): ranks probing at once on shared cores would time each other's
+    contention, which changes as they finish, and read it as some layers' cost."""
     config = state.settings.config.pipeline
     parameters = [float(c) for c in counts]
     if config.layer_cost == "parameters":
@@ -233,12 +263,20 @@ def _agreed_costs(state, model, training_data, counts):
     if training_data is None or not hasattr(training_data, "__getitem__") or not hasattr(training_data, "__len__"):
         return parameters, "trainable parameters (no map-style training_data to time the layers on)"
     rank = dist.get_rank() if dist.is_initialized() else 0
-    try:
-        mine = {"rank": rank, "costs": measure_layer_costs(model, training_data, state.plan.micro_batch_sizes[0])[0]}
-    except Exception as error:  # a layer the probe cannot run: every rank learns it at the gather
-        mine = {"rank": rank, "error": f"{type(error).__name__}: {error}"}
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        gathered = Agreement(f"global rank {rank}").gather_from_every_rank(mine, "every rank's layer timings")
+    many = dist.is_initialized() and dist.get_world_size() > 1
+    agreement = Agreement(f"global rank {rank}")
+    mine = None
+    for turn in range(max(local_ranks) + 1):
+        if local_ranks[rank] == turn:
+            try:
+                mine = {"rank": rank,
+                        "costs": measure_layer_costs(model, training_data, state.plan.micro_batch_sizes[0])[0]}
+            except Exception as error:  # a layer the probe cannot run: every rank learns it at the gather
+                mine = {"rank": rank, "error": f"{type(error).__name__}: {error}"}
+        if many:
+            agreement.barrier(f"the layer probe's turn {turn}")
+    if many:
+        gathered = agreement.gather_from_every_rank(mine, "every rank's layer timings")
     else:
         gathered = [mine]
     failed = [entry for entry in gathered if "error" in entry]
@@ -274,10 +312,10 @@ def build_stages(state, model, model_parameters=None, training_data=None):
     world = topo.world_size()
     coords = tuple((topo.get_coord(g).pipe, topo.get_coord(g).data) for g in range(world))
     stages, replicas = model.num_stages, topo.get_dim("data")
-    rank_speeds, rank_memory = _rank_speeds_and_memory(state)
+    rank_speeds, rank_memory, local_ranks = _rank_speeds_and_memory(state)
     speeds = stage_speeds(rank_speeds, [c[0] for c in coords], stages)
     counts = model._count_layer_params()  # builds each layer once, as upstream's 'parameters' method does
-    costs, cost_unit = _agreed_costs(state, model, training_data, counts) if deferred else (
+    costs, cost_unit = _agreed_costs(state, model, training_data, counts, local_ranks) if deferred else (
         [float(c) for c in counts], "trainable parameters")
     capacities = None
     if any(m is not None for m in rank_memory):
