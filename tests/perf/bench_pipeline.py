@@ -196,16 +196,18 @@ def main():
         waiting = " ".join(f"{stage['waiting']:.0%}" for stage in row["per_stage"])
         print(f"{row['stages']:6d}  {str(row['speeds']):16}  {row['mode']:9}  {row['partition']:13}  "
               f"{str(row['layers_per_stage']):10}  {row['samples_per_s']:9.1f}  {row['vs_parameters']:8.2f}x  "
-              f"{row['bound_samples_per_s']:7.1f}  {row['of_bound']:8.1%}  {_number(row['measured_bound_samples_per_s'])}  "
+              f"{row['bound_samples_per_s']:7.1f}  {row['of_bound']:8.1%}  "
+              f"{_number(row['measured_bound_samples_per_s'])}  "
               f"{_share(row['of_measured_bound'])}  {waiting}")
     two = [r for r in rows if r["stages"] == 2 and r["partition"] == "heterogeneous"]
     verdicts = []
     for row in two:
+        best = max(row["of_bound"], row["of_measured_bound"] or 0)
         verdicts.append(f"2 stages [1.0, 0.5] ({row['mode']}): {row['vs_parameters']:.2f}x over parameters "
                         f"(target >= {TARGET_GAIN}x: {'met' if row['vs_parameters'] >= TARGET_GAIN else 'missed'}), "
                         f"{row['of_bound']:.0%} of the compute bound and {_share(row['of_measured_bound']).strip()} of "
                         f"the equal-speed bound (target >= {TARGET_BOUND:.0%} of either: "
-                        f"{'met' if max(row['of_bound'], row['of_measured_bound'] or 0) >= TARGET_BOUND else 'missed'})")
+                        f"{'met' if best >= TARGET_BOUND else 'missed'})")
     print("\n".join(verdicts))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"sample_seconds_full_speed": sample_seconds, "micro_batches": MICRO_BATCHES,

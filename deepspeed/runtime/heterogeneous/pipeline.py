@@ -78,7 +78,8 @@ class PipelineLayout:
         lines = [f"[deepspeed-hetero] pipeline: {self.stages} stage(s) x {self.replicas} replica(s) (the plan's ranks "
                  f"are the replicas), partition {self.partition.method} (layer cost: {self.cost_unit}; a stage's "
                  f"speed: its slowest replica's)"]
-        lines.append("stage  layers  range      cost        speed  cost/speed   (parameters partition: layers, cost/speed)")
+        lines.append("stage  layers  range      cost        speed  cost/speed   "
+                     "(parameters partition: layers, cost/speed)")
         for s in range(self.stages):
             a, b = self.partition.parts[s], self.partition.parts[s + 1]
             ua, ub = self.upstream.parts[s], self.upstream.parts[s + 1]
@@ -391,7 +392,7 @@ def check_pipeline_settings(state):
                          "their start-up plan (set dynamic_rebalancing to false)")
     if config.profile_steps:
         if "profile_steps" in config.model_fields_set and (not dist.is_initialized() or dist.get_rank() == 0):
-            logger.warning(f"deepspeed-hetero: heterogeneous_config.profile_steps {config.profile_steps} is not used with "
-                           "a PipelineModule: the stages and the replicas' micro-batches come from the devices' speeds "
+            logger.warning(f"deepspeed-hetero: heterogeneous_config.profile_steps {config.profile_steps} is not used "
+                           "with a PipelineModule: the stages and the replicas' micro-batches come from the devices' speeds "
                            "(emulation.speeds, device scores) and stay for the run")
         config.profile_steps = 0

@@ -199,15 +199,17 @@ class HeterogeneousState:
 
     def engine_starting(self, ds_config, engine, model=None, optimizer=None, model_parameters=None):
         """The engine is about to be built from ``ds_config`` (``HeterogeneousEngineMixin.__init__``):
-        build a PipelineModule whose partition was deferred to it, put an emulated rank under its memory cgroup, and
-        keep the start-up plan within memory now that the model is known (``startup.cap_startup_plan``).
-        Nothing when the fork is off."""
+        put an emulated rank under its memory cgroup, build a PipelineModule whose partition was
+        deferred to now (``pipeline.build_stages``) with its replicas' plan, and keep the start-up
+        plan within memory now that the model is known (``startup.cap_startup_plan``). Nothing when
+        the fork is off, except refusing a deferred PipelineModule, which only the fork can build."""
         from .pipeline import PARTITION_METHOD, is_deferred
         if not self.enabled:
             if is_deferred(model):
                 raise ValueError(f"PipelineModule(partition_method='{PARTITION_METHOD}') needs heterogeneous_config."
-                                 "enabled: true in the DeepSpeed config (its stages are sized from the devices the fork "
-                                 "describes); or use one of upstream's methods ('parameters', 'uniform', 'type:...')")
+                                 "enabled: true in the DeepSpeed config (its stages are sized from the devices the "
+                                 "fork describes); or use one of upstream's methods ('parameters', 'uniform', "
+                                 "'type:...')")
             return
         from .emulation.emulator import start_memory_limit
         start_memory_limit(self.settings.config.emulation, self.emulated_rank)  # before the engine allocates

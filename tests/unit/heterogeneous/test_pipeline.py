@@ -122,7 +122,8 @@ def _pipeline(rank, world_size, heterogeneous, stages=2, zero=0, checkpoint_inte
               partition_method="heterogeneous", eager_parameters=True, layers=None, bf16=False):
     import deepspeed
     from deepspeed.pipe import PipelineModule
-    net = PipelineModule(layers=_uneven_layers() if layers == "uneven" else _layers(), num_stages=stages, loss_fn=torch.nn.MSELoss(),
+    net = PipelineModule(layers=_uneven_layers() if layers == "uneven" else _layers(), num_stages=stages,
+                         loss_fn=torch.nn.MSELoss(),
                          partition_method=partition_method, activation_checkpoint_interval=checkpoint_interval)
     parameters = [p for p in net.parameters() if p.requires_grad] if eager_parameters else net.parameters()
     config, data = _config(heterogeneous, zero), _data(BATCH * (STEPS + 1))
@@ -281,7 +282,8 @@ def _resume(rank, world_size, heterogeneous, save_dir, resume_layers=None):
     from deepspeed.pipe import PipelineModule
 
     def engine(layers_per_stage=None):
-        net = PipelineModule(layers=_layers(), num_stages=2, loss_fn=torch.nn.MSELoss(), partition_method="heterogeneous")
+        net = PipelineModule(layers=_layers(), num_stages=2, loss_fn=torch.nn.MSELoss(),
+                             partition_method="heterogeneous")
         config = _config(heterogeneous)
         if layers_per_stage:
             config["heterogeneous_config"]["pipeline"] = {"stage_layers": layers_per_stage}
