@@ -26,6 +26,10 @@ emulated cluster would reach with the same overheads and bubble if its stages we
 prints, per stage, the share of its wall time spent waiting in transfers and collectives
 (where the comm clock runs: the dilated stages).
 
+Last, the bytes each rank sends per step (from the recorded collectives, as ring collectives move
+them): the 2-stage heterogeneous pipeline against ZeRO-3 data parallelism of the same blocks on the
+same 2 ranks, which on a 2-host cluster (one rank per host) is what crosses the link.
+
     python tests/perf/bench_pipeline.py [--steps N] [--rounds R] [--modes dilation,cgroup] [--stages 2,3]
     (repository root, ~8 min)
 """
@@ -123,6 +127,91 @@ def _full_speed_sample_seconds(repeats=10):
     return sorted(times)[len(times) // 2] / (MICRO * MICRO_BATCHES)
 
 
+DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+               "int8": 1, "uint8": 1, "bool": 1}
+
+
+def _flat(tensors):
+    """(shape, dtype) pairs of a recorded entry's tensor arguments, a list argument flattened."""
+    for _, value in tensors:
+        if len(value) == 2 and isinstance(value[1], str):
+            yield value
+        else:
+            yield from value
+
+
+def _bytes(shape, dtype):
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count * DTYPE_BYTES.get(dtype, 4)
+
+
+def sent_bytes(entry, rank):
+    """The bytes ``rank`` puts on its link for one recorded collective, as a ring implementation
+    moves them: all-reduce 2 (n - 1) / n of the tensor, all-gather and reduce-scatter (n - 1) / n of
+    the whole gathered or scattered tensor, a broadcast or a send its tensor from the sender.
+    Receives, barriers and object collectives (a few bytes of pickles) count 0."""
+    n = len(entry.group)
+    if n < 2:
+        return 0.0
+    single = [_bytes(*t) for _, value in entry.tensors if len(value) == 2 and isinstance(value[1], str)
+              for t in [value]]
+    listed = [sum(_bytes(*t) for t in value) for _, value in entry.tensors
+              if not (len(value) == 2 and isinstance(value[1], str))]
+    total = max(single + listed + [0])
+    op = entry.op
+    if op in ("send", "isend"):
+        return float(total)
+    if op == "broadcast":
+        return float(total) if dict(entry.details).get("src") == rank else 0.0
+    if "all_reduce" in op:
+        return 2.0 * (n - 1) / n * total
+    if op.startswith(("all_gather", "allgather", "reduce_scatter")):
+        return (n - 1) / n * total
+    return 0.0
+
+
+def _bytes_run(rank, world_size, kind, steps):
+    """Bytes each rank sends per step: the 2-stage heterogeneous pipeline, or ZeRO-3 data
+    parallelism of the same blocks on the same 2 ranks (one per host on a 2-host cluster)."""
+    import deepspeed
+    import torch
+    from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.heterogeneous.measure.collective_log import recording
+
+    batch = MICRO * MICRO_BATCHES
+    config = {"train_batch_size": batch, "gradient_accumulation_steps": MICRO_BATCHES, "steps_per_print": 10**9,
+              "optimizer": {"type": "SGD", "params": {"lr": 1e-3}}, "zero_allow_untested_optimizer": True,
+              "heterogeneous_config": {"enabled": True, "profile_steps": 0,
+                                       "emulation": {"speeds": [1.0, 0.5], "mode": "dilation"}}}
+    data = _dataset(batch * (steps + 2))
+    if kind == "pipeline":
+        net = PipelineModule(layers=_blocks(), num_stages=2, loss_fn=torch.nn.MSELoss(),
+                             partition_method="heterogeneous")
+        engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config,
+                                               training_data=data)
+        step = engine.train_batch
+    else:
+        config["zero_optimization"] = {"stage": 3}
+        model = torch.nn.Sequential(*_blocks())
+        engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
+                                                    training_data=data)
+        batches = iter(loader)
+
+        def step():
+            for _ in range(engine.gradient_accumulation_steps()):
+                inputs, targets = next(batches)
+                engine.backward(torch.nn.functional.mse_loss(engine(inputs), targets))
+                engine.step()
+
+    step()  # warm-up: the pipeline's first step also exchanges the activations' shapes
+    with recording() as entries:
+        for _ in range(steps):
+            step()
+    return sum(sent_bytes(entry, rank) for entry in entries) / steps
+
+
 def _number(value):
     return f"{value:9.1f}" if value is not None else f"{'n/a':>9}"
 
@@ -144,6 +233,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=2, help="runs of each partition, alternating; the mean counts")
     parser.add_argument("--modes", default="dilation,cgroup")
     parser.add_argument("--stages", default="2,3", help="which clusters: 2 and/or 3 stages")
+    parser.add_argument("--no-bytes", action="store_true", help="skip the bytes-per-step comparison with ZeRO-3")
     args = parser.parse_args()
     sample_seconds = _full_speed_sample_seconds()
     rows = []
@@ -209,9 +299,21 @@ def main():
                         f"the equal-speed bound (target >= {TARGET_BOUND:.0%} of either: "
                         f"{'met' if best >= TARGET_BOUND else 'missed'})")
     print("\n".join(verdicts))
+    traffic = None
+    if not args.no_bytes:
+        cases = [dict(kind=kind, steps=3) for kind in ("pipeline", "zero3")]
+        pipeline, zero3 = run_subcases(_bytes_run, cases, world_size=2, timeout=1200, env={"OMP_NUM_THREADS": "1"})
+        traffic = {"pipeline": pipeline, "zero3": zero3}
+        print("bytes each rank sends per step (2 ranks, one per host on a 2-host cluster; ring collectives):")
+        for name, per_rank in traffic.items():
+            print(f"  {name:8s} {', '.join(f'rank {r}: {b / 2**20:.2f} MiB' for r, b in enumerate(per_rank))}")
+        ratio = max(zero3) / max(pipeline)
+        print(f"  ZeRO-3 / pipeline (busiest rank): {ratio:.1f}x")
+        traffic["zero3_over_pipeline"] = ratio
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"sample_seconds_full_speed": sample_seconds, "micro_batches": MICRO_BATCHES,
-                                   "micro_batch": MICRO, "rows": rows, "verdicts": verdicts}, indent=2))
+                                   "micro_batch": MICRO, "rows": rows, "verdicts": verdicts,
+                                   "bytes_per_step": traffic}, indent=2))
     print(f"wrote {RESULTS.relative_to(REPO)}")
 
 

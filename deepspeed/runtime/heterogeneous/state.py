@@ -310,4 +310,3 @@ def _pipeline_process_count(mpu, world_size):
         return None
     from deepspeed import comm as dist
     return int(dist.get_world_size())
-
