@@ -45,6 +45,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "tests" / "unit")]
 
 from harness import run_subcases  # noqa: E402
+from deepspeed.runtime.heterogeneous.planning.stages import balanced_bound  # noqa: E402
 
 WIDTH, HIDDEN, BLOCKS, MICRO, MICRO_BATCHES, WARMUP = 256, 1024, 12, 16, 8, 2
 CLUSTERS = {2: [1.0, 0.5], 3: [1.0, 0.5, 0.5]}
@@ -257,8 +258,7 @@ def main():
                 raise
             equal = results.pop(0)
             upstream, hetero = _mean_of_rounds(results[0::2]), _mean_of_rounds(results[1::2])
-            bubble = MICRO_BATCHES / (MICRO_BATCHES + stages - 1)
-            bound = sum(speeds) / sample_seconds * bubble
+            bound = 1.0 / balanced_bound([sample_seconds], speeds, MICRO_BATCHES)
             # More stages than cores: at full speed the stages share the cores, which is no bound.
             measured_bound = equal["samples_per_s"] * sum(speeds) / stages if stages <= os.cpu_count() else None
             for name, result in (("parameters", upstream), ("heterogeneous", hetero)):

@@ -72,13 +72,13 @@ def save_state(engine, client_state):
         "runtime": runtime.state_dict(),
         "windows": [entry["window"] for entry in everyone],
         "samplers": mine["samplers"],
-        "pipeline_parts": None if state_pipeline(engine) is None else list(state_pipeline(engine).partition.parts),
+        "pipeline_parts": _pipeline_parts(engine._config.heterogeneous.pipeline),
     }
     return {**client_state, KEY: record}
 
 
-def state_pipeline(engine):
-    return engine._config.heterogeneous.pipeline
+def _pipeline_parts(layout):
+    return None if layout is None else list(layout.partition.parts)
 
 
 def load_state(engine, client_state, load_module_only=False):
@@ -145,7 +145,7 @@ def restore(engine, record):
 def check_pipeline_checkpoint(engine, checkpoint):
     """The pipeline engine's module load (before its optimizer state loads): refuse a checkpoint of
     other stages with a message that says how to resume from it. Nothing when the fork is off."""
-    layout = state_pipeline(engine)
+    layout = engine._config.heterogeneous.pipeline
     record = checkpoint.get(KEY) if isinstance(checkpoint, dict) else None
     if layout is not None and isinstance(record, dict):
         _check_pipeline_parts(layout, record.get("pipeline_parts"))

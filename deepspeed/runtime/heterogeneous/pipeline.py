@@ -190,10 +190,10 @@ def _floating_dtype(layer):
 
 def measure_layer_costs(model, training_data, micro_batch_size):
     """Per layer, the least of ``PROBE_REPEATS`` timings (after one untimed run) of its forward and
-    backward on this rank's device, fed the previous layer's output for the first ``micro_batch_size`` samples of
-    ``training_data`` (the pipeline's convention: a sample is ``(inputs, labels)``), and the bytes
-    of its output. Layers are built one at a time (as upstream's ``parameters`` method does); the
-    random number generator is left as it was. Raises on a layer the probe cannot run."""
+    backward on this rank's device, fed the previous layer's output for the first
+    ``micro_batch_size`` samples of ``training_data`` (the pipeline's convention: a sample is
+    ``(inputs, labels)``). Layers are built one at a time (as upstream's ``parameters`` method
+    does); the random number generator is left as it was. Raises on a layer the probe cannot run."""
     import time
 
     import torch
@@ -205,7 +205,7 @@ def measure_layer_costs(model, training_data, micro_batch_size):
     count = min(int(micro_batch_size), len(training_data))
     batch = default_collate([training_data[i] for i in range(count)])
     x = batch[0] if isinstance(batch, (tuple, list)) else batch
-    costs, output_bytes = [], []
+    costs = []
     with torch.random.fork_rng(devices=[]):
         _warm_up(model._layer_specs[0], x, device)
         for spec in model._layer_specs:
@@ -224,11 +224,10 @@ def measure_layer_costs(model, training_data, micro_batch_size):
                 if repeat:  # the first run warms up: allocations, kernels, caches
                     best = min(best, time.perf_counter() - began)
             costs.append(best)
-            output_bytes.append(sum(t.numel() * t.element_size() for t in _tensors(out)))
             x = _detached(out, device, requires_grad=False)
             restore()
             del layer
-    return costs, output_bytes
+    return costs
 
 
 def _warm_up(spec, x, device):
@@ -271,7 +270,7 @@ def _agreed_costs(state, model, training_data, counts, local_ranks):
         if local_ranks[rank] == turn:
             try:
                 mine = {"rank": rank,
-                        "costs": measure_layer_costs(model, training_data, state.plan.micro_batch_sizes[0])[0]}
+                        "costs": measure_layer_costs(model, training_data, state.plan.micro_batch_sizes[0])}
             except Exception as error:  # a layer the probe cannot run: every rank learns it at the gather
                 mine = {"rank": rank, "error": f"{type(error).__name__}: {error}"}
         if many:
@@ -368,7 +367,7 @@ def _build(model, partition):
     model._synchronize_tied_weights()
 
 
-def replica_plan(state, layout, ds_config):
+def replica_plan(state, layout):
     """The ``compute_aware`` start-up plan of pipeline replicas: micro-batch sizes in proportion to
     each replica's pipeline speed (the same gas everywhere). None for other strategies."""
     if state.settings.config.load_balancing_strategy != "compute_aware" or layout.replicas < 2:

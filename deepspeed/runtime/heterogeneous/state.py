@@ -219,7 +219,7 @@ class HeterogeneousState:
             from .startup import apply_plan
             check_pipeline_settings(self)
             self.pipeline = build_stages(self, model, model_parameters, getattr(engine, "training_data", None))
-            plan = replica_plan(self, self.pipeline, ds_config)
+            plan = replica_plan(self, self.pipeline)
             if plan is not None:
                 apply_plan(ds_config, plan)
         if model is not None:
