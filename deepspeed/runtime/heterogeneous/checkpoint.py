@@ -112,7 +112,7 @@ def restore(engine, record):
     saved = Plan.from_dict(record["plan"])
     current = state.plan
     if state.pipeline is not None:
-        _check_pipeline_parts(state.pipeline, record.get("pipeline_parts"))
+        _check_pipeline_parts(engine, record.get("pipeline_parts"))
         if (saved.micro_batch_sizes, saved.gradient_accumulation_steps) != (current.micro_batch_sizes,
                                                                             current.gradient_accumulation_steps):
             # The pipeline engine fixed each replica's micro-batches as it started; the samplers
@@ -148,13 +148,16 @@ def check_pipeline_checkpoint(engine, checkpoint):
     layout = engine._config.heterogeneous.pipeline
     record = checkpoint.get(KEY) if isinstance(checkpoint, dict) else None
     if layout is not None and isinstance(record, dict):
-        _check_pipeline_parts(layout, record.get("pipeline_parts"))
+        _check_pipeline_parts(engine, record.get("pipeline_parts"))
 
 
-def _check_pipeline_parts(layout, saved_parts):
-    """A pipeline checkpoint holds each stage's optimizer state for its layers: it resumes only
-    into the same stages."""
+def _check_pipeline_parts(engine, saved_parts):
+    """Upstream's pipeline checkpoint holds each stage's optimizer state for its layers: it resumes
+    only into the same stages, unless the stages' layer states move (pipeline_checkpoint.py)."""
+    layout = engine._config.heterogeneous.pipeline
     if saved_parts is None or list(saved_parts) == list(layout.partition.parts):
+        return
+    if list(saved_parts) == getattr(engine, "_heterogeneous_saved_parts", None):
         return
     saved = [b - a for a, b in zip(saved_parts, saved_parts[1:])]
     raise ValueError(f"deepspeed-hetero: the checkpoint was saved by pipeline stages of {saved} layers, and this run "

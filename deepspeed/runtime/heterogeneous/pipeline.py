@@ -327,12 +327,21 @@ def build_stages(state, model, model_parameters=None, training_data=None):
                 capacities[stage] = room if capacities[stage] is None else min(capacities[stage], room)
     stage_layers = state.settings.config.pipeline.stage_layers
     if not deferred:
+        if "partition" in state.settings.config.pipeline.model_fields_set:
+            raise ValueError("heterogeneous_config.pipeline.partition needs PipelineModule(partition_method="
+                             f"'{PARTITION_METHOD}'): this module was partitioned by upstream's method at construction")
         if stage_layers:
             raise ValueError("heterogeneous_config.pipeline.stage_layers needs PipelineModule(partition_method="
                              f"'{PARTITION_METHOD}'): this module was partitioned by upstream's method at construction")
         partition = given_partition([int(p) for p in model.parts], costs, speeds, "upstream")
     elif stage_layers:
         partition = manual_partition(stage_layers, costs, speeds)
+    elif state.settings.config.pipeline.partition == "parameters":
+        partition = given_partition([int(p) for p in ds_utils.partition_balanced(weights=counts, num_parts=stages)],
+                                    costs, speeds, "parameters")
+    elif state.settings.config.pipeline.partition == "uniform":
+        partition = given_partition([int(p) for p in ds_utils.partition_uniform(len(counts), stages)], costs, speeds,
+                                    "uniform")
     else:
         layer_bytes = [ADAM_BYTES_PER_PARAMETER * c for c in counts] if capacities else None
         partition = partition_stages(costs, speeds, layer_bytes, capacities)

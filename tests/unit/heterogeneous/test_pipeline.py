@@ -6,6 +6,7 @@ stages x 2 replicas with ZeRO-1, activation checkpointing on and off) against on
 the same layers on the global batch."""
 
 import itertools
+import json
 import random
 
 import pytest
@@ -275,22 +276,28 @@ def test_what_a_pipeline_cannot_do_is_refused_by_name():
     assert "stage_layers [12] must give each of the 2 stages at least one layer" in layers
 
 
-def _resume(rank, world_size, heterogeneous, save_dir, resume_layers=None):
+def _resume(rank, world_size, heterogeneous, save_dir, resume_layers=None, first_layers=None, zero=0, adam=False):
     """Train 3 steps, saving after step 2; then a new engine loads that checkpoint and trains step
-    3 again. ``resume_layers``: the resumed run's stage_layers (a different cut)."""
+    3 again. ``first_layers``, ``resume_layers``: each run's stage_layers (None: the cut from the
+    speeds). Returns the losses, the resumed step's loss, and each run's parameters after step 3."""
     import deepspeed
     from deepspeed.pipe import PipelineModule
 
     def engine(layers_per_stage=None):
         net = PipelineModule(layers=_layers(), num_stages=2, loss_fn=torch.nn.MSELoss(),
                              partition_method="heterogeneous")
-        config = _config(heterogeneous)
+        config = _config(json.loads(json.dumps(heterogeneous)), zero)
+        if adam:  # state the layers carry between stages: the step count and two moments per parameter
+            config["optimizer"] = {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}}
         if layers_per_stage:
-            config["heterogeneous_config"]["pipeline"] = {"stage_layers": layers_per_stage}
+            config["heterogeneous_config"].setdefault("pipeline", {})["stage_layers"] = layers_per_stage
         return deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config,
                                     training_data=_data(BATCH * (STEPS + 1)))[0]
 
-    first = engine()
+    def parameters(model):
+        return {key: value.detach().clone() for key, value in model.module.state_dict().items()}
+
+    first = engine(first_layers)
     losses = [float(first.train_batch()) for _ in range(2)]
     first.save_checkpoint(save_dir, tag="two")
     losses.append(float(first.train_batch()))
@@ -299,23 +306,52 @@ def _resume(rank, world_size, heterogeneous, save_dir, resume_layers=None):
         resumed.load_checkpoint(save_dir, tag="two")
     except ValueError as error:
         return {"error": str(error)}
-    return {"losses": losses, "resumed": float(resumed.train_batch()),
-            "same": all(torch.equal(a, b) for a, b in zip(first.module.state_dict().values(),
-                                                          resumed.module.state_dict().values()))}
+    return {"losses": losses, "resumed": float(resumed.train_batch()), "first": parameters(first),
+            "after": parameters(resumed), "parts": [int(p) for p in resumed.module.parts]}
+
+
+def _merged(results, key):
+    merged = {}
+    for result in results:
+        merged.update(result[key])
+    return merged
 
 
 @pytest.mark.multiprocess
 def test_a_pipeline_resumes_exactly_into_the_same_stages(tmp_path):
     speeds = {"emulation": {"speeds": [1.0, 0.5], "mode": "dilation"}, "pipeline": {"layer_cost": "parameters"}}
     cases = [dict(heterogeneous=speeds, save_dir=str(tmp_path / "same")),
-             dict(heterogeneous=speeds, save_dir=str(tmp_path / "other"), resume_layers=[6, 6])]
+             dict(heterogeneous={**speeds, "pipeline": {"layer_cost": "parameters", "save_layer_states": False}},
+                  save_dir=str(tmp_path / "other"), resume_layers=[6, 6])]
     same, other = run_subcases(_resume, cases, world_size=2, timeout=600)
     for result in same:
-        assert result["resumed"] == result["losses"][2] and result["same"], result
+        assert result["resumed"] == result["losses"][2], result
+        assert all(torch.equal(value, result["first"][key]) for key, value in result["after"].items())
     for result in other:
-        assert ("the checkpoint was saved by pipeline stages of [7, 5] layers, and this run cut [6, 6]; each stage's "
-                "optimizer state belongs to its layers, so set heterogeneous_config.pipeline.stage_layers to [7, 5]"
+        assert ("the checkpoint was saved by pipeline stages of [7, 5] layers, and this run cut [6, 6]; its optimizer "
+                "state was saved by stage only (heterogeneous_config.pipeline.save_layer_states was false), so it "
+                "resumes only into its own cut: set heterogeneous_config.pipeline.stage_layers to [7, 5]"
                 in result["error"]), result
+
+
+@pytest.mark.multiprocess
+def test_a_checkpoint_loads_into_another_cut_with_its_optimizer_state(tmp_path):
+    """Adam's state moves with its layers: the step after the resume equals the uninterrupted
+    run's, for 2 stages ([7, 5] -> [9, 3]) and for 2 stages x 2 replicas under ZeRO-1 ([7, 5] ->
+    [4, 8], the state assembled from both replicas' partitions)."""
+    speeds = {"emulation": {"speeds": [1.0, 0.5], "mode": "dilation"}, "pipeline": {"layer_cost": "parameters"}}
+    two = run_subcases(_resume, [dict(heterogeneous=speeds, save_dir=str(tmp_path / "two"), resume_layers=[9, 3],
+                                      adam=True)], world_size=2, timeout=600)[0]
+    four = run_subcases(_resume, [dict(heterogeneous={}, save_dir=str(tmp_path / "four"), first_layers=[7, 5],
+                                       resume_layers=[4, 8], adam=True, zero=1)], world_size=4, timeout=600)[0]
+    for results, parts in ((two, [0, 9, 12]), (four, [0, 4, 12])):
+        first, after = _merged(results, "first"), _merged(results, "after")
+        assert sorted(first) == sorted(after)
+        for result in results:
+            assert result["parts"] == parts
+            assert result["resumed"] == pytest.approx(result["losses"][2], abs=1e-6), result
+        for key, value in after.items():
+            torch.testing.assert_close(value, first[key], rtol=0, atol=1e-6)
 
 
 def _recorded(rank, world_size, heterogeneous):

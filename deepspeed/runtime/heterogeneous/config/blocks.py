@@ -135,6 +135,14 @@ class PipelineConfig(DeepSpeedConfigModel):
     """measured: each layer's forward and backward timed on the first micro-batch of the engine's
     training_data as the engine starts (parameters when no training_data is given); parameters: its
     trainable parameters, as upstream's 'parameters' method weighs it."""
+    save_layer_states: bool = True
+    """Each stage also saves its layers' optimizer state by layer, so that a checkpoint loads into
+    another cut of the layers (pipeline_checkpoint.py); false: a checkpoint resumes into its own
+    cut only, and takes no more disk than upstream's."""
+    partition: Literal["balanced", "parameters", "uniform"] = "balanced"
+    """balanced: the cut where the slowest stage's cost / speed is least, within each stage's
+    memory; parameters and uniform: upstream's cuts of the same names (the speeds are ignored), so
+    that the autotuner and benchmarks can compare them without changing the script."""
 
 
 class HeterogeneousConfig(DeepSpeedConfigModel):
