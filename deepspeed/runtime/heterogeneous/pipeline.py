@@ -33,7 +33,8 @@ from deepspeed.utils import logger
 from .cluster.agreement import Agreement
 from .measure.devices import describe_local_device, local_device_index
 from .planning.stages import (ADAM_BYTES_PER_PARAMETER, StagePartition, given_partition, manual_partition,
-                              partition_stages, replica_sample_times, stage_speeds)
+                              partition_stages, relative_rank_speeds, replica_sample_times,
+                              stage_speeds)
 
 PARTITION_METHOD = "heterogeneous"
 
@@ -115,8 +116,7 @@ def _rank_speeds_and_memory(state):
     else:
         gathered = [mine]
     gathered = sorted(gathered, key=lambda entry: entry["rank"])
-    fastest = max(entry["score"] for entry in gathered) or 1.0
-    speeds = [entry["speed"] * (entry["score"] / fastest if entry["score"] > 0 else 1.0) for entry in gathered]
+    speeds = relative_rank_speeds([entry["score"] for entry in gathered], [entry["speed"] for entry in gathered])
     return speeds, [entry["memory"] for entry in gathered], [entry["local"] for entry in gathered]
 
 

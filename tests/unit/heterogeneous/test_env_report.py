@@ -240,3 +240,92 @@ def test_bad_environment_value_exits_2(monkeypatch, capsys):
     monkeypatch.setenv("DS_HETEROGENEOUS_ENV", "maybe")
     assert main([]) == 2
     assert "DS_HETEROGENEOUS_ENV" in capsys.readouterr().err
+
+
+PIPELINE_CONFIG = {
+    "train_batch_size": 16,
+    "heterogeneous_config": {"enabled": True, "emulation": {"speeds": [1.0, 1.0, 0.5, 0.5],
+                                                            "memory_gb": [16, 16, 8, 8], "mode": "dilation"}},
+}
+
+
+def test_pipeline_stages_show_stage_speeds_and_replicas(tmp_path):
+    """Run as a user runs it (``ds_report --heterogeneous``, upstream's entry point passing the flag
+    on): global ranks 0, 1 are stage 0's replicas, 2, 3 stage 1's (upstream's
+    PipeDataParallelTopology); a stage runs at its slowest replica's speed."""
+    import os
+    import subprocess
+    import sys
+    proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "ds_report"), "--heterogeneous", "--config",
+                           write_config(tmp_path, PIPELINE_CONFIG), "--pipeline-stages", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stdout.splitlines()
+    section = lines[next(i for i, line in enumerate(lines) if line.startswith("Pipeline:")):]
+    assert section[0].startswith("Pipeline: 2 stage(s) x 2 replica(s) = 4 processes "
+                                 "(one per heterogeneous_config.emulation.speeds entry)"), section[0]
+    stage_rows = [line.split() for line in section if re.match(r"  [01]  ", line)]
+    assert [" ".join(row) for row in stage_rows] == ["0 0 (1, 16 GiB), 1 (1, 16 GiB) 1 13.6",
+                                                     "1 2 (0.5, 8 GiB), 3 (0.5, 8 GiB) 0.5 6.8"]
+    assert "Stage Speeds: [1.0, 0.5]" in section
+    assert any(line.startswith("Replica Speeds: [1.0, 1.0]") for line in section), section
+    assert "  replica 0: global ranks 0, 2 (stage order), relative pipeline speed 1" in section
+    assert "  replica 1: global ranks 1, 3 (stage order), relative pipeline speed 1" in section
+    layers = next(line for line in section if line.startswith("Layers per stage:"))
+    assert "measured" in layers and "start-up table" in layers, layers
+
+
+def test_pipeline_replica_speed_and_stage_layers(tmp_path, capsys):
+    """A replica whose every stage is faster than the stage's slowest copy is the faster pipeline;
+    the layers per stage are shown when the config gives them."""
+    config = {"heterogeneous_config": {"enabled": True, "pipeline": {"stage_layers": [5, 3]},
+                                       "emulation": {"speeds": [1.0, 0.5, 1.0, 0.5]}}}
+    assert main(["--config", write_config(tmp_path, config), "--pipeline-stages", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "Stage Speeds: [0.5, 0.5]" in lines
+    assert any(line.startswith("Replica Speeds: [1.0, 0.5]") for line in lines), lines
+    assert "Layers per stage: [5, 3] (heterogeneous_config.pipeline.stage_layers)" in lines
+    assert any(re.match(r"  0\s+0 \(1\), 1 \(0\.5\)\s+0\.5\s+none$", line) for line in lines), lines
+
+
+def test_pipeline_world_size_flag_without_emulation(capsys):
+    """Without emulation lists the processes come from --world-size; every rank runs this host's device."""
+    assert main(["--pipeline-stages", "2", "--world-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "Pipeline: 2 stage(s) x 2 replica(s) = 4 processes (--world-size)" in out
+    assert "Stage Speeds: [1.0, 1.0]" in out
+
+
+@pytest.mark.parametrize("arguments, config_change, named", [
+    (["--pipeline-stages", "3"], {}, "--pipeline-stages 3 does not divide the job's 4 process(es)"),
+    (["--pipeline-stages", "3"], {}, "allowed: 1, 2, 4"),
+    (["--pipeline-stages", "0"], {}, "--pipeline-stages '0' is not allowed"),
+    (["--pipeline-stages", "two"], {}, "an integer >= 1"),
+    (["--pipeline-stages", "2", "--world-size", "8"], {}, "heterogeneous_config.emulation.speeds has 4 entries"),
+    (["--world-size", "4"], {}, "--world-size is only used with --pipeline-stages"),
+    (["--pipeline-stages", "2"], {"pipeline": {"stage_layers": [1, 2, 3]}}, "pipeline.stage_layers [1, 2, 3]"),
+    (["--pipeline-stages", "2"], {"emulation": {"speeds": [1.0, 0.5], "memory_gb": [8, 8, 8, 8]}},
+     "emulation.speeds has 2 entries and emulation.memory_gb 4"),
+])
+def test_bad_pipeline_arguments_exit_2_naming_the_flag_or_key(tmp_path, capsys, arguments, config_change, named):
+    config = json.loads(json.dumps(PIPELINE_CONFIG))
+    config["heterogeneous_config"].update(config_change)
+    assert main(["--config", write_config(tmp_path, config)] + arguments) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err
+    error_lines = captured.err.strip().splitlines()
+    assert len(error_lines) == 1 and named in error_lines[0], captured.err
+
+
+def test_pipeline_stages_beyond_this_hosts_devices_ask_for_the_world_size(capsys):
+    assert main(["--pipeline-stages", str(devices.local_device_count() + 1)]) == 2
+    assert "give --world-size" in capsys.readouterr().err
+
+
+def test_rank_speeds_are_the_runtimes():
+    """The report and the pipeline's start-up share one formula: the spec score relative to the
+    fastest times the emulated speed; a device the table does not know (score 0) counts as 1."""
+    from deepspeed.runtime.heterogeneous.planning.stages import relative_rank_speeds
+    assert env_report.relative_rank_speeds is relative_rank_speeds
+    assert relative_rank_speeds([312.0, 156.0], [1.0, 0.5]) == [1.0, 0.25]
+    assert relative_rank_speeds([0.0, 0.0], [1.0, 0.5]) == [1.0, 0.5]

@@ -176,6 +176,9 @@ def test_two_stages_on_mixed_speeds_are_sized_to_them_and_exact():
         dict(heterogeneous={"emulation": dilation["emulation"]}),
         # Upstream's partition, the fork on: its stages stay, and training stays exact.
         dict(heterogeneous=dilation, partition_method="parameters"),
+        # Upstream's cuts chosen in the config (the autotuner compares them without editing the script).
+        dict(heterogeneous={**dilation, "pipeline": {"layer_cost": "parameters", "partition": "parameters"}}),
+        dict(heterogeneous={**dilation, "pipeline": {"layer_cost": "parameters", "partition": "uniform"}}),
     ]
     results = run_subcases(_pipeline, cases, world_size=2, timeout=600)
     # 6 x (Linear, Tanh): the full-speed stage takes 4 linear layers, the half-speed one 2.
@@ -185,6 +188,8 @@ def test_two_stages_on_mixed_speeds_are_sized_to_them_and_exact():
     assert results[4][0]["cost_unit"] == "forward + backward seconds, timed on 2 rank(s)"
     assert results[4][0]["parts"] == results[4][1]["parts"]
     assert [r["parts"] for r in results[5]] == [[0, 6, 12]] * 2
+    assert [r["parts"] for r in results[6]] == [r["parts"] for r in results[5]]
+    assert [r["parts"] for r in results[7]] == [[0, 6, 12]] * 2
     for case in results:
         _assert_exact(case)
 

@@ -10,6 +10,10 @@ env_report section), exactly as::
     Communication Optimization: Active|Inactive
 
 and, when the fork is enabled, ``Communication: <part>; <part>; ...`` after the last one.
+
+With ``--pipeline-stages N`` it adds a ``Pipeline`` section (``pipeline_lines``): the stages and
+data-parallel replicas a ``PipelineModule(num_stages=N)`` would get from these devices and the
+config's emulation, as ``pipeline.build_stages`` sees them when the engine starts.
 """
 
 import argparse
@@ -30,6 +34,7 @@ from ..memory.placement import engine_placement
 from ..memory.pool import HeterogeneousMemoryPool, ModelStateSpec, known_speeds
 from ..measure.native import native_op_status
 from ..planning.precision import choose_precision_for_config
+from ..planning.stages import StagePartition, relative_rank_speeds, replica_sample_times, stage_speeds
 
 try:
     # DeepSpeed itself reads ds_config files with hjson, which also accepts comments.
@@ -163,7 +168,7 @@ def _precision_line(settings, param_dict, devices):
     return f"{choice.dtype} ({choice.reason})", choice.overridden
 
 
-def heterogeneous_report(config_path=None, file=None, model_parameters=None):
+def heterogeneous_report(config_path=None, file=None, model_parameters=None, pipeline_stages=None, world_size=None):
     """Print the heterogeneous environment report.
 
     Args:
@@ -173,12 +178,27 @@ def heterogeneous_report(config_path=None, file=None, model_parameters=None):
         file: where to print. Default None: sys.stdout at call time.
         model_parameters: with a config, the model's parameter count: the report then shows the
             memory placement the config would get (``config_placement_lines``).
+        pipeline_stages: the pipeline degree (``PipelineModule(num_stages=...)``, which is not in the
+            config): the report then shows the stages and replicas (``pipeline_lines``). Default None.
+        world_size: with ``pipeline_stages``, the job's processes. Default None: one per entry of
+            the enabled config's emulation lists, else one per device of this host.
 
-    Raises ValueError, before printing anything, when the config or the environment is invalid.
+    Raises ValueError, before printing anything, when the config, the environment or the pipeline
+    arguments are invalid.
     """
     param_dict = read_config_file(config_path) if config_path is not None else {}
+    pristine = dict(param_dict)  # load_heterogeneous_settings moves a top-level scheduler alias out of it
     settings = load_heterogeneous_settings(param_dict)
     rows = _device_rows(settings)
+    if world_size is not None and pipeline_stages is None:
+        raise ValueError("--world-size is only used with --pipeline-stages; leave it out or add --pipeline-stages N")
+    pipeline = None
+    if pipeline_stages is not None:
+        grid = pipeline_grid(settings, pipeline_stages, world_size)
+        # The runtime's own check of the per-rank lists (emulation per global rank, micro_batch_sizes
+        # per replica), so that a config the report accepts is one the engine accepts.
+        load_heterogeneous_settings(pristine, world_size=grid.replicas, process_count=grid.processes)
+        pipeline = pipeline_lines(settings, grid)
     precision = _precision_line(settings, param_dict, [device for device, _, _ in rows])
     strategy = settings.config.load_balancing_strategy if settings.enabled else "uniform"
 
@@ -222,6 +242,10 @@ def heterogeneous_report(config_path=None, file=None, model_parameters=None):
             emit()
             for line in config_placement_lines(param_dict, settings, rows, model_parameters):
                 emit(line)
+    if pipeline is not None:
+        emit()
+        for line in pipeline:
+            emit(line)
     for note in settings.notes:
         emit(f"note: {note}")
 
@@ -232,19 +256,24 @@ def main(argv=None):
     parser.add_argument("--config", metavar="PATH", help="ds_config whose heterogeneous blocks to apply")
     parser.add_argument("--model-parameters", metavar="N", help="with --config: the model's parameter count "
                         "(125000000, 1.3e9, 350M, 7B) to show the memory placement the config would get")
+    parser.add_argument("--pipeline-stages", metavar="N", help="the pipeline degree of a PipelineModule(num_stages=N) "
+                        "(not a ds_config key): show its stages and data-parallel replicas on these devices")
+    parser.add_argument("--world-size", metavar="P", help="with --pipeline-stages: the job's processes (default: one "
+                        "per heterogeneous_config.emulation entry, else one per device of this host)")
     args = parser.parse_args(argv)
     try:
         count = None if args.model_parameters is None else parse_parameter_count(args.model_parameters)
-        heterogeneous_report(args.config, model_parameters=count)
+        stages, processes = args.pipeline_stages, args.world_size
+        if stages is not None:
+            stages = parse_positive_int("--pipeline-stages", stages, "the number of pipeline stages")
+        if processes is not None:
+            processes = parse_positive_int("--world-size", processes, "the number of processes")
+        heterogeneous_report(args.config, model_parameters=count, pipeline_stages=stages, world_size=processes)
     except ValueError as exc:
         message = " ".join(str(exc).split())
         print(f"{parser.prog}: error: {message}", file=sys.stderr)
         return 2
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 def config_placement_lines(param_dict, settings, rows, num_parameters=None):
@@ -293,3 +322,138 @@ def parse_parameter_count(text):
         raise ValueError(f"--model-parameters {text!r} is not a parameter count; write e.g. 125000000, 1.3e9, "
                          "350M or 7B")
     return int(count)
+
+
+def parse_positive_int(flag, text, meaning):
+    """`text` as an int >= 1; ValueError naming `flag` and what it takes."""
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{flag} {text!r} is not allowed: give {meaning}, an integer >= 1")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineGrid:
+    """The global ranks of a pipeline job and where their count came from."""
+
+    stages: int
+    processes: int
+    source: str
+    """Why there are ``processes`` ranks: the flag, the emulation lists or this host's devices."""
+
+    @property
+    def replicas(self):
+        return self.processes // self.stages
+
+    def coords(self):
+        """Per global rank, (stage, replica): upstream's ``PipeDataParallelTopology``, the grid
+        ``PipelineModule`` builds (the data axis varies fastest)."""
+        from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+        topology = PipeDataParallelTopology(num_pp=self.stages, num_dp=self.replicas)
+        return [(topology.get_coord(g).pipe, topology.get_coord(g).data) for g in range(self.processes)]
+
+
+def pipeline_grid(settings, stages, world_size=None):
+    """The ``PipelineGrid`` of `stages` stages: `world_size` processes, else one per entry of the
+    enabled config's emulation lists (per global rank with a pipeline), else one per device of this
+    host. Raises ValueError naming the flag or key and what is allowed."""
+    if int(stages) < 1:
+        raise ValueError(f"--pipeline-stages {stages} is not allowed: give the number of pipeline stages, an integer "
+                         ">= 1")
+    emulation = settings.config.emulation if settings.enabled else None
+    lengths = {key: len(values) for key, values in (("speeds", emulation and emulation.speeds),
+                                                    ("memory_gb", emulation and emulation.memory_gb)) if values}
+    if world_size is not None:
+        processes, source = int(world_size), "--world-size"
+    elif lengths:
+        if len(set(lengths.values())) > 1:
+            raise ValueError("heterogeneous_config.emulation.speeds has {speeds} entries and emulation.memory_gb "
+                             "{memory_gb}: with a pipeline both give one entry per global rank".format(**lengths))
+        processes = next(iter(lengths.values()))
+        source = f"one per heterogeneous_config.emulation.{next(iter(lengths))} entry"
+    else:
+        processes, source = local_device_count(), "one per device of this host; give --world-size for more"
+    if processes % stages:
+        divisors = [d for d in range(1, processes + 1) if processes % d == 0]
+        raise ValueError(f"--pipeline-stages {stages} does not divide the job's {processes} process(es) ({source}): "
+                         f"every data-parallel replica holds all stages; allowed: {', '.join(map(str, divisors))}")
+    return PipelineGrid(stages, processes, source)
+
+
+def pipeline_lines(settings, grid):
+    """The env report's Pipeline section for `grid` (a ``PipelineGrid``) under `settings`.
+
+    The speeds and memory are the runtime's (``pipeline.build_stages``); the layers per stage are
+    known only when the config gives ``pipeline.stage_layers``: otherwise the engine cuts them
+    from layer costs it measures as it starts. A replica's relative speed assumes such a cut, one
+    that balances the stages (each stage's cost in proportion to its speed)."""
+    stage_layers = settings.config.pipeline.stage_layers
+    if stage_layers and len(stage_layers) != grid.stages:
+        raise ValueError(f"heterogeneous_config.pipeline.stage_layers {list(stage_layers)} has {len(stage_layers)} "
+                         f"entries but --pipeline-stages is {grid.stages}: give one entry per stage")
+    emulation = settings.config.emulation if settings.enabled else None
+    local_count = local_device_count()
+    devices = {}  # as the runtime describes them: no benchmark, an unknown device scores 0
+    scores, emulated, memory = [], [], []
+    for g in range(grid.processes):
+        local = g % local_count
+        if local not in devices:
+            devices[local] = describe_local_device(local_rank=local, measure=False, rank=g)
+        scores.append(float(devices[local].spec_score))
+        emulated.append(float(_per_rank(emulation.speeds if emulation else None, g) or 1.0))
+        memory.append(emulated_memory_bytes(emulation, g))
+    speeds = relative_rank_speeds(scores, emulated)
+    coords = grid.coords()
+    per_stage = stage_speeds(speeds, [stage for stage, _ in coords], grid.stages)
+    threshold = settings.memory.hbm_utilization_threshold
+
+    lines = [f"Pipeline: {grid.stages} stage(s) x {grid.replicas} replica(s) = {grid.processes} processes "
+             f"({grid.source}); global rank g: stage g // {grid.replicas}, replica g % {grid.replicas}"]
+    rows = []
+    for stage in range(grid.stages):
+        ranks = [g for g, (s, _) in enumerate(coords) if s == stage]
+        cells = ", ".join(f"{g} ({speeds[g]:.4g})" if memory[g] is None else
+                          f"{g} ({speeds[g]:.4g}, {memory[g] / BYTES_PER_GB:g} GiB)" for g in ranks)
+        known = [memory[g] for g in ranks if memory[g] is not None]
+        limit = f"{min(known) * threshold / BYTES_PER_GB:.4g}" if known else "none"
+        rows.append((stage, cells, f"{per_stage[stage]:.4g}", limit))
+    lines += ["  " + line for line in _format_table(("stage", "global ranks (speed, memory)", "speed",
+                                                     "memory limit (GiB)"), rows).splitlines()]
+    lines.append(f"  a rank's speed: its device's score relative to the fastest x its emulation.speeds entry; a "
+                 f"stage's: its slowest replica's; a stage's memory limit: its least emulation.memory_gb x "
+                 f"hbm_utilization_threshold {threshold:g}")
+    lines.append(f"Stage Speeds: {[round(speed, 4) for speed in per_stage]}")
+
+    # A replica's time per sample is its slowest stage's cost / speed (``replica_sample_times``);
+    # with one unit layer per stage costing the stage's speed, the cut balances the stages.
+    balanced = StagePartition(tuple(range(grid.stages + 1)), (1.0, ) * grid.stages, "balanced")
+    times = replica_sample_times(balanced, per_stage, speeds, coords, grid.replicas)
+    fastest = min(times)
+    relative = [fastest / time for time in times]
+    strategy = settings.config.load_balancing_strategy if settings.enabled else "uniform"
+    share = ("; compute_aware gives each replica a micro-batch in proportion" if strategy == "compute_aware" else "")
+    lines.append(f"Replica Speeds: {[round(speed, 4) for speed in relative]} (1: the fastest replica, once the cut "
+                 f"balances the stages{share})")
+    for replica in range(grid.replicas):
+        ranks = [g for g, (_, r) in enumerate(coords) if r == replica]
+        lines.append(f"  replica {replica}: global ranks {', '.join(map(str, ranks))} (stage order), relative "
+                     f"pipeline speed {relative[replica]:.4g}")
+    if stage_layers:
+        lines.append(f"Layers per stage: {list(stage_layers)} (heterogeneous_config.pipeline.stage_layers)")
+    else:
+        weighed = ("the layer costs are measured then" if settings.config.pipeline.layer_cost == "measured" else
+                   "each layer weighs its trainable parameters")
+        lines.append(f"Layers per stage: decided as the engine starts ({weighed}; heterogeneous_config.pipeline."
+                     f"layer_cost \"{settings.config.pipeline.layer_cost}\"), so the cut appears in the start-up "
+                     "table of the training run (\"[deepspeed-hetero] pipeline: ...\")")
+    if not settings.enabled:
+        lines.append("note: PipelineModule(partition_method=\"heterogeneous\") needs heterogeneous_config.enabled; "
+                     "without it the emulation is not applied and upstream's partition methods cut the layers")
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())

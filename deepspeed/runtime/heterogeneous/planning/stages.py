@@ -130,6 +130,13 @@ def given_partition(parts: Sequence[int], costs: Sequence[float], speeds: Sequen
     return _described(list(parts), costs, speeds, method)
 
 
+def relative_rank_speeds(scores, emulated_speeds):
+    """Per global rank, its speed relative to the fastest device: its device's spec score over the
+    fastest score (1 for a device the table does not know: score 0), times its emulated speed."""
+    fastest = max(scores) or 1.0
+    return [speed * (score / fastest if score > 0 else 1.0) for score, speed in zip(scores, emulated_speeds)]
+
+
 def stage_speeds(rank_speeds: Sequence[float], stage_of_rank: Sequence[int], stages: int) -> List[float]:
     """Per stage, the slowest speed among the ranks that hold it: every replica runs the same
     partition, and the data-parallel all-reduce waits for the slowest copy of each stage."""
