@@ -281,7 +281,8 @@ def test_what_a_pipeline_cannot_do_is_refused_by_name():
     assert "stage_layers [12] must give each of the 2 stages at least one layer" in layers
 
 
-def _resume(rank, world_size, heterogeneous, save_dir, resume_layers=None, first_layers=None, zero=0, adam=False):
+def _resume(rank, world_size, heterogeneous, save_dir, resume_layers=None, first_layers=None, zero=0, adam=False,
+            bf16=False):
     """Train 3 steps, saving after step 2; then a new engine loads that checkpoint and trains step
     3 again. ``first_layers``, ``resume_layers``: each run's stage_layers (None: the cut from the
     speeds). Returns the losses, the resumed step's loss, and each run's parameters after step 3."""
@@ -296,8 +297,12 @@ def _resume(rank, world_size, heterogeneous, save_dir, resume_layers=None, first
             config["optimizer"] = {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}}
         if layers_per_stage:
             config["heterogeneous_config"].setdefault("pipeline", {})["stage_layers"] = layers_per_stage
+        data = _data(BATCH * (STEPS + 1))
+        if bf16:  # upstream's BF16_Optimizer: fp32 master weights and state in flat partitions
+            config["bf16"] = {"enabled": True}
+            data = torch.utils.data.TensorDataset(*(t.bfloat16() for t in data.tensors))
         return deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config,
-                                    training_data=_data(BATCH * (STEPS + 1)))[0]
+                                    training_data=data)[0]
 
     def parameters(model):
         return {key: value.detach().clone() for key, value in model.module.state_dict().items()}
@@ -342,14 +347,17 @@ def test_a_pipeline_resumes_exactly_into_the_same_stages(tmp_path):
 @pytest.mark.multiprocess
 def test_a_checkpoint_loads_into_another_cut_with_its_optimizer_state(tmp_path):
     """Adam's state moves with its layers: the step after the resume equals the uninterrupted
-    run's, for 2 stages ([7, 5] -> [9, 3]) and for 2 stages x 2 replicas under ZeRO-1 ([7, 5] ->
-    [4, 8], the state assembled from both replicas' partitions)."""
+    run's, for 2 stages ([7, 5] -> [9, 3]), fp32 and bf16 (upstream's BF16_Optimizer: its flat fp32
+    master weights and state), and for 2 stages x 2 replicas under ZeRO-1 ([7, 5] -> [4, 8], the
+    state assembled from both replicas' partitions)."""
     speeds = {"emulation": {"speeds": [1.0, 0.5], "mode": "dilation"}, "pipeline": {"layer_cost": "parameters"}}
-    two = run_subcases(_resume, [dict(heterogeneous=speeds, save_dir=str(tmp_path / "two"), resume_layers=[9, 3],
-                                      adam=True)], world_size=2, timeout=600)[0]
+    two, bf16 = run_subcases(_resume, [
+        dict(heterogeneous=speeds, save_dir=str(tmp_path / "two"), resume_layers=[9, 3], adam=True),
+        dict(heterogeneous=speeds, save_dir=str(tmp_path / "bf16"), resume_layers=[9, 3], adam=True, bf16=True)
+    ], world_size=2, timeout=600)
     four = run_subcases(_resume, [dict(heterogeneous={}, save_dir=str(tmp_path / "four"), first_layers=[7, 5],
                                        resume_layers=[4, 8], adam=True, zero=1)], world_size=4, timeout=600)[0]
-    for results, parts in ((two, [0, 9, 12]), (four, [0, 4, 12])):
+    for results, parts in ((two, [0, 9, 12]), (four, [0, 4, 12]), (bf16, [0, 9, 12])):
         first, after = _merged(results, "first"), _merged(results, "after")
         assert sorted(first) == sorted(after)
         for result in results:
