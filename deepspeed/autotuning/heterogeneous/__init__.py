@@ -2,7 +2,8 @@
 """deepspeed-hetero's autotuner (``deepspeed --autotuning tune|run``).
 
 Modules, pure logic first:
-  space        the tuning space read from the user's ds_config, experiments and their configs
+  space        the tuning space read from the user's ds_config (pipeline degree and partition
+               included), experiments and their configs
   costmodel    per-rank time and memory models from one profiling run; predictions
   results      metric selection, failure classification, summary table, learning-rate advice
   experiments  engine side: times a window of optimizer steps, gathers every rank, writes JSON

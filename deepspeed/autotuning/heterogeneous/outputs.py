@@ -59,12 +59,17 @@ class TuningOutputs:
         from .runner import experiment_args
         best = self.best()
         path = os.path.join(self.results_dir, "ds_config_optimal.json")
-        experiment = Experiment(stage=best.stage, gas=best.gas, micro_batch_sizes=tuple(best.micro_batch_sizes))
+        experiment = Experiment(stage=best.stage, gas=best.gas, micro_batch_sizes=tuple(best.micro_batch_sizes),
+                                pipeline_stages=best.pipeline_stages, partition=best.partition)
         return ["deepspeed", *self.runner.launcher_args, self.runner.user_script,
                 *experiment_args(self.runner.user_args, path, self.settings.arg_mappings, experiment)]
 
+    def _summary(self):
+        points = self.space.pipeline.points() if self.space.pipeline is not None else ()
+        return format_summary(self.outcomes, self.settings.metric, self.space.stages, points)
+
     def _write_results(self):
-        summary = format_summary(self.outcomes, self.settings.metric, self.space.stages)
+        summary = self._summary()
         if self.interrupted:
             summary = f"INTERRUPTED: partial results, {self._ran()} experiment(s) finished\n{summary}"
         with open(os.path.join(self.results_dir, "summary.txt"), "w") as handle:
@@ -73,7 +78,12 @@ class TuningOutputs:
             json.dump({"metric": self.settings.metric, "world_size": self.world_size, "interrupted": self.interrupted,
                        "space": {"stages": self.space.stages, "gas": self.space.gas,
                                  "micro_batch_sizes": self.space.micro_batch_sizes,
-                                 "train_batch_size": self.space.train_batch_size},
+                                 "train_batch_size": self.space.train_batch_size,
+                                 "pipeline": None if self.space.pipeline is None else {
+                                     "num_stages": list(self.space.pipeline.degrees),
+                                     "partition": list(self.space.pipeline.partitions),
+                                     "flag": self.space.pipeline.flag}},
+                       "notes": self.space.notes,
                        "profile": self.profile.summary() if self.profile else None,
                        "tuning_seconds": time.monotonic() - self.began,
                        "experiments": [o.to_dict() for o in self.outcomes]}, handle, indent=2)
@@ -87,12 +97,21 @@ class TuningOutputs:
 
     def print_tuning_results(self):
         best = self.best()
-        print(format_summary(self.outcomes, self.settings.metric, self.space.stages), flush=True)
+        print(self._summary(), flush=True)
         ran = len([o for o in self.outcomes if o.status != PREDICTED_OOM])
         folder = f" (folder {best.folder})" if best.folder and os.path.basename(best.folder) != best.name else ""
         _say(f"{ran} experiments in {_clock(time.monotonic() - self.began)}; best {best.name}: "
              f"{self.settings.metric} {best.value:.4g}{folder}")
-        if len(set(best.micro_batch_sizes)) > 1:
+        if best.pipeline_stages is not None:
+            replicas = len(best.micro_batch_sizes)
+            cut = (f"partition {best.partition} (heterogeneous_config.pipeline.partition in ds_config_optimal.json)"
+                   if best.partition else "one stage, no cut")
+            _say(f"pipeline: {best.pipeline_stages} stage(s) x {replicas} replica(s), {cut}; cmd_optimal.txt passes "
+                 f"{self.space.pipeline.flag} {best.pipeline_stages}")
+            if replicas > 1:
+                _say(f"per-replica micro-batch sizes {best.micro_batch_sizes} (compute_aware: the engine makes this "
+                     f"plan from the replicas' speeds as it starts)")
+        elif len(set(best.micro_batch_sizes)) > 1:
             _say(f"per-rank micro-batch sizes {best.micro_batch_sizes} (heterogeneous_config in "
                  f"ds_config_optimal.json)")
         advice = lr_advice(self.user_config, best.train_batch_size, self._user_batch())
@@ -104,6 +123,8 @@ class TuningOutputs:
     def _user_batch(self):
         if self.space.train_batch_size is not None:
             return self.space.train_batch_size
+        if self.space.pipeline is not None:
+            return None  # the user's replicas depend on their script's degree, which the config does not say
         mbs = self.user_config.get("train_micro_batch_size_per_gpu")
         gas = self.user_config.get("gradient_accumulation_steps", 1)
         if isinstance(mbs, int) and isinstance(gas, int) and not isinstance(mbs, bool):

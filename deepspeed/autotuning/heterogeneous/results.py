@@ -55,6 +55,10 @@ class Outcome:
     metrics: Dict = field(default_factory=dict)
     folder: str = ""
     """The experiment's folder under exps_dir (logs, ds_config.json, metrics.json)."""
+    pipeline_stages: Optional[int] = None
+    """The pipeline degree (None: no pipeline tuned)."""
+    partition: Optional[str] = None
+    """heterogeneous_config.pipeline.partition (None: one stage, or no pipeline tuned)."""
 
     def to_dict(self):
         return asdict(self)
@@ -98,14 +102,23 @@ def classify(returncode, stderr_text, stdout_text="", metrics_present=False, tim
     return FAILED, error_excerpt(stderr_text, stdout_text) or f"exit status {returncode}"
 
 
-def format_summary(outcomes, metric, stages):
-    """The summary table: one row per ZeRO stage and a global-best row."""
+def pipeline_label(degree, partition):
+    """``pp2 balanced``, ``pp1`` (one stage: no cut)."""
+    return f"pp{degree}" + (f" {partition}" if partition else "")
+
+
+def format_summary(outcomes, metric, stages, pipeline_points=()):
+    """The summary table: one row per ZeRO stage, one per (pipeline degree, partition) when the
+    pipeline is tuned, and a global-best row."""
     header = ("tuning space", "experiments", f"best metric value ({metric})", "best experiment name")
     rows = []
-    for stage in stages:
-        mine = [o for o in outcomes if o.stage == stage and o.status != PREDICTED_OOM]
+    groups = [(f"z{stage}", lambda o, stage=stage: o.stage == stage) for stage in stages]
+    groups += [(pipeline_label(d, p), lambda o, d=d, p=p: (o.pipeline_stages, o.partition) == (d, p))
+               for d, p in pipeline_points]
+    for label, member in groups:
+        mine = [o for o in outcomes if member(o) and o.status != PREDICTED_OOM]
         best = select_best(mine, metric)
-        rows.append((f"z{stage}", str(len(mine)), _fmt(best), best.name if best else "-"))
+        rows.append((label, str(len(mine)), _fmt(best), best.name if best else "-"))
     ran = [o for o in outcomes if o.status != PREDICTED_OOM]
     best = select_best(ran, metric)
     rows.append(("global", str(len(ran)), _fmt(best), best.name if best else "-"))

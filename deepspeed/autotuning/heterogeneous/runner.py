@@ -21,7 +21,7 @@ import sys
 import time
 
 from .results import OK, classify
-from .space import BATCH, GAS, MBS, AutotuningConfigError
+from .space import BATCH, GAS, MBS, NUM_STAGES, AutotuningConfigError
 
 CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed")
 
@@ -61,8 +61,11 @@ def experiment_args(user_args, config_path, arg_mappings, experiment):
                                     "FILE.json (or --deepspeed FILE.json) so every experiment can replace it")
     # One value per flag for all ranks: with per-rank micro-batches a mapped micro-batch flag gets
     # the largest (the engine's heterogeneous sampler sizes each rank's batches itself).
-    values = {MBS: max(experiment.micro_batch_sizes), GAS: experiment.gas, BATCH: experiment.train_batch_size}
+    values = {MBS: max(experiment.micro_batch_sizes), GAS: experiment.gas, BATCH: experiment.train_batch_size,
+              NUM_STAGES: experiment.pipeline_stages}
     for key, flag in arg_mappings.items():
+        if values[key] is None:
+            continue  # no pipeline tuned: the script keeps its own degree
         value = str(values[key])
         if flag in args:
             index = args.index(flag)

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The search of ``deepspeed --autotuning tune|run`` (steps 1-3 of tuner.py's outline): the
-profiling run, the candidates (ZeRO stage x gas x per-rank micro-batch sizes) and the strategies
-that choose which of them run (fast, gridsearch, random, model_based; a sweep without a profile).
+profiling run, the candidates (ZeRO stage x gas x per-rank micro-batch sizes, and with
+``autotuning.pipeline`` the pipeline degree x partition) and the strategies that choose which of
+them run (fast, gridsearch, random, model_based; a sweep without a profile, and with a pipeline).
 """
 
 import math
@@ -73,9 +74,11 @@ class TuningSearch:
         for row in self.profile.summary():
             _say(f"  {row}")
 
-    def _totals(self, stage, gas):
-        """Samples per micro-step (over all ranks) to try at this stage and gas."""
+    def _totals(self, stage, gas, ranks=None):
+        """Samples per micro-step (over all ranks, or a pipeline's ``ranks`` replicas) to try at
+        this stage and gas."""
         space, settings = self.space, self.settings
+        ranks = ranks or self.dp_world
         if space.train_batch_size is not None:
             return [space.train_batch_size // gas]
         if space.micro_batch_sizes is not None:
@@ -85,7 +88,7 @@ class TuningSearch:
             caps = self.profile.max_micro_batch(stage) if self.profile else [None]
             known = [c for c in caps if c is not None]
             if known:
-                top = min(top, max(1, sum(known) // self.dp_world))
+                top = min(top, max(1, sum(known) // ranks))
             else:
                 top = min(top, AUTO_MBS_LIMIT_WITHOUT_CAPACITY)
             sizes, size = [], settings.min_train_micro_batch_size_per_gpu
@@ -95,7 +98,7 @@ class TuningSearch:
             sizes = sizes[-settings.num_tuning_micro_batch_sizes:]
         totals = []
         for size in sizes:
-            total = size * self.dp_world
+            total = size * ranks
             batch = total * gas
             if batch < settings.min_train_batch_size:
                 continue
@@ -105,6 +108,8 @@ class TuningSearch:
         return totals
 
     def _candidates(self):
+        if self.space.pipeline is not None:
+            return self._pipeline_candidates()
         mixed = self.space.heterogeneous and self.profile is not None and self.profile.heterogeneous
         seen, out = set(), []
         for stage in self.space.stages:
@@ -116,6 +121,20 @@ class TuningSearch:
                         if experiment.name not in seen:
                             seen.add(experiment.name)
                             out.append(experiment)
+        return out
+
+    def _pipeline_candidates(self):
+        """Per (degree, partition), stage and gas: an even split over the degree's replicas (the
+        engine's compute_aware replica plan re-splits it by the replicas' speeds)."""
+        out = []
+        for degree, partition in self.space.pipeline.points():
+            replicas = self.space.replicas(degree)
+            for stage in self.space.stages:
+                for gas in self.space.gas_for(degree):
+                    for total in self._totals(stage, gas, replicas):
+                        if total % replicas == 0:
+                            out.append(Experiment(stage=stage, gas=gas, micro_batch_sizes=_even_split(total, replicas),
+                                                  heterogeneous=True, pipeline_stages=degree, partition=partition))
         return out
 
     def _allocations(self, stage, gas, total, mixed):
@@ -209,24 +228,25 @@ class TuningSearch:
         return {stage: math.exp(sum(math.log(r) for r in values) / len(values)) for stage, values in ratios.items()}
 
     def _sweep(self, candidates):
-        """Without a profile: per stage and gas, growing micro-batches until one runs out of
-        memory or stops improving the metric."""
+        """Without a profile: per (pipeline degree and partition,) stage and gas, growing
+        micro-batches until one runs out of memory or stops improving the metric."""
         self.planned += len(candidates)
-        for stage in self.space.stages:
-            for gas in self.space.gas:
-                mine = sorted((e for e in candidates if e.stage == stage and e.gas == gas),
-                              key=lambda e: e.train_batch_size)
-                best = None
-                for experiment in mine:
-                    if self._already(experiment):
-                        continue
-                    outcome = self._run(experiment)
-                    if outcome.status in (OOM, TIMEOUT):
+        groups = {}
+        for experiment in candidates:
+            key = (experiment.pipeline_stages, experiment.partition, experiment.stage, experiment.gas)
+            groups.setdefault(key, []).append(experiment)
+        for group in groups.values():  # in the candidates' order: stage, then gas
+            best = None
+            for experiment in sorted(group, key=lambda e: e.train_batch_size):
+                if self._already(experiment):
+                    continue
+                outcome = self._run(experiment)
+                if outcome.status in (OOM, TIMEOUT):
+                    break
+                if outcome.status == OK:
+                    if best is not None and not is_better(outcome.value, best, self.settings.metric):
                         break
-                    if outcome.status == OK:
-                        if best is not None and not is_better(outcome.value, best, self.settings.metric):
-                            break
-                        best = outcome.value
+                    best = outcome.value
 
 
 def choose_next(todo, corrections, metric, rng):

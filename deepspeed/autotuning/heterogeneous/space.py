@@ -8,13 +8,20 @@ either at the top level or inside the ``autotuning`` block (which wins)::
     "gradient_accumulation_steps":    "auto" | 1 | [1, 2]
     "zero_optimization": {"stage": [1, 2], ...the user's other ZeRO settings, kept...}
 
-An experiment is one (ZeRO stage, gas, per-rank micro-batch sizes) point. Its ds_config is the
-user's config with exactly those values replaced: every other ZeRO setting (offload, buckets,
-overlap) is kept, where upstream's micro-batch experiments replaced the whole block by
-``{"stage": n}``.
+With a ``PipelineModule(partition_method="heterogeneous")``, the autotuning block may add the
+pipeline degree and the fork's partition (the degree reaches the script by its flag)::
+
+    "pipeline": {"num_stages": [1, 2], "partition": ["balanced", "parameters"]}
+    "arg_mappings": {"pipeline.num_stages": "--stages"}
+
+An experiment is one (pipeline degree and partition, ZeRO stage, gas, per-rank micro-batch sizes)
+point. Its ds_config is the user's config with exactly those values replaced: every other ZeRO
+setting (offload, buckets, overlap) is kept, where upstream's micro-batch experiments replaced the
+whole block by ``{"stage": n}``.
 """
 
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
@@ -25,6 +32,13 @@ GAS = "gradient_accumulation_steps"
 BATCH = "train_batch_size"
 ZERO = "zero_optimization"
 HETERO = "heterogeneous_config"
+PIPELINE = "pipeline"
+NUM_STAGES = "pipeline.num_stages"
+"""The arg_mappings key of the pipeline degree: PipelineModule(num_stages=...) is the script's."""
+PARTITIONS = {"balanced": "bal", "parameters": "par", "uniform": "uni"}
+"""heterogeneous_config.pipeline.partition values, and their short form in experiment names."""
+PIPELINE_STAGES = (0, 1)
+"""ZeRO stages DeepSpeed's PipelineEngine accepts (it refuses 2 and 3 at any pipeline degree)."""
 
 # Keys of the autotuning block: upstream's, and the fork's additions (documented in the README).
 AUTOTUNING_KEYS = {
@@ -54,6 +68,8 @@ AUTOTUNING_KEYS = {
     MBS: "'auto', an int or a list of ints",
     GAS: "'auto', an int or a list of ints",
     ZERO: "{'stage': int or list of 0-3}",
+    PIPELINE: "{'num_stages': int or list of ints, 'partition': name or list of 'balanced', 'parameters', "
+              "'uniform'}",
 }
 METRICS = ("throughput", "latency", "flops")
 TUNERS = ("gridsearch", "random", "model_based")
@@ -122,10 +138,10 @@ def parse_settings(ds_config):
                                                  for k, v in mappings.items()):
         raise AutotuningConfigError(f"autotuning.arg_mappings = {mappings!r}: must map ds_config keys to the "
                                     f"script's flags, e.g. {{\"{MBS}\": \"--per_device_train_batch_size\"}}")
-    bad = sorted(set(mappings) - {MBS, GAS, BATCH})
+    bad = sorted(set(mappings) - {MBS, GAS, BATCH, NUM_STAGES})
     if bad:
         raise AutotuningConfigError(f"autotuning.arg_mappings: {bad} cannot be mapped; mappable keys: {MBS}, {GAS}, "
-                                    f"{BATCH}")
+                                    f"{BATCH}, {NUM_STAGES}")
     settings.arg_mappings = dict(mappings)
     for key in ("results_dir", "exps_dir"):
         if key in block:
@@ -164,6 +180,20 @@ def _candidates(value, key, default):
     return sorted(set(values))
 
 
+@dataclass(frozen=True)
+class PipelineSpace:
+    """The pipeline dimension: degrees (each divides the ranks) and the fork's partitions."""
+
+    degrees: Tuple[int, ...]
+    partitions: Tuple[str, ...]
+    flag: str
+    """The script's flag for the degree (autotuning.arg_mappings["pipeline.num_stages"])."""
+
+    def points(self):
+        """(degree, partition) pairs to try; one stage has no cut, so its partition is None."""
+        return [(d, p) for d in self.degrees for p in (self.partitions if d > 1 else (None, ))]
+
+
 @dataclass
 class TuningSpace:
     stages: List[int]
@@ -175,10 +205,79 @@ class TuningSpace:
     world_size: int
     heterogeneous: bool
     """The user's config enables heterogeneous_config: per-rank allocations are tuned."""
+    pipeline: Optional[PipelineSpace] = None
+    gas_by_degree: Dict[int, List[int]] = field(default_factory=dict)
+    """With a pipeline and a fixed train_batch_size: each degree's gas (its replicas differ)."""
+    notes: List[str] = field(default_factory=list)
+    """What was left out of the space and why (the tuner prints them)."""
+
+    def replicas(self, degree):
+        """Data-parallel replicas at a pipeline degree (degree None: no pipeline, every rank)."""
+        return self.world_size // (degree or 1)
+
+    def gas_for(self, degree):
+        return self.gas_by_degree.get(degree, self.gas)
+
+
+def _listed(value, key, allowed, kind):
+    values = value if isinstance(value, list) else [value]
+    if not values or not all(allowed(v) for v in values):
+        raise AutotuningConfigError(f"{key} = {value!r}: use {kind} or a list of them")
+    return values
+
+
+def parse_pipeline(block, ds_config, settings, world_size):
+    """The ``autotuning.pipeline`` block as a PipelineSpace (None without one) and notes on the
+    degrees left out; AutotuningConfigError names a wrong key, value or missing mapping."""
+    value = block.get(PIPELINE)
+    if value is None:
+        return None, []
+    where = f"autotuning.{PIPELINE}"
+    if not isinstance(value, dict):
+        raise AutotuningConfigError(f"{where} = {value!r}: must be a map, e.g. {{\"num_stages\": [1, 2], "
+                                    f"\"partition\": [\"balanced\", \"parameters\"]}}")
+    unknown = sorted(set(value) - {"num_stages", "partition"})
+    if unknown:
+        raise AutotuningConfigError(f"{where}: unknown key(s) {unknown}; allowed keys: num_stages, partition")
+    if "num_stages" not in value:
+        raise AutotuningConfigError(f"{where}.num_stages is missing: give the pipeline degrees to try, e.g. [1, 2]")
+    degrees = _listed(value["num_stages"], f"{where}.num_stages",
+                      lambda d: isinstance(d, int) and not isinstance(d, bool) and d >= 1, "a positive integer")
+    partitions = _listed(value.get("partition", "balanced"), f"{where}.partition", lambda p: p in PARTITIONS,
+                         f"one of {', '.join(repr(p) for p in PARTITIONS)}")
+    flag = settings.arg_mappings.get(NUM_STAGES)
+    if flag is None:
+        raise AutotuningConfigError(f"{where}.num_stages is tuned, but autotuning.arg_mappings has no "
+                                    f"\"{NUM_STAGES}\": name the flag your script reads for PipelineModule("
+                                    f"num_stages=...), e.g. \"arg_mappings\": {{\"{NUM_STAGES}\": \"--stages\"}}")
+    hetero = ds_config.get(HETERO) or {}
+    if not hetero.get("enabled"):
+        raise AutotuningConfigError(f"{where} needs heterogeneous_config.enabled: true: the partition is "
+                                    f"heterogeneous_config.pipeline.partition, read when the fork builds a "
+                                    f"PipelineModule(partition_method=\"heterogeneous\") (docs/pipeline.md)")
+    if (hetero.get("scheduler") or {}).get("dynamic_rebalancing"):
+        raise AutotuningConfigError(f"{where}: heterogeneous_config.scheduler.dynamic_rebalancing is true, which a "
+                                    f"PipelineModule refuses (its replicas keep their start-up plan): set it to false")
+    if (hetero.get(PIPELINE) or {}).get("stage_layers"):
+        raise AutotuningConfigError(f"{where}: heterogeneous_config.pipeline.stage_layers is a manual cut for one "
+                                    f"degree, and it wins over the partition: remove it to tune the pipeline")
+    notes = []
+    kept = sorted({d for d in degrees if world_size % d == 0})
+    left = sorted(set(degrees) - set(kept))
+    if left:
+        notes.append(f"{where}.num_stages {left} left out: a degree must divide the {world_size} rank(s)")
+    if not kept:
+        raise AutotuningConfigError(f"{where}.num_stages = {value['num_stages']!r}: no degree divides the "
+                                    f"{world_size} rank(s) this command starts")
+    ordered = tuple(p for p in PARTITIONS if p in partitions)
+    if ordered and kept == [1] and "partition" in value:
+        notes.append(f"{where}.partition {list(ordered)} not tuned: one stage has no cut")
+    return PipelineSpace(degrees=tuple(kept), partitions=ordered, flag=flag), notes
 
 
 def parse_space(ds_config, settings, world_size):
     block = ds_config.get("autotuning") or {}
+    pipeline, notes = parse_pipeline(block, ds_config, settings, world_size)
 
     def pick(key):
         return block[key] if key in block else ds_config.get(key)
@@ -201,6 +300,15 @@ def parse_space(ds_config, settings, world_size):
             raise AutotuningConfigError(f"{zero_key}.stage = {stage!r}: use 'auto', a stage (0, 1, 2 or 3) or a "
                                         f"list of them")
         stages = sorted(set(stages))
+    if pipeline is not None:
+        kept = [s for s in stages if s in PIPELINE_STAGES]
+        if not kept:
+            raise AutotuningConfigError(f"{zero_key}.stage = {stage!r}: with autotuning.{PIPELINE}, ZeRO stage 0 or 1 "
+                                        f"only (DeepSpeed's PipelineEngine refuses ZeRO-2 and ZeRO-3)")
+        if kept != stages:
+            notes.append(f"ZeRO stages {[s for s in stages if s not in kept]} left out: DeepSpeed's PipelineEngine "
+                         f"refuses ZeRO-2 and ZeRO-3 (any pipeline degree)")
+        stages = kept
     gas_value = pick(GAS)
     gas = _candidates(gas_value, where(GAS), [1] if settings.fast else [1, 2])
     mbs_value = pick(MBS)
@@ -214,9 +322,32 @@ def parse_space(ds_config, settings, world_size):
         if len(batch) != 1:
             raise AutotuningConfigError(f"{BATCH} = {ds_config.get(BATCH)!r}: give one global batch or 'auto'")
         batch = batch[0]
-        gas = _gas_for_fixed_batch(batch, gas, gas_value in (None, AUTO), mbs, world_size, hetero, where)
-    return TuningSpace(stages=stages, gas=gas, micro_batch_sizes=mbs, train_batch_size=batch, world_size=world_size,
-                       heterogeneous=hetero)
+        if pipeline is None:
+            gas = _gas_for_fixed_batch(batch, gas, gas_value in (None, AUTO), mbs, world_size, hetero, where)
+        else:
+            gas_by_degree, pipeline = _gas_per_degree(batch, gas, gas_value in (None, AUTO), mbs, world_size,
+                                                      pipeline, where, notes)
+    space = TuningSpace(stages=stages, gas=gas, micro_batch_sizes=mbs, train_batch_size=batch, world_size=world_size,
+                        heterogeneous=hetero, pipeline=pipeline, notes=notes)
+    if pipeline is not None and batch is not None:
+        space.gas_by_degree = gas_by_degree
+    return space
+
+
+def _gas_per_degree(batch, gas, gas_auto, mbs, world, pipeline, where, notes):
+    """A fixed global batch at each pipeline degree: its world/degree replicas split it (the
+    fork's replica plan splits unevenly, as with heterogeneous_config on). A degree that cannot
+    give the batch is left out with a note; none: the first degree's error."""
+    by_degree, errors = {}, []
+    for degree in pipeline.degrees:
+        try:
+            by_degree[degree] = _gas_for_fixed_batch(batch, gas, gas_auto, mbs, world // degree, True, where)
+        except AutotuningConfigError as exc:
+            errors.append(exc)
+            notes.append(f"pipeline degree {degree} left out ({world // degree} replica(s)): {exc}")
+    if not by_degree:
+        raise errors[0]
+    return by_degree, dataclasses.replace(pipeline, degrees=tuple(sorted(by_degree)))
 
 
 def _gas_for_fixed_batch(batch, gas, gas_auto, mbs, world, hetero, where):
@@ -265,6 +396,11 @@ class Experiment:
     """Run through heterogeneous_config (manual plan, or uniform on an emulated cluster)."""
     profile: bool = False
     """The profiling run: compute_aware with profiling steps; measures every rank's models."""
+    pipeline_stages: Optional[int] = None
+    """The pipeline degree passed to the script (None: no pipeline tuned); micro_batch_sizes then
+    has one entry per replica, which compute_aware re-splits by the replicas' speeds."""
+    partition: Optional[str] = None
+    """heterogeneous_config.pipeline.partition (None with one stage: no cut)."""
 
     @property
     def uniform(self):
@@ -279,13 +415,20 @@ class Experiment:
         if self.profile:
             return f"profile_z{self.stage}_gas{self.gas}_tbs{self.train_batch_size}"
         sizes = str(self.micro_batch_sizes[0]) if self.uniform else "-".join(map(str, self.micro_batch_sizes))
-        return f"z{self.stage}_gas{self.gas}_tmbspg{sizes}"
+        return f"{self.pipeline_prefix}z{self.stage}_gas{self.gas}_tmbspg{sizes}"
+
+    @property
+    def pipeline_prefix(self):
+        """``pp2bal_``: degree 2, balanced partition; ``pp1_``: one stage; '' without a pipeline."""
+        if self.pipeline_stages is None:
+            return ""
+        return f"pp{self.pipeline_stages}{PARTITIONS.get(self.partition, '')}_"
 
     def ds_config(self, user_config, metric_path, settings, profile_steps=3):
         """The user's config with this experiment's values; tuning lists and 'auto' removed."""
         config = copy.deepcopy(user_config)
         block = config.get("autotuning") or {}
-        for key in (MBS, GAS, ZERO):
+        for key in (MBS, GAS, ZERO, PIPELINE):
             block.pop(key, None)
         block.update(enabled=True, metric=settings.metric, metric_path=metric_path,
                      start_profile_step=settings.start_profile_step, end_profile_step=settings.end_profile_step)
@@ -297,7 +440,15 @@ class Experiment:
         config[BATCH] = self.train_batch_size
         config[GAS] = self.gas
         hetero = dict(config.get(HETERO) or {})
-        if self.profile:
+        if self.pipeline_stages is not None:
+            config.pop(MBS, None)
+            # The replicas' plan follows their pipelines' speeds as the engine starts (no profiling
+            # steps with a pipeline); with one replica it is the whole batch.
+            hetero.update(enabled=True, load_balancing_strategy="compute_aware")
+            hetero.pop("micro_batch_sizes", None)
+            if self.partition is not None:
+                hetero["pipeline"] = {**(hetero.get("pipeline") or {}), "partition": self.partition}
+        elif self.profile:
             config.pop(MBS, None)
             hetero.update(enabled=True, load_balancing_strategy="compute_aware", profile_steps=profile_steps)
             hetero.pop("micro_batch_sizes", None)
@@ -311,13 +462,22 @@ class Experiment:
                 hetero.update(load_balancing_strategy="manual", micro_batch_sizes=list(self.micro_batch_sizes))
         else:
             config[MBS] = self.micro_batch_sizes[0]
-        if self.profile or self.heterogeneous:
+        if self.profile or self.heterogeneous or self.pipeline_stages is not None:
             scheduler = dict(hetero.get("scheduler") or {})
             scheduler.pop("type", None)
             scheduler["dynamic_rebalancing"] = False  # an experiment measures one fixed plan
             hetero["scheduler"] = scheduler
             config[HETERO] = hetero
         return config
+
+
+def replica_micro_batches(metrics, replicas):
+    """The per-replica micro-batches a pipeline experiment ran, from its metrics: global rank g is
+    stage g // replicas, replica g % replicas, so stage 0's ranks are the first ``replicas``."""
+    ranks = sorted(metrics.get("ranks") or [], key=lambda entry: entry["rank"])
+    if len(ranks) < replicas:
+        return None
+    return [int(entry["micro_batch_size"]) for entry in ranks[:replicas]]
 
 
 def interpolate(uniform, target, fraction):

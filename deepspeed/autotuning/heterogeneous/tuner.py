@@ -17,6 +17,11 @@
 4. results_dir gets summary.txt, results.json, ds_config_optimal.json (with the per-rank plan in
    heterogeneous_config) and cmd_optimal.txt; exps_dir one folder per experiment.
 
+With ``autotuning.pipeline`` (a PipelineModule), steps 1-2 do not apply: the pipeline engine runs
+no profiling steps and the cost model knows no stages, so every candidate (degree x partition x
+ZeRO 0/1 x gas x micro-batch) is measured, a sweep per group; the degree reaches the script by its
+``arg_mappings`` flag, in every experiment and in cmd_optimal.txt.
+
 This module is the command-line entry, the checks made before anything is launched and the
 experiment loop; search.py holds steps 1-3 (profiling, candidates, strategies), outputs.py step 4.
 """
@@ -36,7 +41,7 @@ from .results import FAILED, NO_METRICS, OK, PREDICTED_OOM, Outcome, metric_valu
 from .runner import ExperimentRunner, find_config_path
 # EXPLORATION and choose_next are re-exported: the tests import them from this module.
 from .search import EXPLORATION, PROFILE_STEPS, TuningSearch, choose_next  # noqa: F401
-from .space import AutotuningConfigError, parse_settings, parse_space
+from .space import AutotuningConfigError, parse_settings, parse_space, replica_micro_batches
 
 
 class AutotuningError(RuntimeError):
@@ -163,10 +168,14 @@ class HeterogeneousAutotuner(TuningSearch, TuningOutputs):
         if status == FAILED and "unrecognized arguments" in message and self.settings.arg_mappings:
             message += (f"\nhint: autotuning.arg_mappings {self.settings.arg_mappings} names flags; the script must "
                         f"accept them")
+        sizes = list(experiment.micro_batch_sizes)
+        if experiment.pipeline_stages is not None and metrics:
+            # The replicas' plan the engine made from their speeds (the name keeps the even split).
+            sizes = replica_micro_batches(metrics, len(sizes)) or sizes
         outcome = Outcome(name=name, stage=experiment.stage, status=status, value=value, seconds=seconds,
                           error=message, predicted=predicted, train_batch_size=experiment.train_batch_size,
-                          micro_batch_sizes=list(experiment.micro_batch_sizes), gas=experiment.gas,
-                          metrics=metrics or {}, folder=exp_dir)
+                          micro_batch_sizes=sizes, gas=experiment.gas, metrics=metrics or {}, folder=exp_dir,
+                          pipeline_stages=experiment.pipeline_stages, partition=experiment.partition)
         self.outcomes.append(outcome)
         self.configs[name] = config
         with open(os.path.join(exp_dir, "result.json"), "w") as handle:
@@ -205,6 +214,9 @@ class HeterogeneousAutotuner(TuningSearch, TuningOutputs):
         sizes = space.micro_batch_sizes or "auto"
         if space.heterogeneous:
             sizes = f"{sizes} (mean per rank: per-rank splits of the same total are tried)"
+        if space.pipeline is not None:
+            self._tune_pipeline()
+            return
         _say(f"tuning {self.world_size} rank(s): ZeRO stages {space.stages}, gas {space.gas}, micro-batch sizes "
              f"{sizes}, train_batch_size {space.train_batch_size or 'tuned'}, metric "
              f"{self.settings.metric}, {'fast' if self.settings.fast else self.settings.tuner_type} search")
@@ -229,6 +241,26 @@ class HeterogeneousAutotuner(TuningSearch, TuningOutputs):
             (self._fast if self.settings.fast else search[self.settings.tuner_type])(fitting)
         else:
             self._sweep(candidates)
+        self._write_results()
+        if select_best(self.outcomes, self.settings.metric) is None:
+            raise AutotuningError(self._nothing_worked())
+
+    def _tune_pipeline(self):
+        """The pipeline engine fixes its replicas' plan as it starts and runs no profiling steps,
+        and the cost model knows no stages: every candidate is measured (a sweep per degree,
+        partition, ZeRO stage and gas), none predicted."""
+        space = self.space
+        pipeline = space.pipeline
+        gas = space.gas if not space.gas_by_degree else {f"pp{d}": g for d, g in space.gas_by_degree.items()}
+        _say(f"tuning {self.world_size} rank(s): pipeline degrees {list(pipeline.degrees)} (script flag "
+             f"{pipeline.flag}), partitions {list(pipeline.partitions)}, ZeRO stages {space.stages}, gas {gas}, "
+             f"micro-batch sizes {space.micro_batch_sizes or 'auto'} (per replica; compute_aware splits by the "
+             f"replicas' speeds), train_batch_size {space.train_batch_size or 'tuned'}, metric "
+             f"{self.settings.metric}")
+        for note in space.notes:
+            _say(f"note: {note}")
+        _say("pipeline: no profiling run (the pipeline engine runs no profiling steps); every candidate is measured")
+        self._sweep(self._candidates())
         self._write_results()
         if select_best(self.outcomes, self.settings.metric) is None:
             raise AutotuningError(self._nothing_worked())

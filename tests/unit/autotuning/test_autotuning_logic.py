@@ -13,8 +13,10 @@ from deepspeed.autotuning.heterogeneous.costmodel import ClusterProfile
 from deepspeed.autotuning.heterogeneous.experiments import rank_memory_capacity
 from deepspeed.autotuning.heterogeneous.runner import (experiment_args, extension_roots, find_config_path,
                                                        orphaned_build_locks, remove_build_locks)
+from deepspeed.autotuning.heterogeneous.search import TuningSearch
 from deepspeed.autotuning.heterogeneous.space import (AutotuningConfigError, Experiment, interpolate,
-                                                      optimal_ds_config, parse_settings, parse_space)
+                                                      optimal_ds_config, parse_settings, parse_space,
+                                                      replica_micro_batches)
 from deepspeed.autotuning.heterogeneous.tuner import EXPLORATION, _launcher_args, choose_next
 from deepspeed.runtime.heterogeneous.planning.planner import TimeModel
 
@@ -300,3 +302,149 @@ def test_model_based_choice_follows_corrected_predictions_and_really_explores():
     # Latency: smaller is better, so the stage measured at half its predicted time is the choice.
     latency_picks = [choose_next(todo, {0: 1.0, 1: 0.5, 2: 1.0}, "latency", random.Random(seed)) for seed in range(200)]
     assert max(set(latency_picks), key=latency_picks.count) == 1
+
+
+# -- pipelines: the degree and the partition ---------------------------------------------------------
+
+
+def _pipeline_config(pipeline=None, world_block=None, **top):
+    """A ds_config that tunes a PipelineModule's degree (flag --stages) and partition."""
+    block = {"enabled": True, "arg_mappings": {"pipeline.num_stages": "--stages"},
+             "pipeline": pipeline if pipeline is not None else {"num_stages": [1, 2],
+                                                                "partition": ["balanced", "parameters"]}}
+    block.update(world_block or {})
+    config = {"train_batch_size": 16, "gradient_accumulation_steps": 4, "zero_optimization": {"stage": 1},
+              "heterogeneous_config": {"enabled": True}, "autotuning": block}
+    config.update(top)
+    return config
+
+
+def _pipeline_space(config, world=2):
+    return parse_space(config, parse_settings(config), world)
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"pipeline": [1, 2]}, "autotuning.pipeline = [1, 2]: must be a map"),
+    ({"pipeline": {"num_stages": [2], "stages": 2}}, "autotuning.pipeline: unknown key(s) ['stages']; allowed keys: "
+     "num_stages, partition"),
+    ({"pipeline": {"partition": "balanced"}}, "autotuning.pipeline.num_stages is missing"),
+    ({"pipeline": {"num_stages": [0, 2]}}, "autotuning.pipeline.num_stages = [0, 2]: use a positive integer"),
+    ({"pipeline": {"num_stages": 2, "partition": ["fast"]}},
+     "autotuning.pipeline.partition = ['fast']: use one of 'balanced', 'parameters', 'uniform'"),
+    ({"arg_mappings": {}}, "autotuning.arg_mappings has no \"pipeline.num_stages\""),
+    ({"pipeline": {"num_stages": [3]}}, "autotuning.pipeline.num_stages = [3]: no degree divides the 2 rank(s)"),
+])
+def test_a_bad_pipeline_block_is_refused_naming_the_key_and_what_is_allowed(change, words):
+    config = _pipeline_config(world_block=change)
+    with pytest.raises(AutotuningConfigError) as error:
+        _pipeline_space(config)
+    assert words in str(error.value)
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"heterogeneous_config": {"enabled": False}}, "autotuning.pipeline needs heterogeneous_config.enabled: true"),
+    ({"heterogeneous_config": {"enabled": True, "scheduler": {"dynamic_rebalancing": True}}},
+     "dynamic_rebalancing is true, which a PipelineModule refuses"),
+    ({"heterogeneous_config": {"enabled": True, "pipeline": {"stage_layers": [4, 2]}}},
+     "heterogeneous_config.pipeline.stage_layers is a manual cut"),
+    ({"zero_optimization": {"stage": [2, 3]}}, "zero_optimization.stage = [2, 3]: with autotuning.pipeline, ZeRO "
+     "stage 0 or 1 only"),
+])
+def test_a_pipeline_space_the_pipeline_engine_cannot_run_is_refused(change, words):
+    with pytest.raises(AutotuningConfigError) as error:
+        _pipeline_space(_pipeline_config(**change))
+    assert words in str(error.value)
+
+
+def test_the_pipeline_space_leaves_out_what_cannot_run_with_notes():
+    config = _pipeline_config({"num_stages": [4, 1, 3, 2], "partition": ["parameters", "balanced"]},
+                              zero_optimization={"stage": "auto"})
+    space = _pipeline_space(config, world=4)
+    assert space.pipeline.degrees == (1, 2, 4) and space.pipeline.flag == "--stages"
+    assert space.pipeline.partitions == ("balanced", "parameters")  # in a fixed order
+    assert space.stages == [0, 1]  # "auto": every stage the pipeline engine accepts
+    assert space.notes == ["autotuning.pipeline.num_stages [3] left out: a degree must divide the 4 rank(s)",
+                           "ZeRO stages [2, 3] left out: DeepSpeed's PipelineEngine refuses ZeRO-2 and ZeRO-3 "
+                           "(any pipeline degree)"]
+    # One stage has no cut: one point, not one per partition.
+    assert space.pipeline.points() == [(1, None), (2, "balanced"), (2, "parameters"), (4, "balanced"),
+                                       (4, "parameters")]
+    assert [space.replicas(d) for d in space.pipeline.degrees] == [4, 2, 1]
+    single = _pipeline_space(_pipeline_config({"num_stages": 2}))
+    assert single.pipeline.partitions == ("balanced", ) and single.notes == []
+
+
+def test_a_fixed_global_batch_gets_its_accumulation_steps_per_degree():
+    """4 ranks, train_batch_size 4: one stage has 4 replicas (gas 1 only), two stages 2 replicas
+    (gas 1 or 2), four stages 1 replica (gas 1, 2 or 4)."""
+    config = _pipeline_config({"num_stages": [1, 2, 4]}, train_batch_size=4, gradient_accumulation_steps="auto",
+                              **{"train_micro_batch_size_per_gpu": [1, 2, 4]})
+    space = _pipeline_space(config, world=4)
+    assert space.gas_by_degree == {1: [1], 2: [1, 2], 4: [1, 2, 4]}
+    # A degree that cannot give the batch is left out, and says why.
+    config = _pipeline_config({"num_stages": [1, 2]}, train_batch_size=2, gradient_accumulation_steps=1)
+    space = _pipeline_space(config, world=4)
+    assert space.pipeline.degrees == (2, ) and space.gas_for(2) == [1]
+    assert space.notes[0].startswith("pipeline degree 1 left out (4 replica(s)): train_batch_size 2 is smaller "
+                                     "than the 4 data-parallel ranks")
+
+
+class _Search(TuningSearch):
+    """The search's candidate logic over a parsed space, without a tuner."""
+
+    def __init__(self, space, settings):
+        self.space, self.settings, self.dp_world, self.profile = space, settings, space.world_size, None
+
+
+def test_pipeline_candidates_are_degree_partition_stage_and_gas_named_by_them():
+    config = _pipeline_config(zero_optimization={"stage": [0, 1]})
+    space = _pipeline_space(config)
+    names = [e.name for e in _Search(space, parse_settings(config))._candidates()]
+    assert names == ["pp1_z0_gas4_tmbspg2", "pp1_z1_gas4_tmbspg2", "pp2bal_z0_gas4_tmbspg4", "pp2bal_z1_gas4_tmbspg4",
+                     "pp2par_z0_gas4_tmbspg4", "pp2par_z1_gas4_tmbspg4"]
+    # Without a fixed batch: per-replica sizes over each degree's replicas.
+    free = _pipeline_config({"num_stages": [1, 2], "partition": "uniform"}, train_batch_size="auto",
+                            gradient_accumulation_steps=1, **{"train_micro_batch_size_per_gpu": [2, 4]})
+    candidates = _Search(_pipeline_space(free), parse_settings(free))._candidates()
+    assert [(e.name, e.micro_batch_sizes, e.train_batch_size) for e in candidates] == [
+        ("pp1_z1_gas1_tmbspg2", (2, 2), 4), ("pp1_z1_gas1_tmbspg4", (4, 4), 8),
+        ("pp2uni_z1_gas1_tmbspg2", (2, ), 2), ("pp2uni_z1_gas1_tmbspg4", (4, ), 4)]
+
+
+def test_pipeline_experiment_config_sets_the_partition_and_the_flag_the_degree():
+    user = _pipeline_config(heterogeneous_config={"enabled": True, "load_balancing_strategy": "manual",
+                                                  "micro_batch_sizes": [3, 1],
+                                                  "pipeline": {"layer_cost": "parameters"}})
+    settings = parse_settings(user)
+    two = Experiment(stage=1, gas=4, micro_batch_sizes=(4, ), heterogeneous=True, pipeline_stages=2,
+                     partition="parameters")
+    config = two.ds_config(user, "m.json", settings)
+    assert two.name == "pp2par_z1_gas4_tmbspg4"
+    assert config["heterogeneous_config"]["pipeline"] == {"layer_cost": "parameters", "partition": "parameters"}
+    # The replicas' plan is the engine's, from their speeds; nothing the pipeline refuses.
+    assert config["heterogeneous_config"]["load_balancing_strategy"] == "compute_aware"
+    assert "micro_batch_sizes" not in config["heterogeneous_config"]
+    assert config["heterogeneous_config"]["scheduler"]["dynamic_rebalancing"] is False
+    assert (config["train_batch_size"], config["gradient_accumulation_steps"]) == (16, 4)
+    assert "train_micro_batch_size_per_gpu" not in config and "pipeline" not in config["autotuning"]
+    one = Experiment(stage=0, gas=4, micro_batch_sizes=(2, 2), heterogeneous=True, pipeline_stages=1)
+    assert one.name == "pp1_z0_gas4_tmbspg2"
+    assert "partition" not in one.ds_config(user, "m.json", settings)["heterogeneous_config"]["pipeline"]
+    args = ["--deepspeed_config", "ds.json", "--stages", "8"]
+    assert experiment_args(args, "e.json", settings.arg_mappings, two)[-2:] == ["--stages", "2"]
+    plain = Experiment(stage=1, gas=1, micro_batch_sizes=(2, 2))  # no pipeline tuned: the script's own degree
+    assert experiment_args(args, "e.json", settings.arg_mappings, plain)[-2:] == ["--stages", "8"]
+
+
+def test_a_pipeline_experiment_reports_its_replicas_plan_and_the_summary_its_degree_and_partition():
+    metrics = {"ranks": [{"rank": 1, "micro_batch_size": 1}, {"rank": 0, "micro_batch_size": 3}]}
+    assert replica_micro_batches(metrics, 2) == [3, 1]  # ranks 0, 1: stage 0 of replicas 0, 1
+    assert replica_micro_batches(metrics, 1) == [3]
+    outcomes = [R.Outcome("pp1_z1_gas4_tmbspg2", 1, R.OK, 100.0, pipeline_stages=1),
+                R.Outcome("pp2bal_z1_gas4_tmbspg4", 1, R.OK, 80.0, pipeline_stages=2, partition="balanced"),
+                R.Outcome("pp2par_z1_gas4_tmbspg4", 1, R.FAILED, pipeline_stages=2, partition="parameters")]
+    table = R.format_summary(outcomes, "throughput", [1], [(1, None), (2, "balanced"), (2, "parameters")])
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in table.splitlines() if line.startswith("| ")]
+    assert rows[1:] == [["z1", "3", "100", "pp1_z1_gas4_tmbspg2"], ["pp1", "1", "100", "pp1_z1_gas4_tmbspg2"],
+                        ["pp2 balanced", "1", "80", "pp2bal_z1_gas4_tmbspg4"], ["pp2 parameters", "1", "-", "-"],
+                        ["global", "3", "100", "pp1_z1_gas4_tmbspg2"]]

@@ -150,6 +150,51 @@ def test_tune_then_run_on_an_emulated_mixed_cluster(tmp_path):
     assert "training finished after 12 steps" in output  # 'run' trained with it, without stopping
 
 
+PIPELINE_SCRIPT = Path(__file__).resolve().parent / "tiny_pipeline_train.py"
+
+
+def test_tune_then_run_a_pipeline_degree_and_partition_on_an_emulated_cluster(tmp_path):
+    """A PipelineModule of 6 layers on 2 ranks, rank 1 at half speed: one stage (2 replicas, the
+    compute_aware plan splits the batch) against two stages cut by the fork's balanced partition and
+    by upstream's parameters partition. Each experiment's degree reaches the script as --stages."""
+    config = _config(arg_mappings={"pipeline.num_stages": "--stages"},
+                     pipeline={"num_stages": [1, 2], "partition": ["balanced", "parameters"]})
+    config.update(train_batch_size=16, gradient_accumulation_steps=4, zero_optimization={"stage": 1},
+                  heterogeneous_config={"enabled": True, "emulation": {"speeds": [1.0, 0.5], "mode": "dilation"}})
+    del config["train_micro_batch_size_per_gpu"]
+    code, output = _tune(tmp_path, config, ["--sleep-per-sample", "0.002", "--steps", "8"], mode="run",
+                         script=PIPELINE_SCRIPT, timeout=400)
+    assert code == 0, output[-6000:]
+    assert "[autotuning] pipeline: no profiling run" in output
+    experiments = {e["name"]: e for e in _results(tmp_path)["experiments"]}
+    assert set(experiments) == {"pp1_z1_gas4_tmbspg2", "pp2bal_z1_gas4_tmbspg4", "pp2par_z1_gas4_tmbspg4"}
+    assert all(e["status"] == "ok" for e in experiments.values()), experiments
+    for name, (degree, partition) in {"pp1_z1_gas4_tmbspg2": (1, None), "pp2bal_z1_gas4_tmbspg4": (2, "balanced"),
+                                      "pp2par_z1_gas4_tmbspg4": (2, "parameters")}.items():
+        folder = tmp_path / "autotuning_exps" / name
+        hetero = json.loads((folder / "ds_config.json").read_text())["heterogeneous_config"]
+        assert (hetero.get("pipeline") or {}).get("partition") == partition
+        assert (experiments[name]["pipeline_stages"], experiments[name]["partition"]) == (degree, partition)
+        assert (folder / "cmd.txt").read_text().split()[-2:] == ["--stages", str(degree)]
+        log = (folder / "stdout.log").read_text()
+        assert f"pipeline: {degree} stage(s) x {2 // degree} replica(s)" in log  # the engine built that degree
+    # One stage, two replicas: rank 1 at half speed gets the smaller share of each micro-step.
+    sizes = experiments["pp1_z1_gas4_tmbspg2"]["micro_batch_sizes"]
+    assert sum(sizes) == 4 and sizes[0] > sizes[1], sizes
+    for row in ("| pp1 ", "| pp2 balanced ", "| pp2 parameters ", "| global "):
+        assert row in output
+    best = max(experiments.values(), key=lambda e: e["value"])
+    assert f"best {best['name']}: throughput" in output
+    assert f"cmd_optimal.txt passes --stages {best['pipeline_stages']}" in output
+    optimal = json.loads((tmp_path / "autotuning_results" / "ds_config_optimal.json").read_text())
+    assert (optimal["heterogeneous_config"].get("pipeline") or {}).get("partition") == best["partition"]
+    assert optimal["zero_optimization"]["stage"] == 1 and optimal["autotuning"]["enabled"] is False
+    command = (tmp_path / "autotuning_results" / "cmd_optimal.txt").read_text().split()
+    assert command[-2:] == ["--stages", str(best["pipeline_stages"])]
+    # 'run' trained the best degree with the written config.
+    assert f"training finished after 8 steps with {best['pipeline_stages']} stage(s)" in output
+
+
 def test_gridsearch_on_latency_keeps_user_zero_settings_and_picks_the_smallest(tmp_path):
     """Non-fast mode (upstream: no hostfile, KeyError) with metric latency (upstream: the largest
     latency won). No stage named: ZeRO 0-3 would be tuned (upstream: only 0); here two are named."""

@@ -104,7 +104,7 @@ def partition_stages(costs: Sequence[float], speeds: Sequence[float], layer_byte
     for s in range(stages - 1, -1, -1):
         parts.append(cut[s][parts[-1]])
     parts.reverse()
-    return _described(parts, costs, speeds, "heterogeneous")
+    return _described(parts, costs, speeds, "balanced")
 
 
 def _described(parts, costs, speeds, method):
