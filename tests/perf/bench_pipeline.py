@@ -28,10 +28,14 @@ prints, per stage, the share of its wall time spent waiting in transfers and col
 
 Last, the bytes each rank sends per step (from the recorded collectives, as ring collectives move
 them): the 2-stage heterogeneous pipeline against ZeRO-3 data parallelism of the same blocks on the
-same 2 ranks, which on a 2-host cluster (one rank per host) is what crosses the link.
+same 2 ranks, which on a 2-host cluster (one rank per host) is what crosses the link. And, first,
+the same two on an emulated 2-host cluster (``scripts/emulated_cluster.py``: one rank per network
+namespace, a ``--link-mbit`` ``tbf``-shaped link; needs root, ``ip`` and ``tc``): samples/s and the
+bytes the link carried per step, read from its ``tc`` counters.
 
     python tests/perf/bench_pipeline.py [--steps N] [--rounds R] [--modes dilation,cgroup] [--stages 2,3]
-    (repository root, ~8 min)
+        [--link-mbit 200 --link-steps 3]
+    (repository root, ~10 min)
 """
 
 import argparse
@@ -213,6 +217,66 @@ def _bytes_run(rank, world_size, kind, steps):
     return sum(sent_bytes(entry, rank) for entry in entries) / steps
 
 
+LINK_TRAIN = REPO / "tests" / "perf" / "pipeline_link_train.py"
+
+
+def link_run(rate_mbit, steps):
+    """Samples/s and the link's bytes per step on an emulated 2-host cluster (one rank per host, a
+    ``rate_mbit`` link, rank 1 at half speed): the 2-stage heterogeneous pipeline and ZeRO-3 data
+    parallelism of the same blocks (``pipeline_link_train.py``). Bytes: host 0's ``tc`` counters,
+    both directions, between the marks around the timed steps. None where the machine cannot
+    emulate hosts (root, ``ip`` and ``tc``)."""
+    import tempfile
+    import threading
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import emulated_cluster as ec
+    import harness
+
+    reason = ec.available()
+    if reason is not None:
+        print(f"link run skipped: {reason}")
+        return None
+    rows = {}
+    for kind in ("pipeline", "zero3"):
+        marks = {}
+        specs = [ec.HostSpec(ranks=1, rate_mbit=rate_mbit), ec.HostSpec(ranks=1, rate_mbit=rate_mbit)]
+        with tempfile.TemporaryDirectory(prefix="bench_pipeline_link_") as folder, ec.EmulatedCluster(specs) as cluster:
+            out = Path(folder)
+            holder = {}
+            launcher = threading.Thread(target=lambda: holder.update(run=cluster.launch_deepspeed(
+                LINK_TRAIN, ["--kind", kind, "--steps", steps, "--out", out],
+                env={**harness.fork_environment(), "OMP_NUM_THREADS": "1"}, timeout=1200,
+                master_port=harness.free_port(), cwd=REPO)), daemon=True)
+            launcher.start()
+            while launcher.is_alive():
+                for path in sorted(out.glob("mark-*")):
+                    name = path.name[len("mark-"):]
+                    if name not in marks:
+                        marks[name] = cluster.link_counters(0).total
+                        (out / f"ack-{name}").write_text("")
+                time.sleep(0.005)
+            run = holder.get("run")
+            if run is None or not run.ok:
+                raise RuntimeError(f"link run ({kind}) failed:\n{run.describe() if run else 'no result'}")
+            ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+        seconds = max(r["seconds"] for r in ranks)
+        rows[kind] = {"samples_per_s": ranks[0]["samples_per_step"] * steps / seconds,
+                      "link_bytes_per_step": (marks["end"] - marks["start"]) / steps, "parts": ranks[0]["parts"],
+                      "losses": ranks[-1]["losses"]}
+    rows["rate_mbit"] = rate_mbit
+    rows["pipeline_over_zero3_samples"] = rows["pipeline"]["samples_per_s"] / rows["zero3"]["samples_per_s"]
+    rows["zero3_over_pipeline_bytes"] = rows["zero3"]["link_bytes_per_step"] / rows["pipeline"]["link_bytes_per_step"]
+    print(f"2 hosts, one rank each, a {rate_mbit:g} Mbit/s link, rank 1 at half speed ({steps} timed steps):")
+    for kind in ("pipeline", "zero3"):
+        row = rows[kind]
+        print(f"  {kind:8s} {row['samples_per_s']:8.1f} samples/s, {row['link_bytes_per_step'] / 2**20:8.2f} MiB "
+              f"per step on the link" + (f" (layers {row['parts']})" if row["parts"] else ""))
+    print(f"  pipeline / ZeRO-3: {rows['pipeline_over_zero3_samples']:.1f}x the samples/s, "
+          f"1/{rows['zero3_over_pipeline_bytes']:.0f} of the bytes")
+    return rows
+
+
 def _number(value):
     return f"{value:9.1f}" if value is not None else f"{'n/a':>9}"
 
@@ -235,7 +299,11 @@ def main():
     parser.add_argument("--modes", default="dilation,cgroup")
     parser.add_argument("--stages", default="2,3", help="which clusters: 2 and/or 3 stages")
     parser.add_argument("--no-bytes", action="store_true", help="skip the bytes-per-step comparison with ZeRO-3")
+    parser.add_argument("--link-mbit", type=float, default=200.0,
+                        help="the emulated 2-host run's link rate (root, ip, tc); 0: skip that run")
+    parser.add_argument("--link-steps", type=int, default=3)
     args = parser.parse_args()
+    link = link_run(args.link_mbit, args.link_steps) if args.link_mbit > 0 else None
     sample_seconds = _full_speed_sample_seconds()
     rows = []
     for stages, speeds in CLUSTERS.items():
@@ -314,7 +382,7 @@ def main():
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"sample_seconds_full_speed": sample_seconds, "micro_batches": MICRO_BATCHES,
                                    "micro_batch": MICRO, "rows": rows, "verdicts": verdicts,
-                                   "bytes_per_step": traffic}, indent=2))
+                                   "bytes_per_step": traffic, "link": link}, indent=2))
     print(f"wrote {RESULTS.relative_to(REPO)}")
 
 
