@@ -20,7 +20,8 @@ before. Another cut of the same layers into the same number of stages: upstream 
 from the layer files and the scheduler, step counts and the fork's record from its stage file
 (those are the same on every stage), without its optimizer state; then every rank puts its new
 layers' saved state into its optimizer (no collective). The replicas' count may differ too: the
-saved state is whole, not partitioned.
+saved state is whole, not partitioned, so the same cut on another number of replicas under ZeRO
+(which upstream refuses) loads the same way.
 
 It is done at load, not in place at a step boundary: moving a layer in place would rebuild the
 stage's module, optimizer, ZeRO partitions and the pipeline engine's buffers, which is what a new
@@ -136,7 +137,8 @@ def save_layer_states(engine, save_dir, tag):
     if dist.get_rank() == 0:
         checkpoint_engine.makedirs(directory, exist_ok=True)
         checkpoint_engine.save({"version": VERSION, "parts": [int(p) for p in layout.partition.parts],
-                                "layer_states": kind is not None, "reason": reason},
+                                "replicas": int(engine.grid.data_parallel_size), "layer_states": kind is not None,
+                                "reason": reason},
                                os.path.join(directory, MANIFEST))
 
 
@@ -164,7 +166,10 @@ def load_checkpoint(engine, load, load_dir, *args, **kwargs):
         return load(**options)  # upstream's checkpoint, or the fork's before layer states: the parts check stays
     manifest = engine.checkpoint_engine.load(path, map_location="cpu")
     saved, current = [int(p) for p in manifest["parts"]], [int(p) for p in layout.partition.parts]
-    if saved == current:
+    replicas = (manifest.get("replicas"), int(engine.grid.data_parallel_size))
+    # ZeRO partitions a stage's optimizer state over its replicas: upstream refuses another count.
+    regrouped = replicas[0] is not None and replicas[0] != replicas[1] and engine.zero_optimization()
+    if saved == current and not regrouped:
         return load(**options)
     saved_layers, current_layers = _layers(saved), _layers(current)
     if len(saved) != len(current) or saved[-1] != current[-1]:
@@ -174,6 +179,10 @@ def load_checkpoint(engine, load, load_dir, *args, **kwargs):
                          f"into the same number of stages")
     wants_optimizer = options.get("load_optimizer_states", True) and not options.get("load_module_only", False)
     if wants_optimizer and not manifest["layer_states"]:
+        if saved == current:
+            raise ValueError(f"deepspeed-hetero: the checkpoint was saved by {replicas[0]} pipeline replica(s) under "
+                             f"ZeRO, and this run has {replicas[1]}; its optimizer state was saved by stage only "
+                             f"({manifest['reason']}), partitioned over the saving run's replicas")
         raise ValueError(f"deepspeed-hetero: the checkpoint was saved by pipeline stages of {saved_layers} layers, "
                          f"and this run cut {current_layers}; its optimizer state was saved by stage only "
                          f"({manifest['reason']}), so it resumes only into its own cut: set "
@@ -184,9 +193,9 @@ def load_checkpoint(engine, load, load_dir, *args, **kwargs):
     if result[0] is not None and wants_optimizer:
         moved = restore_layer_states(engine, os.path.join(load_dir, tag))
         if dist.get_rank() == 0:
-            print(f"[deepspeed-hetero] load_checkpoint: the checkpoint's stages held {saved_layers} layers and this "
-                  f"run's hold {current_layers}: each stage took its layers' weights and optimizer state "
-                  f"({moved} on global rank 0)", flush=True)
+            print(f"[deepspeed-hetero] load_checkpoint: the checkpoint's stages held {saved_layers} layers on "
+                  f"{replicas[0]} replica(s), and this run's hold {current_layers} on {replicas[1]}: each stage took "
+                  f"its layers' weights and optimizer state ({moved} parameters on global rank 0)", flush=True)
     return result
 
 

@@ -372,6 +372,40 @@ def test_a_checkpoint_loads_into_another_cut_with_its_optimizer_state(tmp_path):
             torch.testing.assert_close(value, first[key], rtol=0, atol=1e-6)
 
 
+def _regrouped(rank, world_size, save_dir, save):
+    """2 stages under ZeRO-1 with Adam; ``save``: 2 replicas train 3 steps, saving after step 2;
+    else 1 replica loads that checkpoint and trains step 3."""
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+    net = PipelineModule(layers=_layers(), num_stages=2, loss_fn=torch.nn.MSELoss(), partition_method="heterogeneous")
+    config = _config({"pipeline": {"stage_layers": [7, 5]}}, zero=1)
+    config["optimizer"] = {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}}
+    engine = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config,
+                                  training_data=_data(BATCH * (STEPS + 1)))[0]
+    if save:
+        losses = [float(engine.train_batch()) for _ in range(2)]
+        engine.save_checkpoint(save_dir, tag="two")
+        losses.append(float(engine.train_batch()))
+    else:
+        engine.load_checkpoint(save_dir, tag="two")
+        losses = [float(engine.train_batch())]
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in engine.module.state_dict().items()}}
+
+
+@pytest.mark.multiprocess
+def test_a_zero1_pipeline_checkpoint_loads_into_another_number_of_replicas(tmp_path):
+    """Upstream refuses a ZeRO checkpoint of another data-parallel size; the layers' whole state
+    loads into 1 replica from 2 (each stage's state had been partitioned over both)."""
+    save_dir = str(tmp_path / "regroup")
+    saved = run_subcases(_regrouped, [dict(save_dir=save_dir, save=True)], world_size=4, timeout=600)[0]
+    loaded = run_subcases(_regrouped, [dict(save_dir=save_dir, save=False)], world_size=2, timeout=600)[0]
+    assert loaded[0]["losses"][0] == pytest.approx(saved[0]["losses"][2], abs=1e-6)
+    first, after = _merged(saved, "state"), _merged(loaded, "state")
+    assert sorted(first) == sorted(after)
+    for key, value in after.items():
+        torch.testing.assert_close(value, first[key], rtol=0, atol=1e-6)
+
+
 def _recorded(rank, world_size, heterogeneous):
     from deepspeed.runtime.heterogeneous.measure.collective_log import recording
     with recording() as entries:
