@@ -80,18 +80,34 @@ def _cpu(value):
     return value.detach().to("cpu").clone() if torch.is_tensor(value) else value
 
 
-def _tensor_keys(state):
-    return sorted(key for key, value in state.items() if torch.is_tensor(value) and value.dim() > 0)
+def _latest(steps):
+    """The highest of the step counts found (tensors or numbers): DeepSpeed's FusedAdam advances
+    only one parameter's ``step`` per group, so the others' read 0."""
+    steps = [step for step in steps if step is not None]
+    if not steps:
+        return None
+    return max(steps, key=lambda step: float(step))
+
+
+def _groups(optimizer):
+    """The param groups' hyperparameters (a scheduler's lr included), without their parameters."""
+    return [{key: _cpu(value) for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
 
 
 def _mapped_records(engine, named):
     """Per parameter, its whole fp32 master weight and state tensors; collectives in the stage's
-    data-parallel group, the same on its replicas."""
+    data-parallel group, the same on its replicas: the keys are those the fragments link (tensors
+    shaped as their flat partition), after a fresh link (a load re-creates the fragments)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-    base = engine.optimizer.optimizer
-    states = [base.state[p] for group in base.param_groups for p in group["params"] if p in base.state]
-    keys = sorted({key for state in states for key in _tensor_keys(state)})
-    step = next((_cpu(state["step"]) for state in states if "step" in state), None)
+    optimizer = engine.optimizer
+    base = optimizer.optimizer
+    flats = [p for group in base.param_groups for p in group["params"]]
+    keys = sorted({key for flat in flats if flat in base.state for key, value in base.state[flat].items()
+                   if torch.is_tensor(value) and value.shape == flat.shape})
+    if keys:
+        optimizer._hp_optimizer_states_linked = False
+        optimizer._lazy_init_hp_params_optimizer_state()
+    step = _latest(_cpu(base.state[flat].get("step")) for flat in flats if flat in base.state)
     records = {}
     for name, parameter in named:
         record = {"fp32": _cpu(safe_get_full_fp32_param(parameter))}
@@ -106,7 +122,19 @@ def _plain_records(engine, named):
     for name, parameter in named:
         state = engine.optimizer.state.get(parameter, {})
         records[name] = {"fp32": None, **{key: _cpu(value) for key, value in state.items()}}
-    return records, None
+    return records, _latest(record.get("step") for record in records.values())
+
+
+def _global_state(optimizer):
+    """ZeRO's loss scaler and overflow state (fp16), as its own checkpoint saves them; None for
+    optimizers without one."""
+    if not hasattr(optimizer, "_load_global_state") or not hasattr(optimizer, "loss_scaler"):
+        return None
+    from deepspeed.checkpoint.constants import CLIP_GRAD, DS_VERSION, LOSS_SCALER
+    from deepspeed.git_version_info import version
+    from deepspeed.runtime.fp16.adaptive_scaler import saved_loss_scaler
+    return {LOSS_SCALER: saved_loss_scaler(optimizer.loss_scaler), "dynamic_loss_scale": optimizer.dynamic_loss_scale,
+            "overflow": optimizer.overflow, CLIP_GRAD: optimizer.clip_grad, DS_VERSION: version}
 
 
 def save_layer_states(engine, save_dir, tag):
@@ -131,9 +159,11 @@ def save_layer_states(engine, save_dir, tag):
             by_owner = {}
             for name, record in records.items():
                 by_owner.setdefault(_owner(name, stage), {})[name] = record
+            optimizer = engine.optimizer.optimizer if kind == "mapped" else engine.optimizer
+            shared = {"version": VERSION, "kind": kind, "stage": stage, "step": step, "groups": _groups(optimizer),
+                      "global_state": _global_state(engine.optimizer) if kind == "mapped" else None}
             for owner, params in by_owner.items():
-                checkpoint_engine.save({"version": VERSION, "kind": kind, "stage": stage, "step": step,
-                                        "params": params}, os.path.join(directory, f"{PREFIX}{owner}.pt"))
+                checkpoint_engine.save({**shared, "params": params}, os.path.join(directory, f"{PREFIX}{owner}.pt"))
     if dist.get_rank() == 0:
         checkpoint_engine.makedirs(directory, exist_ok=True)
         checkpoint_engine.save({"version": VERSION, "parts": [int(p) for p in layout.partition.parts],
@@ -160,6 +190,8 @@ def load_checkpoint(engine, load, load_dir, *args, **kwargs):
     bound = inspect.signature(load).bind(load_dir, *args, **kwargs)
     bound.apply_defaults()
     options = dict(bound.arguments)
+    if engine.load_universal_checkpoint():
+        return load(**options)
     tag = _tag(load_dir, options.get("tag"))
     path = os.path.join(load_dir, tag, MANIFEST) if tag is not None else None
     if path is None or not os.path.isfile(path):
@@ -189,13 +221,37 @@ def load_checkpoint(engine, load, load_dir, *args, **kwargs):
                          f"heterogeneous_config.pipeline.stage_layers to {saved_layers}")
     engine._heterogeneous_saved_parts = saved  # the fork's record and the module load accept the other cut
     options["load_optimizer_states"] = False
-    result = load(**options)
+    try:
+        result = load(**options)
+    finally:
+        engine._heterogeneous_saved_parts = None
     if result[0] is not None and wants_optimizer:
-        moved = restore_layer_states(engine, os.path.join(load_dir, tag))
+        moved = _agreed(lambda: restore_layer_states(engine, os.path.join(load_dir, tag)))
         if dist.get_rank() == 0:
             print(f"[deepspeed-hetero] load_checkpoint: the checkpoint's stages held {saved_layers} layers on "
                   f"{replicas[0]} replica(s), and this run's hold {current_layers} on {replicas[1]}: each stage took "
                   f"its layers' weights and optimizer state ({moved} parameters on global rank 0)", flush=True)
+    return result
+
+
+def _agreed(restore):
+    """Run ``restore`` on every rank; if it fails on any, every rank raises (a stage that went on
+    would wait for the failed one at its first transfer)."""
+    error, result = None, None
+    try:
+        result = restore()
+    except (ValueError, OSError, KeyError, RuntimeError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    else:
+        errors = [error]
+    failed = [(rank, text) for rank, text in enumerate(errors) if text is not None]
+    if failed:
+        rank, text = failed[0]
+        raise ValueError(f"deepspeed-hetero: load_checkpoint: moving the layers' optimizer state failed on global "
+                         f"rank {rank}: {text}")
     return result
 
 
@@ -206,7 +262,7 @@ def _layers(parts):
 def _read_records(engine, directory, named):
     stage = engine.stage_id
     owners = sorted({_owner(name, stage) for name, _ in named})
-    records, step = {}, None
+    records, steps, shared = {}, [], None
     for owner in owners:
         path = os.path.join(directory, f"{PREFIX}{owner}.pt")
         if not os.path.isfile(path) and "-stage_" in owner:  # a tied module: any stage that held it
@@ -217,13 +273,13 @@ def _read_records(engine, directory, named):
                              f"are incomplete (a stage's save did not finish?)")
         saved = engine.checkpoint_engine.load(path, map_location="cpu")
         records.update(saved["params"])
-        if saved.get("step") is not None:
-            step = saved["step"]
+        steps.append(saved.get("step"))
+        shared = shared or saved
     missing = [name for name, _ in named if name not in records]
     if missing:
         raise ValueError(f"deepspeed-hetero: load_checkpoint: the checkpoint's layer states hold no state for "
                          f"{missing[:4]}{' ...' if len(missing) > 4 else ''}; was it saved from the same model?")
-    return records, step
+    return records, _latest(steps), shared or {}
 
 
 def restore_layer_states(engine, directory):
@@ -232,32 +288,48 @@ def restore_layer_states(engine, directory):
     kind, reason = optimizer_kind(engine)
     if kind is None:
         raise ValueError(f"deepspeed-hetero: load_checkpoint: this run's layers moved between stages, but {reason}")
-    records, step = _read_records(engine, directory, named)
+    records, step, shared = _read_records(engine, directory, named)
+    optimizer = engine.optimizer if kind == "plain" else engine.optimizer.optimizer
+    groups = shared.get("groups") or []
+    if len(groups) == len(optimizer.param_groups):  # the hyperparameters in force (a scheduler's lr)
+        for group, saved in zip(optimizer.param_groups, groups):
+            group.update({key: value for key, value in saved.items() if key in group})
     if kind == "plain":
         _restore_plain(engine.optimizer, named, records, step)
     else:
         _restore_mapped(engine.optimizer, named, records, step)
+        if shared.get("global_state") is not None:
+            engine.optimizer._load_global_state(shared["global_state"])
     return len(named)
 
 
 def _on(value, parameter):
-    """A saved state value where the optimizer keeps it: tensors of the parameter's shape on its
-    device, others (a step count) as saved."""
-    if torch.is_tensor(value) and value.shape == parameter.shape:
+    """A saved state tensor of the parameter's shape, on its device."""
+    if torch.is_tensor(value) and value.shape == parameter.shape and value.dim() > 0:
         return value.to(device=parameter.device, dtype=value.dtype)
     return value.clone() if torch.is_tensor(value) else value
 
 
+def _step_for(step, device, group):
+    """The step count where torch optimizers keep it: on the CPU, or on the parameter's device for
+    capturable and fused ones (as ``torch.optim.Optimizer.load_state_dict`` places it)."""
+    if not torch.is_tensor(step):
+        return step
+    on_device = group.get("capturable") or group.get("fused")
+    return step.detach().clone().to(device if on_device else "cpu")
+
+
 def _restore_plain(optimizer, named, records, step):
+    group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
     for name, parameter in named:
         record = dict(records[name])
         fp32 = record.pop("fp32", None)
         if fp32 is not None and parameter.dtype == torch.float32:
             with torch.no_grad():
                 parameter.copy_(fp32.to(parameter.device))
-        state = {key: _on(value, parameter) for key, value in record.items()}
-        if state and "step" not in state and step is not None:
-            state["step"] = _on(step, parameter)
+        state = {key: _on(value, parameter) for key, value in record.items() if key != "step"}
+        if state and step is not None:  # one count for all: FusedAdam advances one parameter's per group
+            state["step"] = _step_for(step, parameter.device, group_of.get(id(parameter), {}))
         if state:
             optimizer.state[parameter] = state
 
@@ -266,15 +338,13 @@ def _restore_mapped(optimizer, named, records, step):
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
     keys = sorted({key for record in records.values() for key, value in record.items()
                    if key not in ("fp32", "step") and torch.is_tensor(value) and value.dim() > 0})
-    if step is None:
-        step = next((record["step"] for record in records.values() if "step" in record), None)
     base = optimizer.optimizer
     if keys:  # the flat partitions' state, as the optimizer's first step would have made it
         for group in base.param_groups:
             for flat in group["params"]:
                 state = base.state[flat]
                 if step is not None:
-                    state["step"] = step.clone() if torch.is_tensor(step) else step
+                    state["step"] = _step_for(step, flat.device, group)
                 for key in keys:
                     if key not in state:
                         state[key] = torch.zeros_like(flat)

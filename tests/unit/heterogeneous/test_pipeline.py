@@ -298,8 +298,11 @@ def _resume(rank, world_size, heterogeneous, save_dir, resume_layers=None, first
         net = PipelineModule(layers=_layers(), num_stages=2, loss_fn=torch.nn.MSELoss(),
                              partition_method="heterogeneous")
         config = _config(json.loads(json.dumps(heterogeneous)), zero)
-        if adam:  # state the layers carry between stages: the step count and two moments per parameter
+        if adam:  # state the layers carry between stages: the step count and two moments per parameter;
+            # a warm-up schedule: the lr in force must come back with them
             config["optimizer"] = {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}}
+            config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
+                                                                  "warmup_num_steps": 10}}
         if layers_per_stage:
             config["heterogeneous_config"].setdefault("pipeline", {})["stage_layers"] = layers_per_stage
         data = _data(BATCH * (STEPS + 1))
@@ -382,12 +385,14 @@ def _regrouped(rank, world_size, save_dir, save):
     config["optimizer"] = {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}}
     engine = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config,
                                   training_data=_data(BATCH * (STEPS + 1)))[0]
-    if save:
+    if save is True:
         losses = [float(engine.train_batch()) for _ in range(2)]
         engine.save_checkpoint(save_dir, tag="two")
         losses.append(float(engine.train_batch()))
     else:
         engine.load_checkpoint(save_dir, tag="two")
+        if save == "again":  # saved before any step of the resumed run: ZeRO re-made its fragments at the load
+            engine.save_checkpoint(save_dir, tag="again")
         losses = [float(engine.train_batch())]
     return {"losses": losses, "state": {k: v.detach().clone() for k, v in engine.module.state_dict().items()}}
 
@@ -399,11 +404,16 @@ def test_a_zero1_pipeline_checkpoint_loads_into_another_number_of_replicas(tmp_p
     save_dir = str(tmp_path / "regroup")
     saved = run_subcases(_regrouped, [dict(save_dir=save_dir, save=True)], world_size=4, timeout=600)[0]
     loaded = run_subcases(_regrouped, [dict(save_dir=save_dir, save=False)], world_size=2, timeout=600)[0]
-    assert loaded[0]["losses"][0] == pytest.approx(saved[0]["losses"][2], abs=1e-6)
-    first, after = _merged(saved, "state"), _merged(loaded, "state")
-    assert sorted(first) == sorted(after)
-    for key, value in after.items():
-        torch.testing.assert_close(value, first[key], rtol=0, atol=1e-6)
+    # The same cut and replicas (upstream's load), saved again at once: every replica assembles the
+    # same state tensors (a key missing on some would leave the others in an all-reduce).
+    again = run_subcases(_regrouped, [dict(save_dir=save_dir, save="again")], world_size=4, timeout=600)[0]
+    first = _merged(saved, "state")
+    for results in (loaded, again):
+        assert results[0]["losses"][0] == pytest.approx(saved[0]["losses"][2], abs=1e-6)
+        after = _merged(results, "state")
+        assert sorted(first) == sorted(after)
+        for key, value in after.items():
+            torch.testing.assert_close(value, first[key], rtol=0, atol=1e-6)
 
 
 def _recorded(rank, world_size, heterogeneous):
