@@ -35,7 +35,7 @@ bytes the link carried per step, read from its ``tc`` counters.
 
     python tests/perf/bench_pipeline.py [--steps N] [--rounds R] [--modes dilation,cgroup] [--stages 2,3]
         [--link-mbit 200 --link-steps 3]
-    (repository root, ~10 min)
+    (repository root, about 4 min)
 """
 
 import argparse
