@@ -177,13 +177,14 @@ def sent_bytes(entry, rank):
     return 0.0
 
 
-def _bytes_run(rank, world_size, kind, steps):
-    """Bytes each rank sends per step: the 2-stage heterogeneous pipeline, or ZeRO-3 data
-    parallelism of the same blocks on the same 2 ranks (one per host on a 2-host cluster)."""
+def two_rank_step(kind, steps):
+    """On 2 ranks, rank 1 at half speed: the 2-stage heterogeneous pipeline (``kind="pipeline"``)
+    or ZeRO-3 data parallelism of the same blocks (``"zero3"``); returns a function that trains one
+    step and returns its mean loss, and the pipeline's cut (None for ZeRO-3). Data for ``steps``
+    steps and a warm-up."""
     import deepspeed
     import torch
     from deepspeed.pipe import PipelineModule
-    from deepspeed.runtime.heterogeneous.measure.collective_log import recording
 
     batch = MICRO * MICRO_BATCHES
     config = {"train_batch_size": batch, "gradient_accumulation_steps": MICRO_BATCHES, "steps_per_print": 10**9,
@@ -196,20 +197,32 @@ def _bytes_run(rank, world_size, kind, steps):
                              partition_method="heterogeneous")
         engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config,
                                                training_data=data)
-        step = engine.train_batch
-    else:
-        config["zero_optimization"] = {"stage": 3}
-        model = torch.nn.Sequential(*_blocks())
-        engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
-                                                    training_data=data)
-        batches = iter(loader)
+        return (lambda: float(engine.train_batch())), [int(p) for p in net.parts]
+    config["zero_optimization"] = {"stage": 3}
+    model = torch.nn.Sequential(*_blocks())
+    engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
+                                                training_data=data)
+    batches = iter(loader)
 
-        def step():
-            for _ in range(engine.gradient_accumulation_steps()):
-                inputs, targets = next(batches)
-                engine.backward(torch.nn.functional.mse_loss(engine(inputs), targets))
-                engine.step()
+    def step():
+        total = 0.0
+        for _ in range(engine.gradient_accumulation_steps()):
+            inputs, targets = next(batches)
+            loss = torch.nn.functional.mse_loss(engine(inputs), targets)
+            engine.backward(loss)
+            engine.step()
+            total += float(loss)
+        return total / engine.gradient_accumulation_steps()
 
+    return step, None
+
+
+def _bytes_run(rank, world_size, kind, steps):
+    """Bytes each rank sends per step: the 2-stage heterogeneous pipeline, or ZeRO-3 data
+    parallelism of the same blocks on the same 2 ranks (one per host on a 2-host cluster)."""
+    from deepspeed.runtime.heterogeneous.measure.collective_log import recording
+
+    step, _ = two_rank_step(kind, steps)
     step()  # warm-up: the pipeline's first step also exchanges the activations' shapes
     with recording() as entries:
         for _ in range(steps):

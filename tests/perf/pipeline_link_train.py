@@ -21,7 +21,7 @@ sys.path[:0] = [str(HERE.parents[1]), str(HERE.parents[1] / "tests" / "unit"), s
 
 import torch  # noqa: E402
 
-from bench_pipeline import MICRO, MICRO_BATCHES, _blocks, _dataset  # noqa: E402
+from bench_pipeline import MICRO, MICRO_BATCHES, two_rank_step  # noqa: E402
 from comm_train import mark  # noqa: E402
 
 
@@ -36,40 +36,10 @@ def main():
 
     import deepspeed
     from deepspeed import comm as dist
-    from deepspeed.pipe import PipelineModule
 
     torch.set_num_threads(1)
     deepspeed.init_distributed()  # a PipelineModule needs the process group before the engine
-    batch = MICRO * MICRO_BATCHES
-    config = {"train_batch_size": batch, "gradient_accumulation_steps": MICRO_BATCHES, "steps_per_print": 10**9,
-              "optimizer": {"type": "SGD", "params": {"lr": 1e-3}}, "zero_allow_untested_optimizer": True,
-              "heterogeneous_config": {"enabled": True, "profile_steps": 0,
-                                       "emulation": {"speeds": [1.0, 0.5], "mode": "dilation"}}}
-    data = _dataset(batch * (args.steps + args.warmup + 1))
-    if args.kind == "pipeline":
-        net = PipelineModule(layers=_blocks(), num_stages=2, loss_fn=torch.nn.MSELoss(),
-                             partition_method="heterogeneous")
-        engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config,
-                                               training_data=data)
-
-        def step():
-            return float(engine.train_batch())
-    else:
-        config["zero_optimization"] = {"stage": 3}
-        model = torch.nn.Sequential(*_blocks())
-        engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
-                                                    training_data=data)
-        batches = iter(loader)
-
-        def step():
-            total = 0.0
-            for _ in range(engine.gradient_accumulation_steps()):
-                inputs, targets = next(batches)
-                loss = torch.nn.functional.mse_loss(engine(inputs), targets)
-                engine.backward(loss)
-                engine.step()
-                total += float(loss)
-            return total / engine.gradient_accumulation_steps()
+    step, parts = two_rank_step(args.kind, args.steps + args.warmup)
 
     for _ in range(args.warmup):
         step()
@@ -80,8 +50,8 @@ def main():
     seconds = time.perf_counter() - began
     mark(args.out, "end")
     (args.out / f"rank{dist.get_rank()}.json").write_text(json.dumps({
-        "kind": args.kind, "seconds": seconds, "steps": args.steps, "samples_per_step": batch, "losses": losses,
-        "parts": [int(p) for p in engine.module.parts] if args.kind == "pipeline" else None}))
+        "kind": args.kind, "seconds": seconds, "steps": args.steps, "samples_per_step": MICRO * MICRO_BATCHES,
+        "losses": losses, "parts": parts}))
 
 
 if __name__ == "__main__":
