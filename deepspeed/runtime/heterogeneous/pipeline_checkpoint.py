@@ -225,8 +225,8 @@ def load_checkpoint(engine, load, load_dir, *args, **kwargs):
         result = load(**options)
     finally:
         engine._heterogeneous_saved_parts = None
-    if result[0] is not None and wants_optimizer:
-        moved = _agreed(lambda: restore_layer_states(engine, os.path.join(load_dir, tag)))
+    if wants_optimizer:  # on every rank, also one whose stage file was missing: _agreed is a collective
+        moved = _agreed(lambda: restore_layer_states(engine, os.path.join(load_dir, tag), loaded=result[0]))
         if dist.get_rank() == 0:
             print(f"[deepspeed-hetero] load_checkpoint: the checkpoint's stages held {saved_layers} layers on "
                   f"{replicas[0]} replica(s), and this run's hold {current_layers} on {replicas[1]}: each stage took "
@@ -282,8 +282,11 @@ def _read_records(engine, directory, named):
     return records, _latest(steps), shared or {}
 
 
-def restore_layer_states(engine, directory):
-    """Put this stage's layers' saved state into its optimizer; returns how many parameters."""
+def restore_layer_states(engine, directory, loaded=True):
+    """Put this stage's layers' saved state into its optimizer; returns how many parameters.
+    ``loaded``: upstream's load found this stage's files (else the move fails, naming them)."""
+    if not loaded:
+        raise ValueError(f"upstream's load found no checkpoint files for stage {engine.stage_id} in {directory}")
     named = _trainable(engine)
     kind, reason = optimizer_kind(engine)
     if kind is None:
