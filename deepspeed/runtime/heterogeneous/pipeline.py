@@ -398,6 +398,10 @@ def check_pipeline_settings(state):
         raise ValueError("heterogeneous_config.scheduler.dynamic_rebalancing is not supported with a PipelineModule: "
                          "the pipeline engine fixes each replica's micro-batches when it starts, so the replicas keep "
                          "their start-up plan (set dynamic_rebalancing to false)")
+    if config.loss_items is not None:
+        raise ValueError("heterogeneous_config.loss_items is not supported with a PipelineModule: the loss is computed "
+                         "on the last stage, which is not given the inputs whose items it would count (remove "
+                         "loss_items)")
     if config.profile_steps:
         if "profile_steps" in config.model_fields_set and (not dist.is_initialized() or dist.get_rank() == 0):
             logger.warning(f"deepspeed-hetero: heterogeneous_config.profile_steps {config.profile_steps} is not used "

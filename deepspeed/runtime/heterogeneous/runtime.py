@@ -48,6 +48,8 @@ from .cluster.agreement import (Agreement, PlanAgreementError, decision_failure,
 from .startup import apply_plan, rank_memory_meter
 from .memory.pool import memory_capacities
 from .data.fed_batch import fed_size
+from .data.loss_items import count_items, items_weight, select_input
+from .integrations.loss_normalization import LossFunctionWatch
 from .data.resplit import ExchangeClock, resplit_inputs, return_outputs
 from .planning.exchange import exchange_verdict, least_exchange_seconds
 from .emulation.limits import EmulatedLimits, EmulatedOutOfMemoryError, emulation_note
@@ -100,7 +102,9 @@ class HeterogeneousRuntime:
         self.check_fed_batch = self.settings.check_fed_batch
         self._fed = None  # the size of the micro-batch this rank computes (None: not known)
         self._split = None  # this micro-step's re-split (data.resplit.Split), None when nothing moved
-        self._caller_counts = False  # the forward got num_items_in_batch: its loss is over the fed rows
+        self._caller_counts = False  # the loss divided by the caller's num_items_in_batch: a loss over the fed rows
+        self._loss_watch = LossFunctionWatch()  # whether a transformers model's loss divides by that count
+        self._watching = False
         self._data_parallel_world = dist.get_world_size() if dist.is_initialized() else 1
         self.resplit_input_bytes = 0  # input bytes other ranks sent this rank by re-splitting, in all
         self.resplit_output_bytes = 0  # output bytes returned to this rank from the ranks that computed them
@@ -238,12 +242,14 @@ class HeterogeneousRuntime:
             planned = self.plan.micro_batch_sizes
             # A loss the model normalises by the caller's count of items (the Trainer's
             # num_items_in_batch, counted over what was fed) is a loss over the fed rows.
-            self._caller_counts = (kwargs or {}).get("num_items_in_batch") is not None
+            given_count = (kwargs or {}).get("num_items_in_batch") is not None
             inputs, kwargs, self._split = resplit_inputs(tuple(inputs), dict(kwargs or {}), planned, self.rank,
                                                          pad_token_id=self._pad_token_id(), clock=self.exchange_clock)
             self.fed_sizes = self.exchange_clock.fed
-            if self._split is not None and self._caller_counts:
-                self.state.weight_override = self._fed_weight()
+            if self._split is not None and given_count:
+                # Whether the loss really divides by that count is seen as the model computes it.
+                self._loss_watch.start(self.engine.module)
+                self._watching = True
             self._fed = planned[self.rank]
             if self._split is not None:
                 received = self._split.received_bytes((inputs, kwargs))
@@ -252,6 +258,8 @@ class HeterogeneousRuntime:
         else:
             self._fed = fed_size(self.plan, self.rank, inputs, kwargs, engine_loader=self.engine_loader,
                                  check=self.check_fed_batch)
+        if self.settings.loss_items is not None:
+            self.state.weight_override = self._items_weight(inputs, kwargs)
         if self.measuring_memory:
             self.meter.start()
         if self.times_each_micro_step or self.dynamic:
@@ -271,6 +279,12 @@ class HeterogeneousRuntime:
         ``num_items_in_batch`` (the Trainer's count of the fed items) returns a loss the caller
         scales as one over the fed rows: that micro-step is weighted by the fed rows
         (``state.weight_override``), and the returned rows' gradient is not rescaled."""
+        if self._watching:
+            self._watching = False
+            # None (the calls told nothing) keeps the Trainer's own belief that the loss divides.
+            self._caller_counts = self._loss_watch.stop() is not False
+            if self._caller_counts and self.settings.loss_items is None:
+                self.state.weight_override = self._fed_weight()
         split = self._split
         if split is None or not self.settings.return_outputs:
             return outputs
@@ -287,6 +301,34 @@ class HeterogeneousRuntime:
         config = getattr(getattr(self.engine, "module", None), "config", None)
         value = getattr(config, "pad_token_id", None)
         return value if isinstance(value, int) else None
+
+    def _items_weight(self, inputs, kwargs):
+        """This micro-step's weight when the loss is a mean over the items of one input
+        (``heterogeneous_config.loss_items``): the input's items on this rank, summed over every rank
+        (a collective at every training forward, on every rank)."""
+        spec = self.settings.loss_items
+        value = select_input(inputs, kwargs, spec.input)
+        if value is None:
+            items, missing = 0, 1.0
+        else:
+            items, missing = count_items(value, spec.ignore_index, spec.shift), 0.0
+        total, absent = self.sum_over_ranks([float(items), missing])
+        if absent:  # every rank raises, none is left waiting in the backward's collectives
+            where = f"argument {spec.input}" if isinstance(spec.input, int) else f"keyword argument {spec.input!r}"
+            raise ValueError(f"heterogeneous_config.loss_items.input: the training forward of {int(absent)} rank(s) "
+                             f"had no {where}; name the forward argument whose items the loss averages (a keyword's "
+                             f"name or a positional index)")
+        return items_weight(dist.get_world_size(), items, total, self.plan.loss_weights[self.rank])
+
+    def sum_over_ranks(self, values):
+        """``values`` (numbers) summed over every rank: a collective that every rank must call at the
+        same point. Used for the counts that a loss is normalised by."""
+        from deepspeed.accelerator import get_accelerator
+        import torch
+        tensor = torch.tensor(values, dtype=torch.float64, device=get_accelerator().current_device_name())
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(tensor)
+        return tensor.tolist()
 
     def _fed_weight(self):
         split = self._split
@@ -515,7 +557,7 @@ class HeterogeneousRuntime:
         numbers of micro-steps; ZeRO-2/3 reduce every micro-step and need equal gas. An optimizer
         offloaded to the host sizes its accumulation buffers by the gas at start-up."""
         return (int(self.engine.zero_optimization_stage()) <= 1 and not self.engine.zero_use_cpu_optimizer()
-                and self.engine_loader)
+                and self.engine_loader and self.settings.loss_items is None)
 
     # -- dynamic rebalancing ------------------------------------------------------------------
 

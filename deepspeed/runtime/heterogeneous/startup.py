@@ -34,8 +34,11 @@ def initial_plan(settings, train_batch_size, gas, world_size, zero_stage, device
                  allow_per_rank_gas=None):
     """The plan in force until measurements replace the priors (pure: no collectives);
     ``max_micro_batch``: per-rank memory limits (``startup_memory_limits``), or None;
-    ``allow_per_rank_gas``: default, ZeRO-0/1."""
+    ``allow_per_rank_gas``: default, ZeRO-0/1 unless the loss counts items (``loss_items`` sums
+    the counts at every micro-step, so every rank must run as many)."""
     config = settings.config
+    if allow_per_rank_gas is None:
+        allow_per_rank_gas = zero_stage <= 1 and config.loss_items is None
     names = [d.name for d in devices] if devices else None
     scores = [1.0] * world_size
     if config.load_balancing_strategy == "compute_aware" and devices:
@@ -48,8 +51,7 @@ def initial_plan(settings, train_batch_size, gas, world_size, zero_stage, device
                               gradient_accumulation_steps=gas, strategy=config.load_balancing_strategy,
                               manual=config.micro_batch_sizes, device_names=names,
                               max_micro_batch=max_micro_batch,
-                              allow_per_rank_gas=zero_stage <= 1 if allow_per_rank_gas is None else allow_per_rank_gas
-                              ).with_prior_times()
+                              allow_per_rank_gas=allow_per_rank_gas).with_prior_times()
 
 
 def configure_heterogeneous_batch(ds_config, state):

@@ -24,13 +24,21 @@ from deepspeed.runtime.heterogeneous.data.sampler import HeterogeneousBatchSampl
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "hf_trainer_train.py"
 STEPS = 8
-# LOSS:GAS:CHANGE (see the script's docstring). "global_mean" is the Trainer's default for a causal
-# LM: its loss is already a mean over the global batch, and the fork's weight must stay out of it;
-# paired with the certain on-demand change, so that the weight is != 1 after step 2. "rank_mean"
+# [MODEL/]LOSS:GAS:CHANGE (see the script's docstring). "global_mean" is the Trainer's default for a
+# causal LM: its loss is already a mean over the global batch, and the fork's weight must stay out of
+# it; paired with the certain on-demand change, so that the weight is != 1 after step 2. "rank_mean"
 # leaves each rank a mean over its own batch, which the fork's weight turns into the global mean;
 # paired with the profiling steps of an emulated slow rank, whose plan changes depend on measured
-# timings. gas 2: the Trainer fetches both micro-batches of a step before the first forward.
-CASES = ["global_mean:1:on_demand", "rank_mean:2:profiling"]
+# timings. gas 2: the Trainer fetches both micro-batches of a step before the first forward. The
+# BERT classifier's loss ignores the Trainer's num_items_in_batch (a mean over its own rows, which
+# the Trainer takes for a global mean): the manual splits must train the same parameters.
+CASES = ["global_mean:1:on_demand", "rank_mean:2:profiling", "global_mean:1:manual=4,12",
+         "bert/global_mean:1:manual=8,8", "bert/global_mean:1:manual=12,4", "bert/global_mean:1:manual=4,12",
+         "bert/rank_mean:2:profiling"]
+# The stock Trainer feeds equal batches, which the engine re-splits into the plan.
+STOCK_CASES = ["global_mean:1:on_demand", "rank_mean:1:on_demand", "global_mean:1:profiling",
+               "global_mean:1:manual=4,12", "bert/global_mean:1:manual=12,4", "bert/global_mean:1:manual=4,12",
+               "bert/rank_mean:1:on_demand", "bert/global_mean:1:profiling"]
 
 
 def _transformers_available():
@@ -60,70 +68,107 @@ def _round_indices(script, micro_step, round_size):
     return permutation[position * round_size:(position + 1) * round_size].tolist()
 
 
-def _reference(script, global_batches):
-    """One process, plain torch: the same GPT-2 and Adam, one step per global batch (mean loss).
-    Returns the parameters and the loss on the evaluation samples afterwards."""
-    model = script.make_model()
+def _reference(script, global_batches, model_name="gpt2", loss_scale=1.0):
+    """One process, plain torch: the same model and Adam, one step per global batch, the model's own
+    loss over the whole global batch (GPT-2: the mean over its tokens; BERT: over its rows) times
+    ``loss_scale``. Returns the parameters and the loss on the evaluation samples afterwards.
+
+    ``loss_scale`` is the Trainer's own: it takes a loss that ignores ``num_items_in_batch`` for one
+    divided by it, so it multiplies it by the number of processes (``average_tokens_across_devices``)
+    and leaves out the division by the accumulation steps. Adam is nearly, not exactly, invariant
+    to that scale (its epsilon), and the parameters are compared to 1e-6."""
+    model = script.MODELS[model_name]()
     model.train()
     optimizer = torch.optim.Adam(model.parameters(), lr=script.LR)
     ids = script.tokens()
+    labels = script.labels_of(model_name, ids)
     for indices in global_batches:
         optimizer.zero_grad()
-        batch = ids[indices]
-        model(input_ids=batch, labels=batch).loss.backward()
+        (model(input_ids=ids[indices], labels=labels[indices]).loss * loss_scale).backward()
         optimizer.step()
     with torch.no_grad():
-        batch = ids[:script.EVAL_SAMPLES]
-        eval_loss = model(input_ids=batch, labels=batch).loss.item()
+        eval_loss = model(input_ids=ids[:script.EVAL_SAMPLES], labels=labels[:script.EVAL_SAMPLES]).loss.item()
     return {name: p.detach() for name, p in model.named_parameters()}, eval_loss
 
 
-@needs_transformers
-@pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_trainer_feeds_the_plan_follows_its_changes_and_stays_exact(tmp_path):
-    script = _load_script()
-    args = ["--out", tmp_path, "--steps", STEPS]
-    for case in CASES:
-        args += ["--case", case]
-    code, output = launch_deepspeed(SCRIPT, args, num_ranks=2, timeout=240, cwd=REPO_ROOT)
-    assert code == 0, f"Trainer run failed (exit {code}):\n{output[-6000:]}"
+def _trainer_loss_scale(model_name, loss_kind, gas, world_size=2):
+    """What the Trainer multiplies the mean over the global batch by (see ``_reference``)."""
+    if model_name == "gpt2":
+        return 1.0
+    return (world_size if loss_kind == "global_mean" else 1.0) * gas
 
-    for case in CASES:
-        loss_kind, gas, change = case.split(":")
-        gas = int(gas)
-        ranks = [torch.load(tmp_path / f"{loss_kind}-{gas}-{change}-rank{rank}.pt") for rank in range(2)]
-        fed = [run["fed"] for run in ranks]
-        plans = ranks[0]["plans"]
-        assert ranks[1]["plans"] == plans, "the ranks disagreed on the plan"
-        assert len(plans) == STEPS * gas and [len(batches) for batches in fed] == [STEPS * gas] * 2
-        assert plans[0] == [8 // gas] * 2, f"{case}: the start-up plan is even (no datasheet score for CPUs)"
-        if change == "on_demand":
-            # Rank 1 reported three times slower at the end of step 2: the loader followed at once.
-            before, after = [8 // gas] * 2, [12 // gas, 4 // gas]
-            switch = script.ON_DEMAND_STEP * gas
-            assert plans == [before] * switch + [after] * (STEPS * gas - switch), plans
+
+def _check_case(script, tmp_path, spec, stock):
+    """One case's ranks fed their plan's share of each round, agreed on the plans, and trained what
+    one process trains on the same global batches."""
+    model_name, _, case = spec.rpartition("/")
+    model_name = model_name or "gpt2"
+    loss_kind, gas, change = case.split(":")
+    gas = int(gas)
+    ranks = [torch.load(tmp_path / script.result_name(model_name, case, stock=stock).format(rank=rank))
+             for rank in range(2)]
+    fed = [run["fed"] for run in ranks]
+    plans = ranks[0]["plans"]
+    assert ranks[1]["plans"] == plans, "the ranks disagreed on the plan"
+    assert len(plans) == STEPS * gas and [len(batches) for batches in fed] == [STEPS * gas] * 2
+    if change.startswith("manual="):
+        assert plans == [[int(size) for size in change[len("manual="):].split(",")]] * (STEPS * gas), plans
+    else:
+        assert plans[0] == [8 // gas] * 2, f"{spec}: the start-up plan is even (no datasheet score for CPUs)"
+    if change == "on_demand":
+        # Rank 1 reported three times slower at the end of step 2: the loader followed at once.
+        before, after = [8 // gas] * 2, [12 // gas, 4 // gas]
+        switch = script.ON_DEMAND_STEP * gas
+        assert plans == [before] * switch + [after] * (STEPS * gas - switch), plans
+    if stock:
+        assert all(len(batch) == 8 // gas for run in ranks for batch in run["fed"]), \
+            "the stock loader feeds equal batches"
+        if change == "profiling":
+            # Three profiling steps from the even start: its probes move rows (and rank 1's tenth of
+            # the speed usually moves work to rank 0; a loaded machine may keep [8, 8] within the noise).
+            assert any(plan != [8, 8] for plan in plans), plans
+        global_batches = [fed[0][step] + fed[1][step] for step in range(STEPS)]
+    else:
         round_size = script.GLOBAL_BATCH // gas
         global_batches = []
         for micro_step, plan in enumerate(plans):
             # Rank r took its mbs_r of the round, after the lower ranks' shares: the rounds, and so
             # the global batches, are defined by the sampler alone, whatever the split.
             expected = _round_indices(script, micro_step, round_size)
-            assert [len(fed[rank][micro_step]) for rank in range(2)] == plan, (case, micro_step)
-            assert fed[0][micro_step] + fed[1][micro_step] == expected, (case, micro_step)
+            assert [len(fed[rank][micro_step]) for rank in range(2)] == plan, (spec, micro_step)
+            assert fed[0][micro_step] + fed[1][micro_step] == expected, (spec, micro_step)
             if micro_step % gas == 0:
                 global_batches.append([])
             global_batches[-1] += expected
         assert sorted(i for batch in global_batches[:script.DATASET // script.GLOBAL_BATCH] for i in batch) == \
             list(range(script.DATASET)), "the first epoch must cover the dataset once"
 
-        reference, eval_loss = _reference(script, global_batches)
-        assert [run["eval_loss"] for run in ranks] == pytest.approx([eval_loss] * 2, rel=1e-5)
-        for name, expected in reference.items():
-            for rank in range(2):
-                got = ranks[rank]["params"][name]
-                assert torch.allclose(got, expected, rtol=0, atol=1e-5), \
-                    f"{case} rank {rank} {name}: max |diff| {(got - expected).abs().max().item():.3g}"
+    reference, eval_loss = _reference(script, global_batches, model_name,
+                                      _trainer_loss_scale(model_name, loss_kind, gas))
+    # The Trainer's evaluation scales the classifier's loss as it scales it in training (no gas).
+    eval_loss *= _trainer_loss_scale(model_name, loss_kind, 1)
+    assert [run["eval_loss"] for run in ranks] == pytest.approx([eval_loss] * 2, rel=1e-5), spec
+    for name, expected in reference.items():
+        for rank in range(2):
+            got = ranks[rank]["params"][name]
+            assert torch.allclose(got, expected, rtol=0, atol=1e-6), \
+                f"{spec} rank {rank} {name}: max |diff| {(got - expected).abs().max().item():.3g}"
+
+
+@needs_transformers
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_trainer_feeds_the_plan_follows_its_changes_and_stays_exact(tmp_path):
+    """HeterogeneousTrainer, a causal LM and a sequence classifier, manual splits and plan changes:
+    each rank is fed its planned share of every round, and the parameters equal one process's."""
+    script = _load_script()
+    args = ["--out", tmp_path, "--steps", STEPS]
+    for case in CASES:
+        args += ["--case", case]
+    code, output = launch_deepspeed(SCRIPT, args, num_ranks=2, timeout=340, cwd=REPO_ROOT)
+    assert code == 0, f"Trainer run failed (exit {code}):\n{output[-6000:]}"
+    for case in CASES:
+        _check_case(script, tmp_path, case, stock=False)
 
 
 @needs_transformers
@@ -157,43 +202,23 @@ def test_trainer_resume_equals_the_uninterrupted_run(tmp_path, trainer):
 
 @needs_transformers
 @pytest.mark.multiprocess
+@pytest.mark.timeout(400)
 def test_the_stock_trainer_is_exact_with_the_engine_re_splitting(tmp_path):
     """The stock transformers.Trainer (its own loader: equal batches of 8) with the fork's config,
-    the plan changed once by reschedule_workload (to [12, 4] after step 2) and once by profiling
-    (rank 1 emulated at a tenth of rank 0's speed): the engine re-splits every step's batches.
-    The loss is the Trainer's token mean over the global batch (average_tokens_across_devices, the
-    default for a causal LM) or over each rank's own batch (rank_mean); the model divides by the
-    Trainer's num_items_in_batch, counted over what was fed, so the engine weighs it by the fed
-    rows. The parameters equal one process training on the union of what the ranks were fed each
-    step."""
+    manual splits, the plan changed once by reschedule_workload (to [12, 4] after step 2) and once by
+    profiling (rank 1 emulated at a tenth of rank 0's speed): the engine re-splits every step's
+    batches. A causal LM's loss divides by the Trainer's num_items_in_batch, counted over what was
+    fed, so the engine weighs it by the fed rows; the classifier's is a mean over the rows each rank
+    computed, weighed by those. The parameters equal one process training on the union of what the
+    ranks were fed each step."""
     script = _load_script()
-    cases = ["global_mean:1:on_demand", "rank_mean:1:on_demand", "global_mean:1:profiling"]
     args = ["--out", tmp_path, "--steps", STEPS, "--stock"]
-    for case in cases:
+    for case in STOCK_CASES:
         args += ["--case", case]
-    code, output = launch_deepspeed(SCRIPT, args, num_ranks=2, timeout=300, cwd=REPO_ROOT)
+    code, output = launch_deepspeed(SCRIPT, args, num_ranks=2, timeout=340, cwd=REPO_ROOT)
     assert code == 0, f"Trainer run failed (exit {code}):\n{output[-6000:]}"
-    for case in cases:
-        loss_kind, _, change = case.split(":")
-        ranks = [torch.load(tmp_path / f"{loss_kind}-1-{change}-stock-rank{rank}.pt") for rank in range(2)]
-        plans = ranks[0]["plans"]
-        assert ranks[1]["plans"] == plans
-        if change == "on_demand":
-            switch = script.ON_DEMAND_STEP
-            assert plans == [[8, 8]] * switch + [[12, 4]] * (STEPS - switch), plans
-        else:
-            # Three profiling steps from the even start: its probes move rows (and rank 1's tenth of the
-            # speed usually moves work to rank 0; a loaded machine may keep [8, 8] within the noise).
-            assert plans[0] == [8, 8] and any(plan != [8, 8] for plan in plans), plans
-        assert all(len(batch) == 8 for run in ranks for batch in run["fed"]), "the stock loader feeds equal batches"
-        global_batches = [ranks[0]["fed"][step] + ranks[1]["fed"][step] for step in range(STEPS)]
-        reference, eval_loss = _reference(script, global_batches)
-        assert [run["eval_loss"] for run in ranks] == pytest.approx([eval_loss] * 2, rel=1e-5), case
-        for name, expected in reference.items():
-            for rank in range(2):
-                got = ranks[rank]["params"][name]
-                assert torch.allclose(got, expected, rtol=0, atol=1e-5), \
-                    f"{case} rank {rank} {name}: max |diff| {(got - expected).abs().max().item():.3g}"
+    for case in STOCK_CASES:
+        _check_case(script, tmp_path, case, stock=True)
 
 
 # -- pure parts ---------------------------------------------------------------------------------
@@ -252,15 +277,29 @@ def test_plan_with_per_rank_gas_is_refused():
         hf_trainer.check_trainer_plan(_plan([5, 3], [2, 1]), 2)
 
 
-def test_loss_weight_stays_out_of_the_gradient_only():
-    weight = 1.625
-    x = torch.tensor([2.0, 3.0], requires_grad=True)
-    loss = hf_trainer.exclude_loss_weight((x**2).sum(), weight)
-    assert loss.item() == 13.0
-    (loss * weight).backward()  # what the engine does with the loss it is given
-    assert torch.allclose(x.grad, 2 * x.detach())
-    frozen = hf_trainer.exclude_loss_weight(torch.tensor(1.0), weight)  # evaluation: no graph, no hook
-    assert frozen.item() == 1.0
+def test_loss_weight_follows_what_the_loss_divides_by():
+    # (items, num_items, honours, conclusive) of this rank, and summed over two ranks.
+    fallback = 0.25
+    # A causal LM dividing by the global count (average_tokens_across_devices): weight 1.
+    assert hf_trainer.agreed_loss_weight([90, 120, 1, 1], [120, 240, 2, 2], 2, True, fallback) == 1.0
+    # ... by its own count: weighted by it.
+    assert hf_trainer.agreed_loss_weight([90, 90, 1, 1], [120, 120, 2, 2], 2, False, fallback) == 1.5
+    # A classifier ignoring the count: weighted by its rows (its items), whatever the Trainer believes.
+    assert hf_trainer.agreed_loss_weight([12, 16, 0, 1], [16, 32, 0, 2], 2, True, fallback) == 1.5
+    # Nothing told (zero losses): the Trainer's belief that the loss divides.
+    assert hf_trainer.agreed_loss_weight([12, 16, 0, 0], [16, 32, 0, 0], 2, True, fallback) == 1.0
+    # No count passed: the micro-batch's items; no item anywhere: the plan's weight.
+    assert hf_trainer.agreed_loss_weight([3, 0, 0, 1], [4, 0, 0, 2], 2, True, fallback) == 1.5
+    assert hf_trainer.agreed_loss_weight([0, 0, 0, 1], [0, 0, 0, 2], 2, True, fallback) == fallback
+
+
+def test_label_items_count_what_the_loss_averages():
+    labels = torch.tensor([[1, 2, -100], [3, -100, -100]])
+    assert hf_trainer.label_items({"labels": labels}, shifts_labels=False) == 3
+    assert hf_trainer.label_items({"labels": labels}, shifts_labels=True) == 1
+    assert hf_trainer.label_items({"labels": labels, "shift_labels": labels}, shifts_labels=True) == 3
+    assert hf_trainer.label_items({"labels": torch.tensor([0, 2, 1])}, shifts_labels=False) == 3
+    assert hf_trainer.label_items({"input_ids": torch.zeros(5, 4)}, shifts_labels=False) == 5
 
 
 def test_loader_set_epoch_reshuffles():

@@ -6,14 +6,17 @@ Trains a tiny GPT-2 (built from a config, no download) once per case given on th
 each with a fresh Trainer and engine, and writes per rank what it fed the model at every
 micro-step (dataset indices), the plan in force then, the trained parameters and the evaluation
 loss, to ``<out>/<loss>-<gas>-<change>-rank<r>.pt``. The test replays the same global batches in
-one process. A case is ``LOSS:GAS:CHANGE``:
+one process. A case is ``[MODEL/]LOSS:GAS:CHANGE``:
 
+- MODEL ``gpt2`` (the default, or ``--model``): a causal LM, whose loss divides by the Trainer's
+  ``num_items_in_batch``; ``bert``: a sequence classifier, whose loss is a mean over its own rows
+  (it ignores the count the Trainer passes it). Its results are named ``bert-<loss>-...``.
 - LOSS ``global_mean``: the Trainer's default for a causal LM (loss over the global batch's token
   count); ``rank_mean``: average_tokens_across_devices=False (each rank's own mean).
 - CHANGE ``profiling``: rank 1 emulated at a tenth of rank 0's speed (time dilation) and 3
   profiling steps, which re-plan from what they measure (the outcome depends on the timings);
   ``on_demand``: no profiling, and ``engine.reschedule_workload`` with rank 1 three times slower
-  at the end of step 2, a certain change to [12, 4].
+  at the end of step 2, a certain change to [12, 4]; ``manual=A,B``: the manual split [A, B].
 
     deepspeed --num_gpus 2 tests/unit/scripts/hf_trainer_train.py --out DIR --case global_mean:1:on_demand
 
@@ -48,9 +51,32 @@ def make_model():
     return model
 
 
+def make_classifier():
+    """A BERT sequence classifier: its head computes a mean over its own rows and ignores the
+    num_items_in_batch the Trainer passes it."""
+    from transformers import BertConfig, BertForSequenceClassification
+    config = BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                        vocab_size=VOCAB, max_position_embeddings=SEQUENCE, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0, num_labels=CLASSES, type_vocab_size=1)
+    torch.manual_seed(MODEL_SEED)
+    return BertForSequenceClassification(config)
+
+
+MODELS = {"gpt2": make_model, "bert": make_classifier}
+CLASSES = 3
+
+
 def tokens():
     """Every sample's token ids (distinct rows, so that a fed row names its sample)."""
     return torch.randint(0, VOCAB, (DATASET, SEQUENCE), generator=torch.Generator().manual_seed(3))
+
+
+def labels_of(model_name, ids):
+    """The training labels of ``ids`` (rows of ``tokens()``): the tokens themselves for the causal
+    LM, a class per row for the classifier."""
+    if model_name == "bert":
+        return ids.sum(dim=-1) % CLASSES
+    return ids.clone()
 
 
 EVAL_SAMPLES = 16
@@ -58,14 +84,15 @@ EVAL_SAMPLES = 16
 
 class TokenDataset(torch.utils.data.Dataset):
 
-    def __init__(self, size=DATASET):
+    def __init__(self, size=DATASET, model_name="gpt2"):
         self.ids = tokens()[:size]
+        self.labels = labels_of(model_name, self.ids)
 
     def __len__(self):
         return len(self.ids)
 
     def __getitem__(self, index):
-        return {"input_ids": self.ids[index], "labels": self.ids[index].clone()}
+        return {"input_ids": self.ids[index], "labels": self.labels[index].clone()}
 
 
 ON_DEMAND_STEP = 2
@@ -78,8 +105,11 @@ def ds_config(stage, change):
         heterogeneous.update(profile_steps=3, emulation={"speeds": [1.0, 0.1], "mode": "dilation"})
     elif change == "on_demand":
         heterogeneous.update(profile_steps=0)
+    elif change.startswith("manual="):
+        heterogeneous.update(load_balancing_strategy="manual",
+                             micro_batch_sizes=[int(size) for size in change[len("manual="):].split(",")])
     else:
-        raise SystemExit(f"unknown plan change {change!r}: profiling or on_demand")
+        raise SystemExit(f"unknown plan change {change!r}: profiling, on_demand or manual=A,B")
     return {
         "train_batch_size": "auto",
         "gradient_accumulation_steps": "auto",
@@ -91,7 +121,14 @@ def ds_config(stage, change):
     }
 
 
-def train(case, out, steps, stage, save_at=None, resume=False, stock=False):
+def result_name(model_name, case, resume=False, stock=False):
+    loss_kind, gas, change = case.split(":")
+    prefix = "" if model_name == "gpt2" else f"{model_name}-"
+    return (f"{prefix}{loss_kind}-{gas}-{change}{'-resumed' if resume else ''}{'-stock' if stock else ''}"
+            f"-rank{{rank}}.pt")
+
+
+def train(case, out, steps, stage, save_at=None, resume=False, stock=False, model_name="gpt2"):
     from transformers import Trainer, TrainerCallback, TrainingArguments
     from deepspeed.runtime.heterogeneous.integrations.hf_trainer import HeterogeneousTrainer
 
@@ -136,8 +173,8 @@ def train(case, out, steps, stage, save_at=None, resume=False, stock=False):
                              logging_strategy="no",
                              disable_tqdm=True,
                              use_cpu=True)
-    trainer = RecordingTrainer(model=make_model(), args=args, train_dataset=TokenDataset(),
-                               eval_dataset=TokenDataset(EVAL_SAMPLES), callbacks=[OnDemandChange()])
+    trainer = RecordingTrainer(model=MODELS[model_name](), args=args, train_dataset=TokenDataset(model_name=model_name),
+                               eval_dataset=TokenDataset(EVAL_SAMPLES, model_name), callbacks=[OnDemandChange()])
     checkpoint = os.path.join(out, "trainer", f"checkpoint-{save_at}") if resume else None
     trainer.train(resume_from_checkpoint=checkpoint)
     # Evaluation keeps the Trainer's own equal shards (the engine checks training forwards only).
@@ -146,8 +183,7 @@ def train(case, out, steps, stage, save_at=None, resume=False, stock=False):
     rank = int(os.environ["RANK"])
     params = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
     torch.save({"fed": fed, "plans": plans, "eval_loss": eval_loss, "params": params},
-               os.path.join(out, f"{loss_kind}-{gas}-{change}{'-resumed' if resume else ''}{'-stock' if stock else ''}"
-                            f"-rank{rank}.pt"))
+               os.path.join(out, result_name(model_name, case, resume, stock).format(rank=rank)))
 
 
 def main():
@@ -157,16 +193,22 @@ def main():
     parser.add_argument("--case", action="append", required=True, help="LOSS:GAS:CHANGE (see the docstring)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--stage", type=int, default=1)
+    parser.add_argument("--model", choices=sorted(MODELS), default="gpt2",
+                        help="gpt2: a causal LM (its loss divides by num_items_in_batch); bert: a sequence classifier")
     parser.add_argument("--stock", action="store_true",
                         help="the stock transformers.Trainer (equal batches, re-split by the engine)")
     parser.add_argument("--resume-at", type=int, default=None,
                         help="save a checkpoint at this step, then train again resumed from it")
     args = parser.parse_args()
     try:
-        for case in args.case:
-            train(case, args.out, args.steps, args.stage, save_at=args.resume_at, stock=args.stock)
+        for spec in args.case:
+            model_name, _, case = spec.rpartition("/")
+            model_name = model_name or args.model
+            train(case, args.out, args.steps, args.stage, save_at=args.resume_at, stock=args.stock,
+                  model_name=model_name)
             if args.resume_at:
-                train(case, args.out, args.steps, args.stage, save_at=args.resume_at, resume=True, stock=args.stock)
+                train(case, args.out, args.steps, args.stage, save_at=args.resume_at, resume=True, stock=args.stock,
+                      model_name=model_name)
     finally:
         import torch.distributed as dist
         if dist.is_initialized():

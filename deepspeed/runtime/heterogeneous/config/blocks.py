@@ -124,6 +124,21 @@ class CommunicationConfig(DeepSpeedConfigModel):
         return self
 
 
+class LossItemsConfig(DeepSpeedConfigModel):
+    """``heterogeneous_config.loss_items``: each rank's loss is a mean over the items of one forward
+    argument that are not ``ignore_index`` (tokens of a tagger or language model, pixels of a mask),
+    not over its rows. The engine counts them at every training forward, sums the counts over the
+    ranks and weights rank r's loss by ``W * items_r / sum(items)``: the update is the mean over
+    every item of the global micro-batch, for any split (``data/loss_items.py``)."""
+
+    input: Union[str, Annotated[int, Field(ge=0)]] = "labels"
+    """The forward argument whose items the loss averages: a keyword's name, or a positional index."""
+    ignore_index: int = -100
+    """The value of items the loss leaves out (cross_entropy's ignore_index; 0 for a 0/1 mask)."""
+    shift: bool = False
+    """Leave out position 0 of the last dimension, as a causal LM's loss that shifts its labels does."""
+
+
 class PipelineConfig(DeepSpeedConfigModel):
     """``heterogeneous_config.pipeline``: a ``PipelineModule`` built with
     ``partition_method="heterogeneous"`` (docs/pipeline.md)."""
@@ -177,6 +192,9 @@ class HeterogeneousConfig(DeepSpeedConfigModel):
     """How gradients travel between hosts (hierarchical reduction, inter-host compression)."""
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     """How a PipelineModule's layers are cut into stages (``partition_method="heterogeneous"``)."""
+    loss_items: Optional[LossItemsConfig] = None
+    """A loss that is a mean over valid items rather than rows (None: over rows, the default): see
+    ``LossItemsConfig``."""
 
     @model_validator(mode="after")
     def _consistent(self):

@@ -24,16 +24,19 @@ without it. ``HeterogeneousTrainerMixin`` goes in front of any Trainer subclass
 without DeepSpeed) the Trainer behaves as it does upstream.
 """
 
+import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from deepspeed.utils import logger
 
 from ..config.settings import STRATEGIES, load_heterogeneous_settings
+from ..data.loss_items import count_items, count_rows, items_weight
 from ..data.sampler import HeterogeneousBatchSampler
+from .loss_normalization import LossFunctionWatch, loss_function_owner, names_num_items
 
 # HeterogeneousTrainer is left out: a star import must not need transformers.
 __all__ = ["HeterogeneousTrainerMixin", "HeterogeneousTrainerLoader", "provisional_micro_batch_sizes",
-           "round_size_for_trainer", "check_trainer_plan"]
+           "round_size_for_trainer", "check_trainer_plan", "agreed_loss_weight", "label_items"]
 
 
 def heterogeneous_enabled(ds_config):
@@ -89,23 +92,39 @@ def check_trainer_plan(plan, trainer_gas):
                            "micro-batch); use ZeRO stage 2 or 3 to rule it out")
 
 
-def loss_is_global_mean(trainer, num_items_in_batch):
-    """Whether the Trainer's loss is already normalised over the global batch: it divides by the
-    token count summed over every rank and multiplies by the number of processes, so that the
-    ranks' average gradient is the global mean for any split of the batch. Mirrors the condition
-    in ``Trainer.compute_loss``."""
-    return bool(trainer.args.average_tokens_across_devices
-                and (trainer.model_accepts_loss_kwargs or trainer.compute_loss_func is not None)
-                and num_items_in_batch is not None)
+def label_items(inputs, shifts_labels):
+    """The items this micro-batch's loss is a mean over when the model computes a plain mean: its
+    labels that are not -100 (``shift_labels`` as given, else ``labels``, without position 0 where
+    the loss shifts them), or its rows when it has no labels (a question-answering head's
+    positions, for example)."""
+    if "shift_labels" in inputs and isinstance(inputs["shift_labels"], torch.Tensor):
+        return count_items(inputs["shift_labels"])
+    labels = inputs.get("labels")
+    if isinstance(labels, torch.Tensor) and labels.dim() > 0:
+        return count_items(labels, shift=shifts_labels and labels.dim() > 1)
+    return count_rows((), inputs)
 
 
-def exclude_loss_weight(loss, weight):
-    """``loss`` with its gradient divided by ``weight``: the engine multiplies the loss it is given
-    by the rank's weight at backward, and a loss that is already a global mean must keep its own
-    gradient. The value (what the Trainer logs) stays as it is."""
-    if weight != 1.0 and loss.requires_grad:
-        loss.register_hook(lambda grad: grad / weight)
-    return loss
+def agreed_loss_weight(mine, total, world_size, average_tokens_across_devices, fallback):
+    """This rank's loss weight for one micro-step of the Trainer, from ``mine`` and ``total`` (its
+    own and every rank's summed ``(items, num_items, honours, conclusive)``: label items of the
+    micro-batch, the ``num_items_in_batch`` the Trainer passed (0: none), and whether the loss was
+    seen dividing by it).
+
+    - The loss divides by ``num_items_in_batch`` (every rank that could tell saw it; the Trainer's
+      belief when none could): with ``average_tokens_across_devices`` the count is already global
+      and the Trainer has multiplied by the number of processes, so the ranks' plain average is
+      the global mean: weight 1. Without, each rank divided by its own count: weighted by it.
+    - Otherwise the loss is a mean over the micro-batch's own items (a classifier's rows, a
+      tagger's labelled tokens): weighted by them (``data/loss_items.py``).
+    """
+    items, num_items = mine[0], mine[1]
+    total_items, total_num_items, honours, conclusive = total
+    if num_items > 0 and honours == conclusive:
+        if average_tokens_across_devices:
+            return 1.0
+        return items_weight(world_size, num_items, total_num_items, fallback)
+    return items_weight(world_size, items, total_items, fallback)
 
 
 class HeterogeneousTrainerLoader(DataLoader):
@@ -120,8 +139,10 @@ class HeterogeneousTrainerLoader(DataLoader):
 class HeterogeneousTrainerMixin:
     """Goes in front of ``transformers.Trainer`` or a subclass of it (see the module docstring)."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, loss_uses_num_items=None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.loss_uses_num_items = loss_uses_num_items
+        self._loss_watch = LossFunctionWatch()
         self.heterogeneous_sampler = None
         self._heterogeneous = self.is_deepspeed_enabled and heterogeneous_enabled(self._ds_config())
         if self._heterogeneous:
@@ -166,13 +187,48 @@ class HeterogeneousTrainerMixin:
                                           num_workers=0, pin_memory=self.args.dataloader_pin_memory)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        result = super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                      num_items_in_batch=num_items_in_batch)
         engine = self.heterogeneous_engine() if self._heterogeneous else None
-        if engine is not None and model.training and loss_is_global_mean(self, num_items_in_batch):
-            loss = result[0] if return_outputs else result
-            exclude_loss_weight(loss, engine.heterogeneous_state.loss_weight)
+        if engine is None or not model.training or engine.heterogeneous_plan is None:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        # Counted before the Trainer pops the labels for a compute_loss_func.
+        items = label_items(inputs, getattr(self, "_loss_shifts_labels", False))
+        self._loss_watch.start(engine.module)
+        try:
+            result = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                          num_items_in_batch=num_items_in_batch)
+        finally:
+            seen = self._loss_watch.stop()
+        honours = self._loss_honours_num_items(engine.module, seen)
+        # The count reaches the loss only through the model's kwargs or a compute_loss_func.
+        passed = num_items_in_batch is not None and (self.model_accepts_loss_kwargs or self.compute_loss_func is not None)
+        num_items = float(num_items_in_batch) if passed else 0.0
+        mine = [float(items), num_items, float(honours is True), float(honours is not None)]
+        # Every rank, every training micro-step: one collective whatever this rank found.
+        total = engine._heterogeneous_runtime().sum_over_ranks(mine)
+        state = engine.heterogeneous_state
+        fallback = state.plan.loss_weights[state.dp_rank]
+        state.weight_override = agreed_loss_weight(mine, total, int(total_processes(engine)),
+                                                   self.args.average_tokens_across_devices, fallback)
         return result
+
+    def _loss_honours_num_items(self, module, seen):
+        """Whether this micro-step's loss divided by ``num_items_in_batch``: the user's declaration
+        (``loss_uses_num_items``), else a ``compute_loss_func`` does (the Trainer's contract for it),
+        else what the watch saw the transformers model's loss function do (None: it could not
+        tell), else whether a model of another kind names the parameter."""
+        if self.loss_uses_num_items is not None:
+            return bool(self.loss_uses_num_items)
+        if self.compute_loss_func is not None:
+            return True
+        if loss_function_owner(module) is not None:
+            return seen
+        return names_num_items(module)
+
+
+def total_processes(engine):
+    from deepspeed import comm as dist
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _is_datasets_dataset(dataset):

@@ -1,0 +1,132 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Whether a Hugging Face model's loss is divided by the ``num_items_in_batch`` it is given.
+
+``transformers.Trainer`` counts the labelled items of a step (over every rank with
+``average_tokens_across_devices``) and passes the count to any model whose ``forward`` takes
+``**kwargs``, then treats the loss as normalised by it: it multiplies it by the number of processes
+and does not divide it by the accumulation steps. Whether the model really divides by the count is
+another matter. A causal LM's ``ForCausalLMLoss`` does; ``BertForSequenceClassification`` computes
+its own ``CrossEntropyLoss()`` and never sees the count; the generic sequence-classification loss
+honours it for single-label classification and ignores it for regression and multi-label heads.
+Neither a model's signature nor its loss function's tells, so the fork finds out by watching:
+
+- ``LossFunctionWatch`` replaces the model's ``loss_function`` (a settable property of every
+  ``PreTrainedModel``) for the duration of one forward and records each call. A model that
+  computes its loss inline makes no call: its loss ignores the count.
+- For each loss function once, a call given a count is repeated on detached inputs with twice the
+  count: a loss that halves divides by it, one that stays ignores it (``honours_num_items``). A loss
+  that is zero or not finite tells nothing and is asked again at a later call.
+
+The repeat costs one more evaluation of the loss function, without autograd, once per function.
+"""
+
+import math
+
+import torch
+
+__all__ = ["LossFunctionWatch", "loss_function_owner", "honours_num_items", "names_num_items"]
+
+
+def loss_function_owner(module):
+    """The outermost submodule of ``module`` (itself included) whose class has a ``loss_function``
+    property: a transformers ``PreTrainedModel`` (a PEFT wrapper's base model, a DeepSpeed engine's
+    module). Its forward is the one that calls ``self.loss_function``. None for other models."""
+    for candidate in module.modules():
+        if isinstance(getattr(type(candidate), "loss_function", None), property):
+            return candidate
+    return None
+
+
+def names_num_items(module):
+    """Whether ``module.forward`` names a ``num_items_in_batch`` parameter (not only ``**kwargs``):
+    a model that is not a transformers model and asks for the count by name is taken to divide by it."""
+    import inspect
+    try:
+        return "num_items_in_batch" in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def honours_num_items(function, args, kwargs, result):
+    """True when ``function`` (called with ``args``/``kwargs``, which hold ``num_items_in_batch``, and
+    returning ``result``) divides by the count; False when its value does not depend on it; None
+    when the result tells nothing (zero, not finite, not a scalar)."""
+    count = kwargs.get("num_items_in_batch")
+    if count is None:
+        return False  # the model did not hand the count to its loss
+    if not isinstance(result, torch.Tensor) or result.numel() != 1:
+        return None
+    value = float(result.detach().float())
+    if value == 0.0 or not math.isfinite(value):
+        return None
+    with torch.no_grad():
+        again = function(*_detached(args), **{**_detached(kwargs), "num_items_in_batch": count * 2})
+    ratio = value / float(again.detach().float())
+    if abs(ratio - 2.0) < 1e-3:
+        return True
+    if abs(ratio - 1.0) < 1e-3:
+        return False
+    return None
+
+
+def _detached(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, dict):
+        return {key: _detached(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_detached(item) for item in value)
+    return value
+
+
+class LossFunctionWatch:
+    """Watches one forward's calls of a transformers model's ``loss_function``.
+
+    ``start(module)`` before the forward, ``stop()`` after it (also when it failed: the model's
+    own loss function is put back). ``stop`` returns what the calls showed: True when every call
+    divided by ``num_items_in_batch`` (calls that told nothing aside), False when one did not or the
+    model made no call (an inline loss, or not a transformers model), None when the calls told
+    nothing. Verdicts are kept per loss function for the watch's lifetime."""
+
+    def __init__(self):
+        self._verdicts = {}
+        self._owner = None
+        self._had_own = False
+        self._own = None
+        self._calls = []
+
+    def start(self, module):
+        self.stop()
+        owner = loss_function_owner(module)
+        if owner is None:
+            return
+        self._owner, self._calls = owner, []
+        self._had_own = "_loss_function" in owner.__dict__
+        self._own = owner.__dict__.get("_loss_function")
+        original = owner.loss_function
+        calls, verdicts = self._calls, self._verdicts
+
+        def watched(*args, **kwargs):
+            result = original(*args, **kwargs)
+            known = verdicts.get(original)
+            if known is None:
+                known = honours_num_items(original, args, kwargs, result)
+                if known is not None and kwargs.get("num_items_in_batch") is not None:
+                    verdicts[original] = known
+            calls.append(known)
+            return result
+
+        owner.loss_function = watched
+
+    def stop(self):
+        owner, calls = self._owner, self._calls
+        if owner is None:
+            return False
+        if self._had_own:
+            owner.loss_function = self._own
+        else:
+            owner.__dict__.pop("_loss_function", None)
+        self._owner, self._calls = None, []
+        if not calls or any(call is False for call in calls):
+            return False
+        return True if any(call is True for call in calls) else None
