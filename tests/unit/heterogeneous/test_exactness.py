@@ -191,3 +191,101 @@ def test_bf16_uneven_micro_batches_track_the_reference():
         expected = sgd_reference(sum(case["sizes"]), BF16_LR)
         for got, want in zip(per_rank[0], expected):
             torch.testing.assert_close(got, want, rtol=0, atol=2.5e-3, msg=lambda m: f"{case}: {m}")
+
+
+# -- a loss that is a mean over valid tokens (heterogeneous_config.loss_items) ------------------
+
+VOCAB, TAGS, TOKENS = 24, 5, 6
+
+
+class Tagger(torch.nn.Module):
+    """Tags every token; its loss is the mean over the tokens whose label is not -100."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(20261204)
+        self.embed = torch.nn.Embedding(VOCAB, 16)
+        self.head = torch.nn.Linear(16, TAGS)
+
+    def forward(self, ids, labels):
+        logits = self.head(torch.tanh(self.embed(ids)))
+        return torch.nn.functional.cross_entropy(logits.view(-1, TAGS), labels.reshape(-1), ignore_index=-100)
+
+
+def tagged_batches(train_batch_size, steps=STEPS):
+    """Token ids and labels, a random number of each row's labels masked with -100, so that the
+    ranks' token counts differ from their row counts."""
+    generator = torch.Generator().manual_seed(11)
+    batches = []
+    for _ in range(steps):
+        ids = torch.randint(0, VOCAB, (train_batch_size, TOKENS), generator=generator)
+        labels = torch.randint(0, TAGS, (train_batch_size, TOKENS), generator=generator)
+        keep = torch.rand(train_batch_size, 1, generator=generator) * TOKENS
+        labels[torch.arange(TOKENS).expand(train_batch_size, TOKENS) >= keep.ceil()] = -100
+        batches.append((ids, labels))
+    return batches
+
+
+# SGD: Adam divides each gradient by its own magnitude, so an element whose gradient cancels to
+# ~1e-8 in some step moves by a sizeable part of the learning rate, and a rounding-level change
+# of that gradient (summation order) moves the result by ~1e-5 while the losses agree.
+TAGGER_LR = 0.5
+
+
+def tagger_reference(train_batch_size, gas):
+    """One process: each micro-step's loss is the token mean over that round of the global batch
+    (all ranks' rows), averaged over the accumulation steps as DeepSpeed does."""
+    model = Tagger()
+    optimizer = torch.optim.SGD(model.parameters(), lr=TAGGER_LR)
+    per_round = train_batch_size // gas
+    for ids, labels in tagged_batches(train_batch_size):
+        optimizer.zero_grad()
+        for micro in range(gas):
+            rows = slice(micro * per_round, (micro + 1) * per_round)
+            (model(ids[rows], labels[rows]) / gas).backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def train_tagger(rank, world_size, stage, gas, sizes, loss_items):
+    import deepspeed
+
+    model = Tagger()
+    config = ds_config(stage, gas, sizes, 0.0)
+    config.update(optimizer={"type": "SGD", "params": {"lr": TAGGER_LR}}, zero_allow_untested_optimizer=True)
+    if loss_items is not None:
+        config["heterogeneous_config"]["loss_items"] = loss_items
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    offset, per_round = sum(sizes[:rank]), sum(sizes)
+    for ids, labels in tagged_batches(config["train_batch_size"]):
+        for micro in range(gas):
+            rows = slice(micro * per_round + offset, micro * per_round + offset + sizes[rank])
+            if loss_items is not None and loss_items.get("input") == "labels":
+                loss = engine(ids[rows], labels=labels[rows])
+            else:
+                loss = engine(ids[rows], labels[rows])
+            engine.backward(loss)
+            engine.step()
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
+        return [p.detach().clone() for p in engine.module.parameters()]
+
+
+@pytest.mark.multiprocess
+def test_token_mean_loss_is_exact_with_loss_items():
+    """A tagger whose loss is cross_entropy(..., ignore_index=-100) over the rows it computed: with
+    ``loss_items`` the ranks are weighted by their labelled tokens, and [12, 4] equals one process
+    on the global batch to 1e-6 (by keyword and by position, ZeRO-1 and 2, with accumulation).
+    Without it the rows weight the token means, which the control case shows is off."""
+    cases = [dict(stage=1, gas=1, sizes=[12, 4], loss_items={"input": "labels"}),
+             dict(stage=2, gas=2, sizes=[12, 4], loss_items={"input": 1, "ignore_index": -100}),
+             dict(stage=1, gas=1, sizes=[12, 4], loss_items=None)]
+    results = run_subcases(train_tagger, cases, world_size=2, timeout=600)
+    for case, per_rank in zip(cases, results):
+        expected = tagger_reference(sum(case["sizes"]) * case["gas"], case["gas"])
+        gap = max((got - want).abs().max().item() for got, want in zip(per_rank[0], expected))
+        if case["loss_items"] is None:
+            assert gap > 1e-4, f"the rows' weights should miss the token mean: {gap:.3g}"
+            continue
+        for rank_params in per_rank:
+            for got, want in zip(rank_params, expected):
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=lambda m: f"{case}: {m}")
