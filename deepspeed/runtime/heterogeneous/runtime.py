@@ -47,10 +47,10 @@ from .cluster.agreement import (Agreement, PlanAgreementError, decision_failure,
                                 raise_decision_failure, slowest, slowest_micro_step)
 from .startup import apply_plan, rank_memory_meter
 from .memory.pool import memory_capacities
-from .data.fed_batch import fed_size
+from .data.fed_batch import fed_size, judge_feeding, leading_batch_size, raised_on_every_rank
 from .data.loss_items import count_items, items_weight, select_input
 from .integrations.loss_normalization import LossFunctionWatch
-from .data.resplit import ExchangeClock, resplit_inputs, return_outputs
+from .data.resplit import ExchangeClock, agree, resplit_inputs, return_outputs
 from .planning.exchange import exchange_verdict, least_exchange_seconds
 from .emulation.limits import EmulatedLimits, EmulatedOutOfMemoryError, emulation_note
 from .measure import comm_clock
@@ -62,7 +62,11 @@ from .planning.rebalance import (RebalanceEvent, RebalancePolicy, Rebalancer, ba
 from .measure.timing import StepTimer, StepTiming
 from .cluster.topology import topology_note
 
-__all__ = ["HeterogeneousRuntime", "Phase", "PlanAgreementError", "EmulatedOutOfMemoryError"]
+__all__ = ["HeterogeneousRuntime", "Phase", "PlanAgreementError", "EmulatedOutOfMemoryError", "RescheduleError"]
+
+
+class RescheduleError(RuntimeError):
+    """``reschedule_workload()`` has nothing to re-plan from (raised on every rank together)."""
 
 
 class Phase(str, enum.Enum):
@@ -102,6 +106,7 @@ class HeterogeneousRuntime:
         self.check_fed_batch = self.settings.check_fed_batch
         self._fed = None  # the size of the micro-batch this rank computes (None: not known)
         self._split = None  # this micro-step's re-split (data.resplit.Split), None when nothing moved
+        self._resplit = False  # the last training forward re-split what the ranks were fed (agreed by all)
         self._caller_counts = False  # the loss divided by the caller's num_items_in_batch: a loss over the fed rows
         self._loss_watch = LossFunctionWatch()  # whether a transformers model's loss divides by that count
         self._watching = False
@@ -216,21 +221,28 @@ class HeterogeneousRuntime:
 
     @property
     def resplits(self):
-        """Whether forwards re-split what the ranks were fed (``data/resplit.py``): ``auto`` unless
-        the engine's loader or a registered heterogeneous sampler feeds the ranks their plan or the
-        inputs are not batch-first (``check_fed_batch: false``), and only
-        where the data-parallel ranks are the whole world (no model or sequence parallelism)."""
-        setting = self.settings.resplit_fed_batches
-        wanted = setting is True or (setting == "auto" and self.check_fed_batch and not self.engine_loader
-                                     and not self.samplers)
-        if wanted and self._data_parallel_world != self.plan.world_size:
-            if setting is True:
-                raise ValueError("heterogeneous_config.resplit_fed_batches is true, but the data-parallel ranks are not "
-                                 "the whole world (model, pipeline or sequence parallelism): samples would have to move "
-                                 "between replicas and reach every member of each; feed each replica its planned share "
-                                 "(engine.heterogeneous_sampler) and set resplit_fed_batches to \"auto\" or false")
-            return False  # model parallelism: the fed-batch check applies
-        return wanted
+        """Whether the last training forward re-split what the ranks were fed (``data/resplit.py``),
+        as every rank agreed at that forward (``data.fed_batch.judge_feeding``): ``auto`` unless the
+        engine's loader or a registered heterogeneous sampler feeds the ranks their plan or the
+        inputs are not batch-first (``check_fed_batch: false``), and only where the data-parallel
+        ranks are the whole world (no model or sequence parallelism)."""
+        return self._resplit
+
+    @property
+    def feeds_plan(self):
+        """This rank's own view: the engine's loader or a registered heterogeneous sampler feeds it."""
+        return bool(self.engine_loader or self.samplers)
+
+    def _agree_on_feeding(self, inputs, kwargs):
+        """Every rank's data-parallel rank, way of feeding and fed size, gathered at this forward
+        (one small all-gather), and what they imply for all of them alike: whether to re-split, or
+        the error every rank raises. Rank-local facts (a sampler registered on one rank only, one
+        rank fed the wrong size) would otherwise send the ranks down different paths: one waiting
+        in a collective the others never enter."""
+        fed = leading_batch_size(inputs, kwargs or {}) if self.check_fed_batch else None
+        everyone = agree(self.rank, int(self.feeds_plan), -1 if fed is None else fed)
+        return judge_feeding(self.plan, everyone, self.settings.resplit_fed_batches, self.check_fed_batch,
+                             self._data_parallel_world == self.plan.world_size)
 
     def micro_step_begin(self, inputs=(), kwargs=None):
         """A training forward begins: returns the ``(inputs, kwargs)`` the model computes (this
@@ -238,7 +250,16 @@ class HeterogeneousRuntime:
         self._split = None
         self.state.weight_override = None
         self._exchange_began = self.exchange_clock.seconds
-        if self.resplits and not self.plan.per_rank_gas:
+        if self.state.pipeline is not None:
+            # Stages run their forwards at different times: no collective here. The pipeline
+            # engine's own loader feeds each replica its plan.
+            self._resplit = False
+            self._fed = fed_size(self.plan, self.rank, inputs, kwargs, engine_loader=self.engine_loader,
+                                 check=self.check_fed_batch)
+        else:
+            self._resplit = self._agree_on_feeding(inputs, kwargs)
+            self._fed = leading_batch_size(inputs, kwargs or {}) if self.check_fed_batch else None
+        if self._resplit:
             planned = self.plan.micro_batch_sizes
             # A loss the model normalises by the caller's count of items (the Trainer's
             # num_items_in_batch, counted over what was fed) is a loss over the fed rows.
@@ -255,9 +276,6 @@ class HeterogeneousRuntime:
                 received = self._split.received_bytes((inputs, kwargs))
                 self.resplit_input_bytes += received
                 self._micro_step_received = received
-        else:
-            self._fed = fed_size(self.plan, self.rank, inputs, kwargs, engine_loader=self.engine_loader,
-                                 check=self.check_fed_batch)
         if self.settings.loss_items is not None:
             self.state.weight_override = self._items_weight(inputs, kwargs)
         if self.measuring_memory:
@@ -701,9 +719,24 @@ class HeterogeneousRuntime:
         if utilization_metrics is not None:
             forced = models_from_utilization(utilization_metrics, self.plan)
         elif not self._window:
-            raise ValueError("reschedule_workload: no step was measured since the last check; pass "
-                             "utilization_metrics (per-rank busy seconds) or train some steps first")
+            # The phase and the window are alike on every rank, so every rank raises here together.
+            raise raised_on_every_rank(RescheduleError(self._nothing_measured()))
         return self._check_rebalance(forced_models=forced, on_demand=True)
+
+    def _nothing_measured(self):
+        """Why ``reschedule_workload()`` without metrics has nothing to re-plan from, in one line."""
+        alternative = ("pass utilization_metrics (per-rank busy seconds per step, e.g. "
+                       "HeterogeneousProfiler(engine).get_metrics()) to re-plan from them now")
+        if self.phase is Phase.PROFILING:
+            return (f"reschedule_workload(): the profiling steps are still measuring ({len(self.history)} of "
+                    f"{self.settings.profile_steps} taken) and re-plan at their end; {alternative}")
+        if self.phase is Phase.STATIC:
+            return ("reschedule_workload(): nothing is measured once the plan has settled (profiling is over and "
+                    "heterogeneous_config.scheduler.dynamic_rebalancing is off: timing every step would cost a "
+                    f"device synchronisation per step); {alternative}, or turn on dynamic_rebalancing, whose "
+                    "checks measure every step")
+        return (f"reschedule_workload(): no step was measured since the last check (step {self.steps}); train "
+                f"some steps first, or {alternative}")
 
     def restore_deferred_sampler(self, sampler, index):
         """Resume a sampler registered after the checkpoint was loaded at its saved position (the

@@ -126,6 +126,51 @@ def own_loader(rank, world_size, workers):
             "plan": list(engine.heterogeneous_plan.micro_batch_sizes)}
 
 
+def one_rank_fed_otherwise(rank, world_size, fault):
+    """ZeRO-2 (a gradient collective every micro-step), manual [12, 4]. ``wrong_size``: with
+    re-splitting off, rank 1 alone is fed 5 samples at its second step. ``sampler_on_one_rank``:
+    rank 0 alone registers a heterogeneous sampler (so it would not re-split, while rank 1 would).
+    Each rank reports the error it raised; before the ranks agreed on these facts at every
+    forward, the rank that noticed stopped alone and its peer waited in the next collective."""
+    import deepspeed
+    from deepspeed.runtime.heterogeneous.data.fed_batch import FedBatchMismatchError, FeedingError
+    from deepspeed.runtime.heterogeneous.data.sampler import HeterogeneousBatchSampler
+    model = make_model()
+    ds_config = config(stage=2, profile_steps=0)
+    ds_config["heterogeneous_config"].update(load_balancing_strategy="manual", micro_batch_sizes=[12, 4],
+                                             emulation=None)
+    if fault == "wrong_size":
+        ds_config["heterogeneous_config"]["resplit_fed_batches"] = False
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    if fault == "sampler_on_one_rank" and rank == 0:
+        engine.register_heterogeneous_sampler(HeterogeneousBatchSampler(dataset(), [12, 4], rank=rank))
+    try:
+        for step in range(3):
+            rows = [12, 4][rank] + (1 if fault == "wrong_size" and rank == 1 and step == 1 else 0)
+            inputs = torch.randn(rows, WIDTH)
+            engine.backward(torch.nn.functional.mse_loss(engine(inputs), inputs))
+            engine.step()
+    except (FedBatchMismatchError, FeedingError) as exc:
+        return {"error": str(exc), "steps": engine.global_steps,
+                "every_rank": getattr(exc, "deepspeed_hetero_every_rank", False)}
+    return {"error": None, "steps": engine.global_steps}
+
+
+@pytest.mark.multiprocess
+def test_a_rank_fed_otherwise_stops_every_rank_with_one_message():
+    cases = [{"fault": "wrong_size"}, {"fault": "sampler_on_one_rank"}]
+    wrong_size, one_sampler = run_subcases(one_rank_fed_otherwise, cases, world_size=2, timeout=240)
+    assert [r["steps"] for r in wrong_size] == [1, 1], wrong_size
+    assert wrong_size[0]["error"] == wrong_size[1]["error"], "every rank raises the same message"
+    assert "data-parallel rank 1 was fed a micro-batch of 5 samples, but the plan in force gives it 4" in \
+        wrong_size[0]["error"], wrong_size[0]["error"]
+    assert [r["steps"] for r in one_sampler] == [0, 0], one_sampler
+    assert one_sampler[0]["error"] == one_sampler[1]["error"], "every rank raises the same message"
+    assert "rank(s) [0] are fed by the engine's loader or a registered heterogeneous sampler and rank(s) [1] are not" \
+        in one_sampler[0]["error"], one_sampler[0]["error"]
+    assert all(r["every_rank"] for r in wrong_size + one_sampler), "printed once, by rank 0"
+
+
 @pytest.mark.multiprocess
 def test_equal_batches_are_refused_once_the_plan_changes_with_resplitting_off():
     results = run_subcases(distributed_sampler_loader, [{}], world_size=2, timeout=300)[0]
