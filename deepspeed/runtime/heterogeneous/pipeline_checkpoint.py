@@ -193,10 +193,9 @@ def load_checkpoint(engine, load, load_dir, *args, **kwargs):
     if engine.load_universal_checkpoint():
         return load(**options)
     tag = _tag(load_dir, options.get("tag"))
-    path = os.path.join(load_dir, tag, MANIFEST) if tag is not None else None
-    if path is None or not os.path.isfile(path):
+    manifest = _agreed_manifest(engine, load_dir, tag)
+    if manifest is None:
         return load(**options)  # upstream's checkpoint, or the fork's before layer states: the parts check stays
-    manifest = engine.checkpoint_engine.load(path, map_location="cpu")
     saved, current = [int(p) for p in manifest["parts"]], [int(p) for p in layout.partition.parts]
     replicas = (manifest.get("replicas"), int(engine.grid.data_parallel_size))
     # ZeRO partitions a stage's optimizer state over its replicas: upstream refuses another count.
@@ -226,7 +225,8 @@ def load_checkpoint(engine, load, load_dir, *args, **kwargs):
     finally:
         engine._heterogeneous_saved_parts = None
     if wants_optimizer:  # on every rank, also one whose stage file was missing: _agreed is a collective
-        moved = _agreed(lambda: restore_layer_states(engine, os.path.join(load_dir, tag), loaded=result[0]))
+        moved = _agreed(lambda: restore_layer_states(engine, os.path.join(load_dir, tag), loaded=result[0]),
+                        "moving the layers' optimizer state")[0]
         if dist.get_rank() == 0:
             print(f"[deepspeed-hetero] load_checkpoint: the checkpoint's stages held {saved_layers} layers on "
                   f"{replicas[0]} replica(s), and this run's hold {current_layers} on {replicas[1]}: each stage took "
@@ -234,25 +234,47 @@ def load_checkpoint(engine, load, load_dir, *args, **kwargs):
     return result
 
 
-def _agreed(restore):
-    """Run ``restore`` on every rank; if it fails on any, every rank raises (a stage that went on
-    would wait for the failed one at its first transfer)."""
+def _agreed_manifest(engine, load_dir, tag):
+    """The manifest every rank goes by, or None (no rank finds one): each rank reads it where it
+    finds it, and the ranks gather what they found. It decides whether a rank enters the move's
+    collectives, so no rank may decide from its own file check: on node-local checkpoint
+    directories only global rank 0's node holds the manifest (rank 0 writes it alone)."""
+
+    def read():
+        path = os.path.join(load_dir, tag, MANIFEST) if tag is not None else None
+        if path is None or not os.path.isfile(path):
+            return None
+        return engine.checkpoint_engine.load(path, map_location="cpu")
+
+    found = [(rank, manifest) for rank, manifest in enumerate(_agreed(read, "reading the checkpoint's manifest"))
+             if manifest is not None]
+    differing = [rank for rank, manifest in found if manifest != found[0][1]]
+    if differing:
+        raise ValueError(f"deepspeed-hetero: load_checkpoint: global ranks {differing} found another {MANIFEST} in "
+                         f"{os.path.join(load_dir, str(tag))} than global rank {found[0][0]}; every rank must load "
+                         "the same checkpoint")
+    return found[0][1] if found else None
+
+
+def _agreed(work, what):
+    """Run ``work`` on every rank and return every rank's result, in global rank order; if it raised
+    on any rank, every rank raises, naming the first (a rank that went on would wait for the failed
+    one at its next collective). ``what`` completes "... failed on global rank R"."""
     error, result = None, None
     try:
-        result = restore()
-    except (ValueError, OSError, KeyError, RuntimeError) as exc:
+        result = work()
+    except Exception as exc:  # whatever it is, the peers must hear of it: they wait in the gather
         error = f"{type(exc).__name__}: {exc}"
     if dist.is_initialized() and dist.get_world_size() > 1:
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (result, error))
     else:
-        errors = [error]
-    failed = [(rank, text) for rank, text in enumerate(errors) if text is not None]
+        gathered = [(result, error)]
+    failed = [(rank, text) for rank, (_, text) in enumerate(gathered) if text is not None]
     if failed:
         rank, text = failed[0]
-        raise ValueError(f"deepspeed-hetero: load_checkpoint: moving the layers' optimizer state failed on global "
-                         f"rank {rank}: {text}")
-    return result
+        raise ValueError(f"deepspeed-hetero: load_checkpoint: {what} failed on global rank {rank}: {text}")
+    return [value for value, _ in gathered]
 
 
 def _layers(parts):

@@ -43,6 +43,7 @@ from dataclasses import asdict, replace
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
+from .config.errors import one_line_config_errors
 from .cluster.agreement import (Agreement, PlanAgreementError, decision_failure, merge_replicas,
                                 raise_decision_failure, slowest, slowest_micro_step)
 from .startup import apply_plan, rank_memory_meter
@@ -84,6 +85,8 @@ class HeterogeneousRuntime:
     def __init__(self, engine):
         self.engine = engine
         self.config = engine._config
+        # Errors every rank raises together during training end the job with one line from rank 0.
+        one_line_config_errors()
         self.state = self.config.heterogeneous
         self.settings = self.state.settings.config
         self.rank = self.state.dp_rank
@@ -250,9 +253,11 @@ class HeterogeneousRuntime:
         self._split = None
         self.state.weight_override = None
         self._exchange_began = self.exchange_clock.seconds
-        if self.state.pipeline is not None:
-            # Stages run their forwards at different times: no collective here. The pipeline
-            # engine's own loader feeds each replica its plan.
+        if self.state.pipeline is not None or self.plan.per_rank_gas:
+            # No collective here where the ranks do not run their forwards together: a pipeline's
+            # stages run them at different times, and per-rank gas gives the ranks different
+            # numbers of them. The pipeline engine's own loader, and the engine's loader that per-rank
+            # gas requires, feed each rank its plan.
             self._resplit = False
             self._fed = fed_size(self.plan, self.rank, inputs, kwargs, engine_loader=self.engine_loader,
                                  check=self.check_fed_batch)

@@ -30,6 +30,7 @@ from typing import List, Optional
 
 from deepspeed.utils import logger
 
+from .config.errors import one_line_config_errors
 from .config.settings import (HeterogeneousConfigError, HeterogeneousSettings, load_heterogeneous_settings,
                               settings_summary)
 from .measure.devices import DeviceDescription
@@ -264,40 +265,34 @@ def quiet_repeated_warnings(environ=None):
         warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
 
 
-def one_line_config_errors():
-    """Have an uncaught ``HeterogeneousConfigError`` end the process with its message on one line,
-    printed by global rank 0 alone: every rank raises the same error, and N tracebacks of one
-    config mistake bury it. Other exceptions keep Python's own report."""
-    import sys
-    if getattr(sys.excepthook, "deepspeed_hetero", False):
-        return
-    previous = sys.excepthook
-
-    def hook(kind, value, traceback):
-        if not isinstance(value, HeterogeneousConfigError):
-            return previous(kind, value, traceback)
-        import os
-        if os.environ.get("RANK", "0") == "0":
-            print(f"deepspeed: {value}", file=sys.stderr, flush=True)
-
-    hook.deepspeed_hetero = True
-    sys.excepthook = hook
-
-
 _cluster_facts = {}
 """What the start-up collectives found, per process: ``_cluster_key`` -> (devices, topology)."""
+
+
+_default_group = (None, 0)
+"""The default process group ``_cluster_key`` saw last (a weak reference) and its generation."""
 
 
 def _cluster_key(summary, dp_rank, world_size):
     """The start-up collectives' results depend on the settings, this process's place in the
     process group and the group itself (a new group after ``destroy_process_group`` asks again).
     Only what every rank has alike may decide whether they run: a rank that skipped them while its
-    peers ran them would leave the peers waiting. A process's devices do not change under it."""
+    peers ran them would leave the peers waiting. A process's devices do not change under it.
+
+    The group is told by its generation: one more each time a default group other than the last
+    one seen turns up. Not by ``id()``: CPython may give a destroyed group's address to the next
+    one on some ranks and not on others, and those would skip the collectives their peers run."""
+    global _default_group
     from deepspeed import comm as dist
     group = None
     if dist.is_initialized():
+        import weakref
         from torch.distributed import distributed_c10d
-        group = (dist.get_rank(), dist.get_world_size(), id(distributed_c10d._get_default_group()))
+        current = distributed_c10d._get_default_group()
+        seen, generation = _default_group
+        if seen is None or seen() is not current:
+            _default_group = (weakref.ref(current), generation + 1)
+        group = (dist.get_rank(), dist.get_world_size(), _default_group[1])
     return json.dumps(summary, sort_keys=True, default=str), int(dp_rank), int(world_size), group
 
 

@@ -416,6 +416,66 @@ def test_a_zero1_pipeline_checkpoint_loads_into_another_number_of_replicas(tmp_p
             torch.testing.assert_close(value, first[key], rtol=0, atol=1e-6)
 
 
+def _load_agreement(rank, world_size, save_dir):
+    """What each rank's load ends in when one rank's part fails (a TypeError), and when the
+    checkpoint directory is node-local: rank 0's holds the manifest and its stage's layer states,
+    rank 1's neither. A stand-in engine of one stage, [0, 2, 4] here and [0, 3, 4] when saved."""
+    import os
+    from types import SimpleNamespace
+    from deepspeed.runtime.heterogeneous import pipeline_checkpoint as checkpoint
+
+    def fails_on_rank_1():
+        if rank == 1:
+            raise TypeError("an unexpected failure")
+        return 0
+
+    try:
+        checkpoint._agreed(fails_on_rank_1, "moving the layers' optimizer state")
+        failure = None
+    except ValueError as exc:
+        failure = str(exc)
+    module = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    engine = SimpleNamespace(
+        _config=SimpleNamespace(heterogeneous=SimpleNamespace(
+            pipeline=SimpleNamespace(partition=SimpleNamespace(parts=[0, 2, 4])))),
+        load_universal_checkpoint=lambda: False, zero_optimization=lambda: False,
+        checkpoint_engine=SimpleNamespace(load=torch.load), grid=SimpleNamespace(data_parallel_size=1),
+        module=module, optimizer=torch.optim.SGD(module.parameters(), lr=0.1), stage_id=0)
+    node_dir = os.path.join(save_dir, f"node{rank}")
+    os.makedirs(os.path.join(node_dir, "two"))
+    if rank == 0:
+        torch.save({"version": 1, "parts": [0, 3, 4], "replicas": 1, "layer_states": True, "reason": None},
+                   os.path.join(node_dir, "two", checkpoint.MANIFEST))
+        torch.save({"params": {name: {"fp32": None} for name, _ in module.named_parameters()}, "step": None},
+                   os.path.join(node_dir, "two", f"{checkpoint.PREFIX}layer_00.pt"))
+
+    def upstream_load(load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                      load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+        return os.path.join(load_dir, tag), {}
+
+    try:
+        checkpoint.load_checkpoint(engine, upstream_load, node_dir, tag="two")
+        moved = None
+    except ValueError as exc:
+        moved = str(exc)
+    return failure, moved
+
+
+@pytest.mark.multiprocess
+def test_a_load_that_fails_on_one_rank_or_finds_its_manifest_on_one_node_stops_every_rank(tmp_path):
+    """Every rank enters the load's agreements alike: whatever a rank's part raised, and wherever
+    the manifest is (on node-local directories only rank 0's node has it), every rank stops with
+    the error of the rank that failed instead of leaving the others waiting in a gather."""
+    from harness import run_ranks
+    results = run_ranks(_load_agreement, world_size=2, timeout=60, args=(str(tmp_path), ))
+    for failure, moved in results:
+        assert failure == ("deepspeed-hetero: load_checkpoint: moving the layers' optimizer state failed on global "
+                           "rank 1: TypeError: an unexpected failure"), failure
+        assert moved.startswith("deepspeed-hetero: load_checkpoint: moving the layers' optimizer state failed on "
+                                "global rank 1: ValueError: deepspeed-hetero: load_checkpoint: "), moved
+        assert f"node1/two/{'heterogeneous_states-'}layer_00.pt is missing" in moved, moved
+
+
 def _recorded(rank, world_size, heterogeneous):
     from deepspeed.runtime.heterogeneous.measure.collective_log import recording
     with recording() as entries:

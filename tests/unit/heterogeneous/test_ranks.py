@@ -111,6 +111,38 @@ def _settings(rank, env, heterogeneous, config_block=True):
         return {"enabled": None, "error": str(exc)}
 
 
+def _new_default_group(rank):
+    """Build a config, then one more on a new default group whose object rank 1 sees at the old
+    one's ``id()`` (CPython may reuse a destroyed group's address on some ranks only); how many
+    settings agreements each rank ran for the second config, or its error."""
+    from torch.distributed import distributed_c10d
+    from deepspeed import comm as dist
+    from deepspeed.runtime import config as ds_config
+    from deepspeed.runtime.heterogeneous import state as fork_state
+    from deepspeed.runtime.heterogeneous.cluster import agreement
+
+    agreement.SETTINGS_TIMEOUT_S = 4  # a rank that skips the agreement: its peer's wait ends soon
+    config = {"train_batch_size": 8, "heterogeneous_config": {"enabled": True, "mixed_precision_support": "config"}}
+    ds_config.DeepSpeedConfig(dict(config))
+    old_group, new_group = distributed_c10d._get_default_group(), dist.new_group(ranks=[0, 1])
+    # The new default group of a destroy_process_group / init_process_group pair; destroying the real
+    # one here would take the harness's groups with it.
+    get_default_group = distributed_c10d._get_default_group
+    distributed_c10d._get_default_group = lambda: new_group
+    if rank == 1:
+        fork_state.id = lambda obj: id(old_group) if obj is new_group else id(obj)
+    rounds = agreement._rounds
+    try:
+        ds_config.DeepSpeedConfig(dict(config))
+        return agreement._rounds - rounds
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        distributed_c10d._get_default_group = get_default_group
+        vars(fork_state).pop("id", None)
+        dist.destroy_process_group(new_group)
+
+
 def _pipeline(rank):
     import deepspeed
     from deepspeed.pipe import PipelineModule
@@ -157,7 +189,8 @@ def _case(rank, world_size, kind, **kwargs):
     # an earlier case that enabled the fork on one rank only left behind (a real job ends there).
     agreement._rounds = 1000 * kwargs.pop("round")
     return {"own_device": _own_device, "settings": _settings, "pipeline": _pipeline,
-            "sequence_parallel": _sequence_parallel_mpu, "mesh": _mesh_loader}[kind](rank, **kwargs)
+            "sequence_parallel": _sequence_parallel_mpu, "mesh": _mesh_loader,
+            "new_group": _new_default_group}[kind](rank, **kwargs)
 
 
 SETTINGS_ON = [{}, {}]
@@ -179,8 +212,11 @@ CASES = [
     dict(kind="settings", env=[{}, {"DS_HETEROGENEOUS_ENV": "1"}], heterogeneous=None, config_block=False),
     # 9: a PipelineModule (one stage, two replicas) starts; pipelines are tested in test_pipeline.py.
     dict(kind="pipeline"),
-    # 10-11: the data-parallel rank under sequence parallelism and a mesh (the mesh stays in groups: last).
+    # 10: the data-parallel rank under sequence parallelism.
     dict(kind="sequence_parallel"),
+    # 11: a config on a new default process group.
+    dict(kind="new_group"),
+    # 12: the data-parallel rank under a mesh (the mesh stays in groups: last).
     dict(kind="mesh"),
 ]
 for _number, _case_params in enumerate(CASES):
@@ -253,4 +289,12 @@ def test_data_parallel_rank_follows_the_gradient_groups(results):
     assert [r["dp_rank"] for r in results[10]] == [0, 0]
     assert [(r["world"], r["plan"], r["mbs"]) for r in results[10]] == [(1, [6], 6)] * 2
     # A (1 x 2) mesh: the same, and the training loader takes the plan's rank, not the global one.
-    assert results[11] == [{"dp_rank": 0, "sampler_rank": 0, "plan": [6]}] * 2
+    assert results[12] == [{"dp_rank": 0, "sampler_rank": 0, "plan": [6]}] * 2
+
+
+@pytest.mark.multiprocess
+def test_a_new_default_group_runs_the_start_up_agreement_on_every_rank(results):
+    """The start-up collectives' cache knows a new default group by identity, not by ``id()``,
+    which CPython may reuse on some ranks only (rank 1 here): those would skip the settings
+    agreement their peers run and leave them waiting."""
+    assert results[11] == [1, 1], results[11]

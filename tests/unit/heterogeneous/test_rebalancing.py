@@ -326,6 +326,34 @@ def test_a_rank_dying_at_a_rebalancing_check_stops_the_other_with_its_name(dying
                 "decision from global rank 0; global rank 0" in report), report
 
 
+def test_a_new_agreement_instance_names_the_rank_that_did_not_arrive(monkeypatch):
+    """Check-ins are counted per process, not per ``Agreement``: the start-up code makes a new
+    instance for each agreement, and a rank has one check-in key for all of them. Here global rank 0
+    (this process) and rank 1 pass three agreements, then rank 0 alone enters one more, through a
+    new instance, whose collective fails."""
+    from torch.distributed import HashStore
+    from deepspeed.runtime.heterogeneous.cluster import agreement
+    from deepspeed.runtime.heterogeneous.cluster.agreement import Agreement, PlanAgreementError
+
+    store = HashStore()
+    monkeypatch.setattr(agreement, "_store", lambda: store)
+    monkeypatch.setattr(agreement.dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(agreement.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(agreement.dist, "barrier", lambda *args, **kwargs: None)
+    controller = Agreement("data-parallel rank 0")
+    for step in range(3):
+        controller.barrier(f"step {step}")
+        store.set("deepspeed-hetero/agreement/1", store.get("deepspeed-hetero/agreement/0"))  # rank 1 there too
+
+    def peer_gone(*args, **kwargs):
+        raise RuntimeError("Connection closed by peer")
+
+    monkeypatch.setattr(agreement.dist, "barrier", peer_gone)
+    with pytest.raises(PlanAgreementError) as info:
+        Agreement("data-parallel rank 0").barrier("the start-up plan")
+    assert "global rank(s) [1] never reached this agreement" in str(info.value), str(info.value)
+
+
 def _reschedule(rank, world_size):
     import deepspeed
 
@@ -346,13 +374,21 @@ def _reschedule(rank, world_size):
         bad = None
     except ValueError as exc:
         bad = str(exc)
+    # Without metrics in the static phase (no profiling, no dynamic rebalancing) nothing was
+    # measured: every rank says why, together, and the run can go on.
+    from deepspeed.runtime.heterogeneous.runtime import RescheduleError
+    try:
+        engine.reschedule_workload()
+        static = None
+    except RescheduleError as exc:
+        static = str(exc)
     # A predicted gain of 6% ([9, 7] for busy times 1.0 and 1.2) is below the 10% threshold:
     # a rebalance on demand keeps the plan, as automatic rebalancing does.
     below = list(engine.reschedule_workload({"busy_seconds": [1.0, 1.2]}).micro_batch_sizes)
     # Rank 1 reports three times rank 0's busy time for the same share: it gets about a quarter.
     after = list(engine.reschedule_workload({"busy_seconds": [1.0, 3.0]}).micro_batch_sizes)
     _, inputs, targets = next(batches)  # the loader follows the new plan at the next step
-    return {"before": before, "below": below, "after": after, "bad": bad, "next_batch": len(inputs)}
+    return {"before": before, "below": below, "after": after, "bad": bad, "next_batch": len(inputs), "static": static}
 
 
 @pytest.mark.multiprocess
@@ -363,3 +399,5 @@ def test_reschedule_workload_on_demand():
     assert results[0]["below"] == results[1]["below"] == [8, 8], results
     assert [r["next_batch"] for r in results] == [12, 4]
     assert all("one positive busy time per data-parallel rank (2)" in r["bad"] for r in results), results
+    assert all(r["static"] and "nothing is measured once the plan has settled" in r["static"]
+               and "\n" not in r["static"] for r in results), results

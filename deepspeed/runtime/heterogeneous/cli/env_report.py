@@ -27,6 +27,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.precision_config import get_bfloat16_config, get_float16_config
 
 from ..comm.status import communication_status
+from ..config.errors import invalid_json_message
 from ..config.settings import load_heterogeneous_settings
 from ..measure.device_benchmark import measured_score
 from ..measure.devices import BYTES_PER_GB, describe_local_device, emulated_memory_bytes, local_device_count
@@ -62,7 +63,7 @@ def read_config_file(path):
     except OSError as exc:
         raise ValueError(f"cannot read config {path}: {exc.strerror}") from None
     except ValueError as exc:
-        raise ValueError(f"config {path} is not valid JSON: {exc}") from None
+        raise ValueError(invalid_json_message(path, exc)) from None
     if not isinstance(param_dict, dict):
         raise ValueError(f"config {path} must hold a JSON object, not {type(param_dict).__name__}")
     return param_dict

@@ -39,12 +39,19 @@ class PlanAgreementError(RuntimeError):
     """A peer failed while the ranks were agreeing on a plan; the message names it when it can."""
 
 
+_entered = 0
+"""Agreements this process has entered, through any ``Agreement``: the same count on every live
+process, since every agreement is a collective of all of them. One count per process, not per
+instance: the check-in key is one per rank, and the start-up code makes a new instance for each of
+its agreements, so counts per instance would compare one instance's progress with another's."""
+
+
 class Agreement:
     """This process's side of the agreements; ``rank_label`` names it in messages."""
 
     def __init__(self, rank_label):
         self.rank_label = rank_label
-        self.sequence = 0  # agreements entered so far: the same count on every live process
+        self.sequence = 0  # the process's count (``_entered``) at this instance's latest agreement
 
     def gather_from_every_rank(self, entry, what):
         """Every process's ``entry``, in global rank order. ``what`` completes "could not gather ..."."""
@@ -108,7 +115,9 @@ class Agreement:
                                      f"{self._who_failed(source=None)} ({exc})") from exc
 
     def _check_in(self):
-        self.sequence += 1
+        global _entered
+        _entered += 1
+        self.sequence = _entered
         store = _store()
         if store is None:
             return

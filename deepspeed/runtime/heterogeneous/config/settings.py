@@ -271,8 +271,9 @@ def _check_per_rank_lists(config, world_size, process_count=None):
     processes), the emulation's lists have one entry per global rank: each process is a device."""
     micro = config.micro_batch_sizes
     if isinstance(micro, list) and len(micro) != world_size:
-        raise ValueError(f"invalid DeepSpeed config: {HETEROGENEOUS_CONFIG}.micro_batch_sizes has {len(micro)} "
-                         f"entries but the data-parallel world has {world_size} ranks; give one entry per rank")
+        raise HeterogeneousConfigError(f"invalid DeepSpeed config: {HETEROGENEOUS_CONFIG}.micro_batch_sizes has "
+                                       f"{len(micro)} entries but the data-parallel world has {world_size} ranks; "
+                                       "give one entry per rank")
     lists = {}
     if config.emulation is not None:
         lists.update({"emulation.speeds": config.emulation.speeds, "emulation.memory_gb": config.emulation.memory_gb})
@@ -283,9 +284,10 @@ def _check_per_rank_lists(config, world_size, process_count=None):
     for key, values in lists.items():
         if isinstance(values, list) and len(values) != expected:
             if per_process:
-                raise ValueError(f"invalid DeepSpeed config: {HETEROGENEOUS_CONFIG}.{key} has {len(values)} entries "
-                                 f"but the job has {expected} processes; with pipeline or model parallelism "
-                                 f"({expected} processes, {world_size} data-parallel replica(s)) the emulation "
-                                 f"gives one entry per global rank")
-            raise ValueError(f"invalid DeepSpeed config: {HETEROGENEOUS_CONFIG}.{key} has {len(values)} entries but "
-                             f"the data-parallel world has {world_size} ranks; give one entry per rank")
+                raise HeterogeneousConfigError(
+                    f"invalid DeepSpeed config: {HETEROGENEOUS_CONFIG}.{key} has {len(values)} entries but the job "
+                    f"has {expected} processes; with pipeline or model parallelism ({expected} processes, "
+                    f"{world_size} data-parallel replica(s)) the emulation gives one entry per global rank")
+            raise HeterogeneousConfigError(f"invalid DeepSpeed config: {HETEROGENEOUS_CONFIG}.{key} has {len(values)} "
+                                           f"entries but the data-parallel world has {world_size} ranks; give one "
+                                           "entry per rank")

@@ -79,8 +79,9 @@ def judge_feeding(plan, everyone, resplit_setting, check, data_parallel_is_world
     from ``everyone``: per process, ``(dp_rank, feeds_plan, fed)`` gathered at the forward, where
     ``feeds_plan`` says the engine's loader or a registered heterogeneous sampler feeds it and
     ``fed`` is the leading size of its inputs (-1: none). Raises the same error on every rank when
-    the ranks are fed differently, a plan with per-rank gas is fed otherwise than by the engine's
-    loader, or (without re-splitting) a rank's fed size is not its planned one."""
+    the ranks are fed differently or (without re-splitting) a rank's fed size is not its planned
+    one. Not for plans with per-rank gas, whose ranks run different numbers of forwards
+    (``fed_size`` checks those on each rank)."""
     feeders = sorted({dp for dp, feeds, _ in everyone if feeds})
     others = sorted({dp for dp, feeds, _ in everyone if not feeds})
     if feeders and others:
@@ -90,8 +91,6 @@ def judge_feeding(plan, everyone, resplit_setting, check, data_parallel_is_world
             f"their batches. Feed every rank the same way (call engine.register_heterogeneous_sampler on every rank, "
             f"or use deepspeed.initialize(training_data=...) on every rank)"))
     feeds_plan = bool(feeders)
-    if plan.per_rank_gas and not feeds_plan:
-        raise raised_on_every_rank(_per_rank_gas_error(plan))
     resplit = resplit_setting is True or (resplit_setting == "auto" and check and not feeds_plan)
     if resplit and not data_parallel_is_world:
         if resplit_setting is True:
