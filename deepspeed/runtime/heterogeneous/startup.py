@@ -64,8 +64,11 @@ def configure_heterogeneous_batch(ds_config, state):
     """
     train_batch = ds_config.train_batch_size
     if train_batch is None:
-        raise ValueError("invalid DeepSpeed config: heterogeneous_config needs train_batch_size (the global "
-                         "batch); per-rank micro-batch sizes are planned from it")
+        from .config.errors import one_line_config_errors
+        from .config.settings import HeterogeneousConfigError
+        one_line_config_errors()  # every rank raises it: one line from rank 0
+        raise HeterogeneousConfigError("invalid DeepSpeed config: heterogeneous_config needs train_batch_size (the "
+                                       "global batch); per-rank micro-batch sizes are planned from it")
     gas = ds_config.gradient_accumulation_steps or 1
     if ds_config.train_micro_batch_size_per_gpu is not None:
         logger.warning("train_micro_batch_size_per_gpu is ignored with heterogeneous_config enabled: each rank's "

@@ -127,7 +127,7 @@ def _format_error(block, model, exc):
 
 class HeterogeneousConfigError(ValueError):
     """An invalid fork block or setting: every rank raises it alike, and a script that does not catch
-    it ends with the message printed once, by global rank 0 (``state.one_line_config_errors``)."""
+    it ends with the message printed once, by global rank 0 (``config.errors.one_line_config_errors``)."""
 
 
 def _build(model, block, value):
@@ -216,7 +216,7 @@ def load_heterogeneous_settings(param_dict, world_size=None, environ=None, proce
             notes.append(f"{HETEROGENEOUS_MEMORY}.zero_partitions ignored: uneven ZeRO partitions need "
                          f"{HETEROGENEOUS_CONFIG}.enabled")
         elif world_size is not None and len(memory.zero_partitions) != int(world_size):
-            raise ValueError(f"invalid DeepSpeed config: {HETEROGENEOUS_MEMORY}.zero_partitions has "
+            raise HeterogeneousConfigError(f"invalid DeepSpeed config: {HETEROGENEOUS_MEMORY}.zero_partitions has "
                              f"{len(memory.zero_partitions)} shares {memory.zero_partitions} but there are "
                              f"{int(world_size)} data-parallel ranks; give one share per rank, or \"auto\" / \"even\"")
     return HeterogeneousSettings(config=config, memory=memory, offload=offload, notes=notes)
