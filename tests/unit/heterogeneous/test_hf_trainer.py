@@ -330,3 +330,69 @@ def test_without_deepspeed_the_trainer_is_upstreams(tmp_path):
     loader = trainer.get_train_dataloader()
     assert not isinstance(loader, hf_trainer.HeterogeneousTrainerLoader) and trainer.heterogeneous_sampler is None
     assert len(loader) == Trainer.get_train_dataloader(trainer).__len__() == script.DATASET // 4
+
+
+class _LossOwner(torch.nn.Module):
+    """Stands in for a transformers PreTrainedModel: a settable ``loss_function`` property, called by
+    ``forward`` unless the loss is computed inline."""
+
+    def __init__(self, loss, inline=False):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+        self._default, self.inline = loss, inline
+
+    @property
+    def loss_function(self):
+        return self.__dict__.get("_loss_function", self._default)
+
+    @loss_function.setter
+    def loss_function(self, value):
+        self.__dict__["_loss_function"] = value
+
+    def forward(self, num_items_in_batch=None):
+        if self.inline:
+            return self.weight.sum() / 3
+        return self.loss_function(self.weight, num_items_in_batch=num_items_in_batch)
+
+
+def _divides(values, num_items_in_batch=None, **kwargs):
+    return values.sum() / (num_items_in_batch if num_items_in_batch is not None else values.numel())
+
+
+def _ignores(values, **kwargs):
+    return values.mean()
+
+
+@pytest.mark.parametrize("loss, inline, count, verdict", [
+    (_divides, False, 6, True),  # divides by the count it is given
+    (_ignores, False, 6, False),  # takes **kwargs and ignores the count
+    (_divides, True, 6, False),  # computes its loss inline: no call
+    (_divides, False, None, False),  # the count never reached the loss
+])
+def test_the_watch_sees_whether_the_loss_divides_by_num_items(loss, inline, count, verdict):
+    from deepspeed.runtime.heterogeneous.integrations.loss_normalization import LossFunctionWatch
+    wrapper = torch.nn.Sequential(_LossOwner(loss, inline))  # the owner is found inside a wrapper
+    owner = wrapper[0]
+    watch = LossFunctionWatch()
+    watch.start(wrapper)
+    value = owner(num_items_in_batch=count)
+    assert watch.stop() is verdict
+    assert "_loss_function" not in owner.__dict__ and owner.loss_function is loss, "the model's own is put back"
+    value.backward()  # the watched call kept its graph
+    assert owner.weight.grad is not None
+
+
+def test_a_zero_loss_tells_nothing_and_is_asked_again():
+    from deepspeed.runtime.heterogeneous.integrations.loss_normalization import LossFunctionWatch
+    owner = _LossOwner(_divides)
+    watch = LossFunctionWatch()
+    with torch.no_grad():
+        owner.weight.zero_()
+    watch.start(owner)
+    owner(num_items_in_batch=4)
+    assert watch.stop() is None
+    with torch.no_grad():
+        owner.weight.fill_(1.0)
+    watch.start(owner)
+    owner(num_items_in_batch=4)
+    assert watch.stop() is True

@@ -90,6 +90,7 @@ class LossFunctionWatch:
 
     def __init__(self):
         self._verdicts = {}
+        self._owners = {}  # id(module) -> its loss_function owner: found once, not at every forward
         self._owner = None
         self._had_own = False
         self._own = None
@@ -97,7 +98,9 @@ class LossFunctionWatch:
 
     def start(self, module):
         self.stop()
-        owner = loss_function_owner(module)
+        if id(module) not in self._owners:
+            self._owners[id(module)] = loss_function_owner(module)
+        owner = self._owners[id(module)]
         if owner is None:
             return
         self._owner, self._calls = owner, []
