@@ -40,6 +40,8 @@ import statistics
 import time
 from dataclasses import asdict, replace
 
+import torch
+
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
@@ -50,7 +52,7 @@ from .startup import apply_plan, rank_memory_meter
 from .memory.pool import memory_capacities
 from .data.fed_batch import fed_size, judge_feeding, leading_batch_size, raised_on_every_rank
 from .data.loss_items import count_items, items_weight, select_input
-from .integrations.loss_normalization import LossFunctionWatch
+from .integrations.loss_normalization import LossFunctionWatch, agreed_verdict, names_num_items
 from .data.resplit import ExchangeClock, agree, resplit_inputs, return_outputs
 from .planning.exchange import exchange_verdict, least_exchange_seconds
 from .emulation.limits import EmulatedLimits, EmulatedOutOfMemoryError, emulation_note
@@ -113,6 +115,8 @@ class HeterogeneousRuntime:
         self._caller_counts = False  # the loss divided by the caller's num_items_in_batch: a loss over the fed rows
         self._loss_watch = LossFunctionWatch()  # whether a transformers model's loss divides by that count
         self._watching = False
+        self._count_given = False  # some rank's forward was given num_items_in_batch (agreed at the forward)
+        self._given_count = None  # this rank's num_items_in_batch at the last re-split forward
         self._data_parallel_world = dist.get_world_size() if dist.is_initialized() else 1
         self.resplit_input_bytes = 0  # input bytes other ranks sent this rank by re-splitting, in all
         self.resplit_output_bytes = 0  # output bytes returned to this rank from the ranks that computed them
@@ -243,15 +247,22 @@ class HeterogeneousRuntime:
         rank fed the wrong size) would otherwise send the ranks down different paths: one waiting
         in a collective the others never enter."""
         fed = leading_batch_size(inputs, kwargs or {}) if self.check_fed_batch else None
-        everyone = agree(self.rank, int(self.feeds_plan), -1 if fed is None else fed)
-        return judge_feeding(self.plan, everyone, self.settings.resplit_fed_batches, self.check_fed_batch,
-                             self._data_parallel_world == self.plan.world_size)
+        count_given = (kwargs or {}).get("num_items_in_batch") is not None
+        everyone = agree(self.rank, int(self.feeds_plan), -1 if fed is None else fed, int(count_given))
+        # Whether some rank's loss may divide by a caller's count: the forward's end then agrees on it.
+        # Not where the plan's own sampler feeds the ranks: HeterogeneousTrainer weighs those itself.
+        self._count_given = any(row[3] for row in everyone) and not any(row[1] for row in everyone)
+        return judge_feeding(self.plan, [row[:3] for row in everyone], self.settings.resplit_fed_batches,
+                             self.check_fed_batch, self._data_parallel_world == self.plan.world_size)
 
     def micro_step_begin(self, inputs=(), kwargs=None):
         """A training forward begins: returns the ``(inputs, kwargs)`` the model computes (this
         rank's planned share when the ranks were fed otherwise and re-splitting is on)."""
         self._split = None
         self.state.weight_override = None
+        if self._watching:  # a forward that raised after the watch began (and was caught)
+            self._loss_watch.stop()
+        self._watching = self._caller_counts = self._count_given = False
         self._exchange_began = self.exchange_clock.seconds
         if self.state.pipeline is not None or self.plan.per_rank_gas:
             # No collective here where the ranks do not run their forwards together: a pipeline's
@@ -266,21 +277,22 @@ class HeterogeneousRuntime:
             self._fed = leading_batch_size(inputs, kwargs or {}) if self.check_fed_batch else None
         if self._resplit:
             planned = self.plan.micro_batch_sizes
-            # A loss the model normalises by the caller's count of items (the Trainer's
-            # num_items_in_batch, counted over what was fed) is a loss over the fed rows.
-            given_count = (kwargs or {}).get("num_items_in_batch") is not None
             inputs, kwargs, self._split = resplit_inputs(tuple(inputs), dict(kwargs or {}), planned, self.rank,
                                                          pad_token_id=self._pad_token_id(), clock=self.exchange_clock)
             self.fed_sizes = self.exchange_clock.fed
-            if self._split is not None and given_count:
-                # Whether the loss really divides by that count is seen as the model computes it.
-                self._loss_watch.start(self.engine.module)
-                self._watching = True
             self._fed = planned[self.rank]
             if self._split is not None:
                 received = self._split.received_bytes((inputs, kwargs))
                 self.resplit_input_bytes += received
                 self._micro_step_received = received
+        if self._count_given:
+            # Some rank was given a caller's count of the items its loss may divide by (the Trainer's
+            # num_items_in_batch, counted over what was fed, passed through unchanged): whether the
+            # loss really divides by it is seen as the model computes it, and the weight follows
+            # at the forward's end (``_weigh_by_caller_counts``), re-split or not.
+            self._given_count = (kwargs or {}).get("num_items_in_batch")
+            self._loss_watch.start(self.engine.module)
+            self._watching = True
         if self.settings.loss_items is not None:
             self.state.weight_override = self._items_weight(inputs, kwargs)
         if self.measuring_memory:
@@ -302,12 +314,12 @@ class HeterogeneousRuntime:
         ``num_items_in_batch`` (the Trainer's count of the fed items) returns a loss the caller
         scales as one over the fed rows: that micro-step is weighted by the fed rows
         (``state.weight_override``), and the returned rows' gradient is not rescaled."""
-        if self._watching:
+        if self._watching:  # a forward that some rank gave a count (agreed: every rank is here)
             self._watching = False
-            # None (the calls told nothing) keeps the Trainer's own belief that the loss divides.
-            self._caller_counts = self._loss_watch.stop() is not False
-            if self._caller_counts and self.settings.loss_items is None:
-                self.state.weight_override = self._fed_weight()
+            seen = self._loss_watch.stop()
+            if not self._loss_watch.watches(self.engine.module):
+                seen = names_num_items(self.engine.module)  # not a transformers model: its signature says
+            self._weigh_by_caller_counts(seen)
         split = self._split
         if split is None or not self.settings.return_outputs:
             return outputs
@@ -331,31 +343,51 @@ class HeterogeneousRuntime:
         (a collective at every training forward, on every rank)."""
         spec = self.settings.loss_items
         value = select_input(inputs, kwargs, spec.input)
-        if value is None:
-            items, missing = 0, 1.0
+        items, missing = 0, 0.0
+        if not isinstance(value, torch.Tensor):
+            missing = 1.0  # counted in the collective, so that every rank raises below, none alone
         else:
-            items, missing = count_items(value, spec.ignore_index, spec.shift), 0.0
+            items = count_items(value, spec.ignore_index, spec.shift)
         total, absent = self.sum_over_ranks([float(items), missing])
-        if absent:  # every rank raises, none is left waiting in the backward's collectives
+        if absent:
             where = f"argument {spec.input}" if isinstance(spec.input, int) else f"keyword argument {spec.input!r}"
-            raise ValueError(f"heterogeneous_config.loss_items.input: the training forward of {int(absent)} rank(s) "
-                             f"had no {where}; name the forward argument whose items the loss averages (a keyword's "
-                             f"name or a positional index)")
-        return items_weight(dist.get_world_size(), items, total, self.plan.loss_weights[self.rank])
+            raise raised_on_every_rank(ValueError(
+                f"heterogeneous_config.loss_items.input: the training forward of {int(absent)} rank(s) had no tensor "
+                f"{where}; name the forward argument whose items the loss averages (a keyword's name or a "
+                f"positional index)"))
+        return items_weight(self.process_count, items, total, self.plan.loss_weights[self.rank])
 
     def sum_over_ranks(self, values):
         """``values`` (numbers) summed over every rank: a collective that every rank must call at the
         same point. Used for the counts that a loss is normalised by."""
         from deepspeed.accelerator import get_accelerator
-        import torch
         tensor = torch.tensor(values, dtype=torch.float64, device=get_accelerator().current_device_name())
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(tensor)
         return tensor.tolist()
 
-    def _fed_weight(self):
-        split = self._split
-        return len(split.fed) * split.fed[split.rank] / sum(split.fed)
+    def _weigh_by_caller_counts(self, seen):
+        """After a forward given ``num_items_in_batch``: agree (one small all-reduce) on whether
+        the loss divided by it (``seen``: what this rank's watch saw) and on the counts. A loss that
+        divides by its rank's count, taken over the rows it was fed, is weighted by that count's
+        share of their sum: the global mean whether the count is the rank's own or already global
+        (then every weight is 1). A loss that ignores it is a mean over the rows the rank computed:
+        the plan's weight, as for any other loss."""
+        given = self._given_count
+        count = float(given) if given is not None else 0.0
+        total = self.sum_over_ranks([count, float(given is not None), float(seen is True), float(seen is not None)])
+        verdict = agreed_verdict(total[2], total[3])
+        self._loss_watch.settle(verdict)
+        # Told nothing anywhere (zero losses): the Trainer's own belief that the loss divides.
+        self._caller_counts = total[1] > 0 and verdict is not False
+        if self._caller_counts and self.settings.loss_items is None:
+            self.state.weight_override = items_weight(self.process_count, count, total[0],
+                                                      self.plan.loss_weights[self.rank])
+
+    @property
+    def process_count(self):
+        """The processes ``sum_over_ranks`` sums over (the whole world)."""
+        return dist.get_world_size() if dist.is_initialized() else 1
 
     def backward_begin(self, loss=None):
         """engine.backward() starts: the forward part of the micro-step ends here (recorded only;

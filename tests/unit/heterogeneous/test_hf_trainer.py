@@ -88,7 +88,12 @@ def _reference(script, global_batches, model_name="gpt2", loss_scale=1.0):
         optimizer.step()
     with torch.no_grad():
         eval_loss = model(input_ids=ids[:script.EVAL_SAMPLES], labels=labels[:script.EVAL_SAMPLES]).loss.item()
-    return {name: p.detach() for name, p in model.named_parameters()}, eval_loss
+        # Without average_tokens_across_devices the Trainer's evaluation averages each rank's own
+        # mean over its half of the evaluation samples.
+        half = script.EVAL_SAMPLES // 2
+        halves = [model(input_ids=ids[start:start + half], labels=labels[start:start + half]).loss.item()
+                  for start in (0, half)]
+    return {name: p.detach() for name, p in model.named_parameters()}, (eval_loss, sum(halves) / 2)
 
 
 def _trainer_loss_scale(model_name, loss_kind, gas, world_size=2):
@@ -145,6 +150,7 @@ def _check_case(script, tmp_path, spec, stock):
 
     reference, eval_loss = _reference(script, global_batches, model_name,
                                       _trainer_loss_scale(model_name, loss_kind, gas))
+    eval_loss = eval_loss[0] if loss_kind == "global_mean" else eval_loss[1]
     # The Trainer's evaluation scales the classifier's loss as it scales it in training (no gas).
     eval_loss *= _trainer_loss_scale(model_name, loss_kind, 1)
     assert [run["eval_loss"] for run in ranks] == pytest.approx([eval_loss] * 2, rel=1e-5), spec

@@ -76,7 +76,12 @@ def labels_of(model_name, ids):
     LM, a class per row for the classifier."""
     if model_name == "bert":
         return ids.sum(dim=-1) % CLASSES
-    return ids.clone()
+    # The first (sum of the row's ids) % 4 labels are -100: the rows' token counts differ, so a
+    # rank's row count is not what its loss divides by.
+    labels = ids.clone()
+    masked = (ids.sum(dim=-1, keepdim=True) % 4) > torch.arange(ids.shape[1])
+    labels[masked] = -100
+    return labels
 
 
 EVAL_SAMPLES = 16

@@ -32,7 +32,7 @@ from deepspeed.utils import logger
 from ..config.settings import STRATEGIES, load_heterogeneous_settings
 from ..data.loss_items import count_items, count_rows, items_weight
 from ..data.sampler import HeterogeneousBatchSampler
-from .loss_normalization import LossFunctionWatch, loss_function_owner, names_num_items
+from .loss_normalization import LossFunctionWatch, agreed_verdict, loss_function_owner, names_num_items
 
 # HeterogeneousTrainer is left out: a star import must not need transformers.
 __all__ = ["HeterogeneousTrainerMixin", "HeterogeneousTrainerLoader", "provisional_micro_batch_sizes",
@@ -149,6 +149,11 @@ class HeterogeneousTrainerMixin:
             if self.args.auto_find_batch_size:
                 raise ValueError("TrainingArguments.auto_find_batch_size is not supported with heterogeneous_config: "
                                  "the plan sets every rank's micro-batch")
+            if load_heterogeneous_settings(dict(self._ds_config())).config.resplit_fed_batches is True:
+                # The sampler already feeds the plan, and the loss's items are counted in what was fed.
+                raise ValueError("heterogeneous_config.resplit_fed_batches true is not supported with "
+                                 "HeterogeneousTrainer: its sampler feeds each rank its planned share, so nothing "
+                                 "needs re-splitting; set it to \"auto\" (or use the stock Trainer, which it serves)")
             self.add_callback(_plan_follower(self))
 
     def _ds_config(self):
@@ -205,10 +210,12 @@ class HeterogeneousTrainerMixin:
         num_items = float(num_items_in_batch) if passed else 0.0
         mine = [float(items), num_items, float(honours is True), float(honours is not None)]
         # Every rank, every training micro-step: one collective whatever this rank found.
-        total = engine._heterogeneous_runtime().sum_over_ranks(mine)
+        runtime = engine._heterogeneous_runtime()
+        total = runtime.sum_over_ranks(mine)
+        self._loss_watch.settle(agreed_verdict(total[2], total[3]))
         state = engine.heterogeneous_state
         fallback = state.plan.loss_weights[state.dp_rank]
-        state.weight_override = agreed_loss_weight(mine, total, int(total_processes(engine)),
+        state.weight_override = agreed_loss_weight(mine, total, runtime.process_count,
                                                    self.args.average_tokens_across_devices, fallback)
         return result
 
@@ -224,11 +231,6 @@ class HeterogeneousTrainerMixin:
         if loss_function_owner(module) is not None:
             return seen
         return names_num_items(module)
-
-
-def total_processes(engine):
-    from deepspeed import comm as dist
-    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _is_datasets_dataset(dataset):

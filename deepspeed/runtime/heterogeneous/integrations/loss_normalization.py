@@ -13,18 +13,21 @@ Neither a model's signature nor its loss function's tells, so the fork finds out
 - ``LossFunctionWatch`` replaces the model's ``loss_function`` (a settable property of every
   ``PreTrainedModel``) for the duration of one forward and records each call. A model that
   computes its loss inline makes no call: its loss ignores the count.
-- For each loss function once, a call given a count is repeated on detached inputs with twice the
-  count: a loss that halves divides by it, one that stays ignores it (``honours_num_items``). A loss
-  that is zero or not finite tells nothing and is asked again at a later call.
+- A call given a count is repeated on detached inputs with twice the count: a loss that halves
+  divides by it, one that stays ignores it (``honours_num_items``). A loss that is zero or not
+  finite tells nothing. The ranks agree on what their calls showed (a small all-reduce, by the
+  caller), and the agreed verdict is kept for the loss function (``settle``): it is not probed again.
 
-The repeat costs one more evaluation of the loss function, without autograd, once per function.
+The repeat costs one more evaluation of the loss function, without autograd, until the ranks have
+agreed: usually once per run. It holds the loss function's temporaries (a causal LM's logits in
+fp32) a second time at that step.
 """
 
 import math
 
 import torch
 
-__all__ = ["LossFunctionWatch", "loss_function_owner", "honours_num_items", "names_num_items"]
+__all__ = ["LossFunctionWatch", "loss_function_owner", "honours_num_items", "names_num_items", "agreed_verdict"]
 
 
 def loss_function_owner(module):
@@ -32,7 +35,8 @@ def loss_function_owner(module):
     property: a transformers ``PreTrainedModel`` (a PEFT wrapper's base model, a DeepSpeed engine's
     module). Its forward is the one that calls ``self.loss_function``. None for other models."""
     for candidate in module.modules():
-        if isinstance(getattr(type(candidate), "loss_function", None), property):
+        declared = getattr(type(candidate), "loss_function", None)
+        if isinstance(declared, property) and declared.fset is not None:
             return candidate
     return None
 
@@ -56,17 +60,29 @@ def honours_num_items(function, args, kwargs, result):
         return False  # the model did not hand the count to its loss
     if not isinstance(result, torch.Tensor) or result.numel() != 1:
         return None
-    value = float(result.detach().float())
-    if value == 0.0 or not math.isfinite(value):
-        return None
+    # Called again whatever the first value, so that every rank makes the same calls: a loss
+    # function may run collectives of its own (a vocabulary-parallel cross-entropy).
     with torch.no_grad():
         again = function(*_detached(args), **{**_detached(kwargs), "num_items_in_batch": count * 2})
-    ratio = value / float(again.detach().float())
+    value, doubled = float(result.detach().float()), float(again.detach().float())
+    if value == 0.0 or doubled == 0.0 or not math.isfinite(value) or not math.isfinite(doubled):
+        return None
+    ratio = value / doubled
     if abs(ratio - 2.0) < 1e-3:
         return True
     if abs(ratio - 1.0) < 1e-3:
         return False
     return None
+
+
+def agreed_verdict(honours, conclusive):
+    """What the ranks' loss functions showed together, from the number of ranks whose calls showed
+    it dividing by the count (``honours``) and whose calls told anything (``conclusive``): True when
+    every rank that could tell saw it divide, False when one saw it ignore the count, None when no
+    rank could tell."""
+    if not conclusive:
+        return None
+    return honours == conclusive
 
 
 def _detached(value):
@@ -92,12 +108,14 @@ class LossFunctionWatch:
         self._verdicts = {}
         self._owners = {}  # id(module) -> its loss_function owner: found once, not at every forward
         self._owner = None
+        self._function = None  # the loss function watched at the last start
         self._had_own = False
         self._own = None
         self._calls = []
 
     def start(self, module):
         self.stop()
+        self._function = None
         if id(module) not in self._owners:
             self._owners[id(module)] = loss_function_owner(module)
         owner = self._owners[id(module)]
@@ -106,20 +124,28 @@ class LossFunctionWatch:
         self._owner, self._calls = owner, []
         self._had_own = "_loss_function" in owner.__dict__
         self._own = owner.__dict__.get("_loss_function")
-        original = owner.loss_function
+        original = self._function = owner.loss_function
         calls, verdicts = self._calls, self._verdicts
 
         def watched(*args, **kwargs):
             result = original(*args, **kwargs)
             known = verdicts.get(original)
-            if known is None:
-                known = honours_num_items(original, args, kwargs, result)
-                if known is not None and kwargs.get("num_items_in_batch") is not None:
-                    verdicts[original] = known
-            calls.append(known)
+            calls.append(honours_num_items(original, args, kwargs, result) if known is None else known)
             return result
 
         owner.loss_function = watched
+
+    def watches(self, module):
+        """Whether ``start(module)`` watched a transformers model's loss function (False: the module
+        has none, and what its loss does with the count is not seen)."""
+        return self._owners.get(id(module)) is not None
+
+    def settle(self, verdict):
+        """Keep ``verdict`` (True or False: what every rank agreed the last forward's loss showed)
+        for the loss function watched then, so that it is not probed again. Left unsettled, a
+        rank whose loss told nothing would probe again alone."""
+        if verdict is not None and self._function is not None:
+            self._verdicts[self._function] = bool(verdict)
 
     def stop(self):
         owner, calls = self._owner, self._calls
