@@ -154,11 +154,14 @@ def _check_case(script, tmp_path, spec, stock):
     # The Trainer's evaluation scales the classifier's loss as it scales it in training (no gas).
     eval_loss *= _trainer_loss_scale(model_name, loss_kind, 1)
     assert [run["eval_loss"] for run in ranks] == pytest.approx([eval_loss] * 2, rel=1e-5), spec
-    for name, expected in reference.items():
-        for rank in range(2):
-            got = ranks[rank]["params"][name]
-            assert torch.allclose(got, expected, rtol=0, atol=1e-6), \
-                f"{spec} rank {rank} {name}: max |diff| {(got - expected).abs().max().item():.3g}"
+    for rank in range(2):
+        _assert_parameters_equal(ranks[rank]["params"], reference, f"{spec} rank {rank}")
+
+
+def _assert_parameters_equal(got, expected, what):
+    for name, want in expected.items():
+        assert torch.allclose(got[name], want, rtol=0, atol=1e-6), \
+            f"{what} {name}: max |diff| {(got[name] - want).abs().max().item():.3g}"
 
 
 @needs_transformers
@@ -167,14 +170,19 @@ def _check_case(script, tmp_path, spec, stock):
 def test_trainer_feeds_the_plan_follows_its_changes_and_stays_exact(tmp_path):
     """HeterogeneousTrainer, a causal LM and a sequence classifier, manual splits and plan changes:
     each rank is fed its planned share of every round, and the parameters equal one process's."""
+    _run_and_check(tmp_path, CASES, stock=False)
+
+
+def _run_and_check(tmp_path, cases, stock):
+    """One launch trains every case (a fresh Trainer and engine each); then each is checked."""
     script = _load_script()
-    args = ["--out", tmp_path, "--steps", STEPS]
-    for case in CASES:
+    args = ["--out", tmp_path, "--steps", STEPS] + (["--stock"] if stock else [])
+    for case in cases:
         args += ["--case", case]
     code, output = launch_deepspeed(SCRIPT, args, num_ranks=2, timeout=340, cwd=REPO_ROOT)
     assert code == 0, f"Trainer run failed (exit {code}):\n{output[-6000:]}"
-    for case in CASES:
-        _check_case(script, tmp_path, case, stock=False)
+    for case in cases:
+        _check_case(script, tmp_path, case, stock=stock)
 
 
 @needs_transformers
@@ -200,10 +208,7 @@ def test_trainer_resume_equals_the_uninterrupted_run(tmp_path, trainer):
         assert resumed["plans"] == full["plans"][save_at:] == [[12, 4]] * (steps - save_at), resumed["plans"]
         if stock:
             assert all(len(batch) == 8 for batch in full["fed"] + resumed["fed"]), "the stock loader feeds equal batches"
-        for name, expected in full["params"].items():
-            got = resumed["params"][name]
-            assert torch.allclose(got, expected, rtol=0, atol=1e-6), \
-                f"rank {rank} {name}: max |diff| {(got - expected).abs().max().item():.3g}"
+        _assert_parameters_equal(resumed["params"], full["params"], f"rank {rank}")
 
 
 @needs_transformers
@@ -217,14 +222,7 @@ def test_the_stock_trainer_is_exact_with_the_engine_re_splitting(tmp_path):
     fed, so the engine weighs it by the fed rows; the classifier's is a mean over the rows each rank
     computed, weighed by those. The parameters equal one process training on the union of what the
     ranks were fed each step."""
-    script = _load_script()
-    args = ["--out", tmp_path, "--steps", STEPS, "--stock"]
-    for case in STOCK_CASES:
-        args += ["--case", case]
-    code, output = launch_deepspeed(SCRIPT, args, num_ranks=2, timeout=340, cwd=REPO_ROOT)
-    assert code == 0, f"Trainer run failed (exit {code}):\n{output[-6000:]}"
-    for case in STOCK_CASES:
-        _check_case(script, tmp_path, case, stock=True)
+    _run_and_check(tmp_path, STOCK_CASES, stock=True)
 
 
 # -- pure parts ---------------------------------------------------------------------------------

@@ -15,9 +15,9 @@ input is (``heterogeneous_config.loss_items``, or the Trainer integration) and s
 ranks, one collective per training forward (``runtime.py``).
 """
 
-from collections.abc import Mapping
-
 import torch
+
+from .fed_batch import leading_batch_size
 
 __all__ = ["count_items", "count_rows", "items_weight", "select_input"]
 
@@ -44,25 +44,8 @@ def count_items(value, ignore_index=-100, shift=False):
 def count_rows(inputs, kwargs):
     """Dim 0 of the first tensor of a forward's arguments (0 when none has a dimension): what a
     loss that is a mean over rows divides by."""
-    for value in (inputs, kwargs):
-        rows = _leading(value)
-        if rows is not None:
-            return rows
-    return 0
-
-
-def _leading(value):
-    if isinstance(value, torch.Tensor):
-        return int(value.shape[0]) if value.dim() > 0 else None
-    if isinstance(value, Mapping):
-        value = value.values()
-    elif not isinstance(value, (list, tuple)):
-        return None
-    for item in value:
-        rows = _leading(item)
-        if rows is not None:
-            return rows
-    return None
+    rows = leading_batch_size(inputs, kwargs)
+    return 0 if rows is None else rows
 
 
 def items_weight(world_size, items, total, fallback):
