@@ -116,7 +116,7 @@ class HeterogeneousRuntime:
         self._loss_watch = LossFunctionWatch()  # whether a transformers model's loss divides by that count
         self._watching = False
         self._count_given = False  # some rank's forward was given num_items_in_batch (agreed at the forward)
-        self._given_count = None  # this rank's num_items_in_batch at the last re-split forward
+        self._given_count = None  # this rank's num_items_in_batch at the last forward that counted
         self._data_parallel_world = dist.get_world_size() if dist.is_initialized() else 1
         self.resplit_input_bytes = 0  # input bytes other ranks sent this rank by re-splitting, in all
         self.resplit_output_bytes = 0  # output bytes returned to this rank from the ranks that computed them
@@ -241,12 +241,12 @@ class HeterogeneousRuntime:
         return bool(self.engine_loader or self.samplers)
 
     def _agree_on_feeding(self, inputs, kwargs):
-        """Every rank's data-parallel rank, way of feeding and fed size, gathered at this forward
-        (one small all-gather), and what they imply for all of them alike: whether to re-split, or
+        """Every rank's data-parallel rank, way of feeding and fed size (kept as ``_fed``), gathered
+        at this forward (one small all-gather), and what they imply for all of them alike: whether to re-split, or
         the error every rank raises. Rank-local facts (a sampler registered on one rank only, one
         rank fed the wrong size) would otherwise send the ranks down different paths: one waiting
         in a collective the others never enter."""
-        fed = leading_batch_size(inputs, kwargs or {}) if self.check_fed_batch else None
+        fed = self._fed = leading_batch_size(inputs, kwargs or {}) if self.check_fed_batch else None
         count_given = (kwargs or {}).get("num_items_in_batch") is not None
         everyone = agree(self.rank, int(self.feeds_plan), -1 if fed is None else fed, int(count_given))
         # Whether some rank's loss may divide by a caller's count: the forward's end then agrees on it.
@@ -274,7 +274,6 @@ class HeterogeneousRuntime:
                                  check=self.check_fed_batch)
         else:
             self._resplit = self._agree_on_feeding(inputs, kwargs)
-            self._fed = leading_batch_size(inputs, kwargs or {}) if self.check_fed_batch else None
         if self._resplit:
             planned = self.plan.micro_batch_sizes
             inputs, kwargs, self._split = resplit_inputs(tuple(inputs), dict(kwargs or {}), planned, self.rank,
@@ -311,9 +310,9 @@ class HeterogeneousRuntime:
         computed, as the plan says; a loss over the returned outputs is a loss over what the rank
         was fed, and the exchange's backward rescales their gradient by fed / computed rows, so it
         counts as such (whatever arithmetic or backward style follows). A forward given
-        ``num_items_in_batch`` (the Trainer's count of the fed items) returns a loss the caller
-        scales as one over the fed rows: that micro-step is weighted by the fed rows
-        (``state.weight_override``), and the returned rows' gradient is not rescaled."""
+        ``num_items_in_batch`` (the Trainer's count of the fed items) whose loss divides by it is
+        weighted by the count's share of the ranks' sum (``_weigh_by_caller_counts``), and the
+        returned rows' gradient is not rescaled."""
         if self._watching:  # a forward that some rank gave a count (agreed: every rank is here)
             self._watching = False
             seen = self._loss_watch.stop()
@@ -387,7 +386,7 @@ class HeterogeneousRuntime:
     @property
     def process_count(self):
         """The processes ``sum_over_ranks`` sums over (the whole world)."""
-        return dist.get_world_size() if dist.is_initialized() else 1
+        return self._data_parallel_world
 
     def backward_begin(self, loss=None):
         """engine.backward() starts: the forward part of the micro-step ends here (recorded only;

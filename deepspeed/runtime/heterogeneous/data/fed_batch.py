@@ -107,21 +107,17 @@ def judge_feeding(plan, everyone, resplit_setting, check, data_parallel_is_world
     return resplit
 
 
-def _per_rank_gas_error(plan):
-    return FedBatchMismatchError(
-        f"deepspeed-hetero: the plan in force gives the ranks different gradient_accumulation_steps "
-        f"{list(plan.gradient_accumulation_steps)}, which only the engine's own loader "
-        f"(deepspeed.initialize(training_data=...)) feeds correctly: a loop that counts micro-steps itself "
-        f"would pair the ranks' gradient reductions wrongly. Use the engine's loader, or give the ranks "
-        f"equal gas (a manual plan without per-rank gas, or more memory)")
-
-
 def fed_size(plan, dp_rank, inputs, kwargs, engine_loader, check=True):
     """The size of the micro-batch a training forward was given, checked against ``plan`` (None
     when it cannot be read or ``check`` is off). Also refuses a plan with per-rank gas unless the
     engine's own loader feeds the ranks (``engine_loader``)."""
     if plan.per_rank_gas and not engine_loader:
-        raise _per_rank_gas_error(plan)
+        raise FedBatchMismatchError(
+            f"deepspeed-hetero: the plan in force gives the ranks different gradient_accumulation_steps "
+            f"{list(plan.gradient_accumulation_steps)}, which only the engine's own loader "
+            f"(deepspeed.initialize(training_data=...)) feeds correctly: a loop that counts micro-steps itself "
+            f"would pair the ranks' gradient reductions wrongly. Use the engine's loader, or give the ranks "
+            f"equal gas (a manual plan without per-rank gas, or more memory)")
     if not check:
         return None
     fed = leading_batch_size(inputs, kwargs or {})

@@ -15,11 +15,7 @@ input is (``heterogeneous_config.loss_items``, or the Trainer integration) and s
 ranks, one collective per training forward (``runtime.py``).
 """
 
-import torch
-
-from .fed_batch import leading_batch_size
-
-__all__ = ["count_items", "count_rows", "items_weight", "select_input"]
+__all__ = ["count_items", "items_weight", "select_input"]
 
 
 def select_input(inputs, kwargs, name):
@@ -34,18 +30,9 @@ def count_items(value, ignore_index=-100, shift=False):
     """Items of ``value`` (a tensor) that are not ``ignore_index``; with ``shift`` the first position
     of the last dimension is left out (a causal LM's shifted labels predict positions 1..T-1).
     A boolean or 0/1 mask with ``ignore_index`` 0 counts its set elements."""
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"the loss's items are counted in a tensor, got {type(value).__name__}")
     if shift:
         value = value[..., 1:]
     return int(value.ne(ignore_index).sum().item())
-
-
-def count_rows(inputs, kwargs):
-    """Dim 0 of the first tensor of a forward's arguments (0 when none has a dimension): what a
-    loss that is a mean over rows divides by."""
-    rows = leading_batch_size(inputs, kwargs)
-    return 0 if rows is None else rows
 
 
 def items_weight(world_size, items, total, fallback):

@@ -30,9 +30,10 @@ from torch.utils.data import DataLoader, IterableDataset
 from deepspeed.utils import logger
 
 from ..config.settings import STRATEGIES, load_heterogeneous_settings
-from ..data.loss_items import count_items, count_rows, items_weight
+from ..data.fed_batch import leading_batch_size
+from ..data.loss_items import count_items, items_weight
 from ..data.sampler import HeterogeneousBatchSampler
-from .loss_normalization import LossFunctionWatch, agreed_verdict, loss_function_owner, names_num_items
+from .loss_normalization import LossFunctionWatch, agreed_verdict, names_num_items
 
 # HeterogeneousTrainer is left out: a star import must not need transformers.
 __all__ = ["HeterogeneousTrainerMixin", "HeterogeneousTrainerLoader", "provisional_micro_batch_sizes",
@@ -102,7 +103,7 @@ def label_items(inputs, shifts_labels):
     labels = inputs.get("labels")
     if isinstance(labels, torch.Tensor) and labels.dim() > 0:
         return count_items(labels, shift=shifts_labels and labels.dim() > 1)
-    return count_rows((), inputs)
+    return leading_batch_size((), inputs) or 0
 
 
 def agreed_loss_weight(mine, total, world_size, average_tokens_across_devices, fallback):
@@ -228,7 +229,7 @@ class HeterogeneousTrainerMixin:
             return bool(self.loss_uses_num_items)
         if self.compute_loss_func is not None:
             return True
-        if loss_function_owner(module) is not None:
+        if self._loss_watch.watches(module):
             return seen
         return names_num_items(module)
 

@@ -142,8 +142,8 @@ class LossFunctionWatch:
 
     def settle(self, verdict):
         """Keep ``verdict`` (True or False: what every rank agreed the last forward's loss showed)
-        for the loss function watched then, so that it is not probed again. Left unsettled, a
-        rank whose loss told nothing would probe again alone."""
+        for the loss function watched then, so that no rank probes it again (unsettled, every rank
+        probes at its next call)."""
         if verdict is not None and self._function is not None:
             self._verdicts[self._function] = bool(verdict)
 
