@@ -186,7 +186,7 @@ def place_engine_state(state, ds_config, model, optimizer=None):
     stage = int(ds_config.zero_optimization_stage or 0)
     world = int(ds_config.world_size)
     if not memory.enabled:
-        explicit = stage in (1, 2) and world >= 2 and setting not in ("auto", "even")
+        explicit = stage in (1, 2, 3) and world >= 2 and setting not in ("auto", "even")
         return None, check_shares(setting, world) if explicit else None, {}
     pool = HeterogeneousMemoryPool.from_state(state, world)
     offload = state.settings.offload

@@ -144,6 +144,13 @@ class HeterogeneousState:
         neither, and one rank on another optimizer would issue other collectives."""
         return self.partition_shares is not None or bool(self.offloaded_ranks)
 
+    def zero3_partitioning(self):
+        """A context in which ``deepspeed.zero.Init`` partitions ZeRO-3 parameters with this run's
+        shares (the engine builds its ZeRO-3 optimizer in it); parameters partitioned before keep
+        theirs."""
+        from .memory import zero3_shards
+        return zero3_shards.engine_partitioning(self.partition_shares)
+
     @property
     def device_names(self):
         return [d.name for d in self.devices] if self.devices else None

@@ -255,13 +255,7 @@ def reduce_scatter(buffer, member, group=None):
     equal chunk per member of ``group``, in member order) through the group's reducer, in place:
     afterwards chunk ``member`` holds the sum. Returns False, having done nothing, when no reducer
     is registered for ``group`` (upstream's reduce-scatter then runs)."""
-    if not _reducers:
-        return False
-    reducer = _reducers.get(group)
-    if reducer is None and (group is None or group == dist.get_world_group()):
-        # ZeRO-3 partitions parameters over the world group object when the data-parallel group
-        # is the whole world (the only case ``attach`` registers a reducer for).
-        reducer = next((r for r in _reducers.values() if len(r.ranks) == dist.get_world_size()), None)
+    reducer = zero3_reducer(group)
     if reducer is None:
         return False
     members = len(reducer.layout.hosts)
@@ -271,6 +265,18 @@ def reduce_scatter(buffer, member, group=None):
     chunk = buffer.numel() // members
     reducer.reduce_to_owners(buffer, [(chunk, owner) for owner in range(members)])
     return True
+
+
+def zero3_reducer(group):
+    """The reducer for ZeRO-3's partition ``group``, or None. ZeRO-3 partitions parameters over
+    the world group object when the data-parallel group is the whole world (the only case
+    ``attach`` registers a reducer for)."""
+    if not _reducers:
+        return None
+    reducer = _reducers.get(group)
+    if reducer is None and (group is None or group == dist.get_world_group()):
+        reducer = next((r for r in _reducers.values() if len(r.ranks) == dist.get_world_size()), None)
+    return reducer
 
 
 def all_gather_dp_groups(groups_flat, partitioned_param_groups, dp_process_group, start_alignment_factor,

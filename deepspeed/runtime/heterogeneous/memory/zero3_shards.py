@@ -1,0 +1,465 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Memory-proportional ZeRO-3 shards (``heterogeneous_memory.zero_partitions`` in stage 3).
+
+Upstream ZeRO-3 gives rank r the slice ``[r*c, (r+1)*c)`` of every partitioned parameter, with
+``c = ceil(numel / world)``: the same size everywhere, so the device with the least memory bounds
+the model. Here rank r owns the slice ``spans[r] = (start_r, size_r)``, its share ``f_r`` of the
+elements, and so ``f_r`` of the parameter's fp32 master copy, gradient and optimizer state.
+
+- ``ShardLayout.spans``: where each rank's slice of one parameter lies. Boundaries sit on
+  multiples of ``ALIGNMENT`` elements, every slice is non-empty, the slices cover the parameter
+  exactly (no padding). A parameter too small to cut that way keeps upstream's equal slices
+  (``None``); a bucket may mix both.
+- ``gather``: the all-gather of a bucket of parameters whose slices differ in size. Two ways, and
+  the choice is per bucket from the slice sizes alone (so every rank makes the same one):
+  ``pad`` — each rank's contribution padded to the largest, one ``all_gather_into_tensor``
+  (upstream's single collective; a ring moves ``(world-1) * largest`` elements to each rank);
+  ``owners`` — one broadcast per owner of exactly its slices (``sum - own`` elements to each
+  rank, ``world`` collectives). ``pad`` is kept while ``(world-1) * largest <= sum`` (always for
+  2 ranks), ``owners`` otherwise.
+- ``reduce_scatter``: the gradients' counterpart (padded reduce-scatter, or one reduce per owner),
+  pre-divided by the world size as upstream's ``reduce_scatter_coalesced``; through the fork's
+  hierarchical reducer when one is registered for the group (multi-host runs), which takes uneven
+  chunks as they are.
+- ``partition_shares_for_init``: the shares a ``deepspeed.zero.Init`` partitions with, known
+  before the model exists (the engine's own decision while it builds its ZeRO-3 optimizer, else
+  the config's list).
+
+Every rank computes the same spans from the same shares and numel; ``agree_on_shards`` compares a
+digest once, before the first collective that depends on them, so a disagreement is an error
+naming the ranks rather than a hang.
+"""
+
+import contextlib
+import hashlib
+import math
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+ALIGNMENT = 32  # elements; slices start on 128-byte boundaries in fp32
+CHECKPOINT_SHARES_KEY = "heterogeneous_zero3_shares"
+CHECKPOINT_NUMELS_KEY = "heterogeneous_zero3_shard_numels"
+
+
+class ShardLayoutError(ValueError):
+    """Shares that cannot be used for ZeRO-3 shards, or a checkpoint of another layout."""
+
+
+class ShardLayout:
+    """The shares of every partitioned ZeRO-3 parameter, and each parameter's slices."""
+
+    def __init__(self, shares: Sequence[float], alignment: int = ALIGNMENT):
+        self.shares = tuple(float(s) for s in shares)
+        self.world_size = len(self.shares)
+        self.alignment = int(alignment)
+        self._cuts = [sum(self.shares[:r]) for r in range(1, self.world_size)]
+
+    def spans(self, numel: int) -> Optional[Tuple[Tuple[int, int], ...]]:
+        """``((start, size), ...)`` per rank for a parameter of ``numel`` elements, or None where
+        the parameter keeps upstream's equal slices (too small for every rank to get at least one
+        aligned unit)."""
+        world, unit = self.world_size, self.alignment
+        units = numel // unit
+        if units < world:
+            return None
+        bounds = [0]
+        for rank, cut in enumerate(self._cuts, start=1):
+            # At least one unit per rank on either side of each boundary.
+            bound = min(max(int(round(cut * units)), bounds[-1] + 1), units - (world - rank))
+            bounds.append(bound)
+        starts = [b * unit for b in bounds] + [numel]
+        return tuple((starts[r], starts[r + 1] - starts[r]) for r in range(world))
+
+    def describe(self):
+        return "[" + ", ".join(f"{s:.3f}" for s in self.shares) + "]"
+
+
+def shard_layout(shares, world_size):
+    """The ``ShardLayout`` for ``shares`` (None, or equal shares: upstream's slices, no layout)."""
+    if shares is None or int(world_size) < 2:
+        return None
+    shares = tuple(float(s) for s in shares)
+    if len(shares) != int(world_size):
+        raise ShardLayoutError(f"heterogeneous_memory.zero_partitions has {len(shares)} shares {list(shares)} but the "
+                               f"ZeRO-3 partition group has {world_size} ranks; give one share per rank")
+    if max(shares) - min(shares) < 1e-9:
+        return None
+    return ShardLayout(shares)
+
+
+# -- one rank's slice of a parameter, either layout ---------------------------------------------------
+
+
+def param_spans(param, world_size):
+    """Every rank's ``(start, size)`` slice of ``param``: its uneven spans, or upstream's equal
+    slices (``size`` is then the padded partition size, the last ones reaching past ``ds_numel``)."""
+    spans = getattr(param, "ds_shard_spans", None)
+    if spans is not None:
+        return spans
+    size = math.ceil(param.ds_numel / world_size)
+    return tuple((rank * size, size) for rank in range(world_size))
+
+
+def valid_numel(param, start, size):
+    """How many of the slice's elements lie inside the parameter (the rest is upstream's padding)."""
+    return max(0, min(size, param.ds_numel - start))
+
+
+def holds_data(param, rank, world):
+    """Whether this rank's slice of ``param`` holds any of its elements (upstream's last equal
+    slices may be padding only)."""
+    start, size = param_spans(param, world)[rank]
+    return valid_numel(param, start, size) > 0
+
+
+def is_uneven(params):
+    return any(getattr(p, "ds_shard_spans", None) is not None for p in params)
+
+
+def layout_of(params):
+    """The ``ShardLayout`` the parameters were partitioned with (None: upstream's slices)."""
+    for p in params:
+        layout = getattr(p, "ds_shard_layout", None)
+        if layout is not None:
+            return layout
+    return None
+
+
+# -- collectives ------------------------------------------------------------------------------------
+
+
+def choose_mode(contributions, world_size):
+    """``pad`` or ``owners`` for contributions of these sizes (elements per rank)."""
+    return "pad" if (world_size - 1) * max(contributions) <= sum(contributions) else "owners"
+
+
+def _contributions(params, world):
+    spans = [param_spans(p, world) for p in params]
+    return spans, [sum(s[rank][1] for s in spans) for rank in range(world)]
+
+
+class UnevenGatherHandle:
+    """Completes an uneven all-gather: waits for its collectives, then gives every parameter its
+    full data and marks it available (upstream's ``AllGatherCoalescedHandle`` contract)."""
+
+    def __init__(self, params, spans, pieces, works, available_status):
+        self.params, self.spans, self.pieces, self.works = params, spans, pieces, works
+        self.available_status = available_status
+        self.complete = False
+
+    def wait(self, handle_dependency=True) -> None:
+        if self.complete:
+            return
+        for work in self.works:
+            if work is not None:
+                work.wait()
+        offsets = [0] * len(self.pieces)
+        for param, spans in zip(self.params, self.spans):
+            parts = []
+            for rank, (start, size) in enumerate(spans):
+                keep = valid_numel(param, start, size)
+                if keep:
+                    parts.append(self.pieces[rank].narrow(0, offsets[rank], keep))
+                offsets[rank] += size
+            param.data = torch.cat(parts).view(param.ds_shape).to(param.ds_tensor.dtype)
+            param.ds_status = self.available_status
+        self.complete = True
+
+
+@torch.no_grad()
+def gather(params, group, device, available_status, async_op=True):
+    """All-gather ``params`` (partitioned, not available, one dtype) whose slices may differ in
+    size across ranks; returns an ``UnevenGatherHandle``. Every rank must pass the same parameters
+    in the same order."""
+    from deepspeed import comm as dist
+    world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
+    dtype = params[0].ds_tensor.dtype
+    spans, sizes = _contributions(params, world)
+    own = [p.ds_tensor.to(device).to(dtype).view(-1) for p in params]
+    if choose_mode(sizes, world) == "pad":
+        largest = max(sizes)
+        flat = torch.empty(largest * world, dtype=dtype, device=device)
+        pieces = [flat.narrow(0, r * largest, largest) for r in range(world)]
+        torch.cat(own, out=pieces[rank].narrow(0, 0, sizes[rank]))
+        works = [dist.allgather_fn(flat, pieces[rank], group=group, async_op=async_op)]
+    else:
+        pieces = [torch.empty(sizes[r], dtype=dtype, device=device) for r in range(world)]
+        torch.cat(own, out=pieces[rank])
+        works = [
+            dist.broadcast(pieces[r], dist.get_global_rank(group, r), group=group, async_op=async_op)
+            for r in range(world)
+        ]
+    handle = UnevenGatherHandle(params, spans, pieces, works if async_op else [], available_status)
+    if not async_op:
+        handle.wait()
+    return handle
+
+
+class MultipleHandles:
+
+    def __init__(self, handles):
+        self.handles = handles
+
+    def wait(self, handle_dependency=True) -> None:
+        for handle in self.handles:
+            handle.wait(handle_dependency=handle_dependency)
+
+
+def gather_coalesced(params, group, device, available_status):
+    """``all_gather_coalesced`` of parameters (already marked in flight, sorted) of which some
+    have uneven slices: one gather per dtype, as upstream's."""
+    by_dtype = {}
+    for param in params:
+        by_dtype.setdefault(param.ds_tensor.dtype, []).append(param)
+    handles = [gather(group_params, group, device, available_status) for group_params in by_dtype.values()]
+    return handles[0] if len(handles) == 1 else MultipleHandles(handles)
+
+
+def gather_listed(params, partition_group_of, device, status, async_op):
+    """``Init._all_gather``: gather those of ``params`` that are not available (in ``ds_id``
+    order, per partition group and dtype). Returns the handles when ``async_op``, else None with
+    the parameters available."""
+    todo = sorted((p for p in params if p.ds_status == status.NOT_AVAILABLE), key=lambda p: p.ds_id)
+    by_group = {}
+    for param in todo:
+        param.ds_status = status.INFLIGHT
+        by_group.setdefault(id(partition_group_of(param)), []).append(param)
+    handles = [gather_coalesced(group_params, partition_group_of(group_params[0]), device, status.AVAILABLE)
+               for group_params in by_group.values()]
+    if async_op:
+        return handles
+    for handle in handles:
+        handle.wait()
+    return None
+
+
+@torch.no_grad()
+def gather_partition(param, partition, group):
+    """The full tensor of which ``partition`` (this rank's slice of ``param``, any dtype: the fp32
+    master copy, an optimizer state, a gradient) is one slice, on every rank."""
+    from deepspeed import comm as dist
+    world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
+    spans = param_spans(param, world)
+    sizes = [size for _, size in spans]
+    largest = max(sizes)
+    flat = torch.zeros(largest * world, dtype=partition.dtype, device=partition.device)
+    flat.narrow(0, rank * largest, sizes[rank]).copy_(partition.detach().reshape(-1)[:sizes[rank]])
+    dist.all_gather_into_tensor(flat, flat.narrow(0, rank * largest, largest), group=group)
+    parts = [flat.narrow(0, r * largest + 0, valid_numel(param, start, size)) for r, (start, size) in enumerate(spans)]
+    return torch.cat(parts).view(param.ds_shape)
+
+
+def local_slice(param, full, rank, world):
+    """This rank's slice of ``full`` (a tensor of the parameter's shape), zero-padded to its
+    partition size where upstream's equal slices reach past the parameter."""
+    start, size = param_spans(param, world)[rank]
+    flat = full.reshape(-1)
+    keep = valid_numel(param, start, size)
+    if keep == size:
+        return flat.narrow(0, start, size)
+    out = torch.zeros(size, dtype=flat.dtype, device=flat.device)
+    if keep:
+        out.narrow(0, 0, keep).copy_(flat.narrow(0, start, keep))
+    return out
+
+
+@torch.no_grad()
+def reduce_scatter(params, grads, group):
+    """Sum ``grads`` (full, one per parameter) over ``group`` and return this rank's slice of each,
+    pre-divided by the group size as upstream's ``reduce_scatter_coalesced`` (slices of equal
+    partitions are cut to the part inside the parameter, as upstream's are)."""
+    from deepspeed import comm as dist
+    from deepspeed.runtime.heterogeneous.comm import hierarchical
+    world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
+    spans, sizes = _contributions(params, world)
+    dtype, device = grads[0].dtype, grads[0].device
+
+    def chunk_of(owner, length):
+        parts = []
+        for param, grad, param_spans_ in zip(params, grads, spans):
+            start, size = param_spans_[owner]
+            keep = valid_numel(param, start, size)
+            if keep:
+                parts.append(grad.reshape(-1).narrow(0, start, keep))
+            if size - keep:
+                parts.append(torch.zeros(size - keep, dtype=dtype, device=device))
+        if length > sizes[owner]:
+            parts.append(torch.zeros(length - sizes[owner], dtype=dtype, device=device))
+        return torch.cat(parts)
+
+    reducer = hierarchical.zero3_reducer(group)
+    if reducer is not None:
+        buffer = torch.cat([chunk_of(r, sizes[r]) for r in range(world)]).div_(world)
+        reducer.reduce_to_owners(buffer, [(sizes[r], r) for r in range(world)])
+        mine = buffer.narrow(0, sum(sizes[:rank]), sizes[rank])
+    elif choose_mode(sizes, world) == "pad":
+        largest = max(sizes)
+        buffer = torch.cat([chunk_of(r, largest) for r in range(world)]).div_(world)
+        mine = torch.empty(largest, dtype=dtype, device=device)
+        dist.reduce_scatter_fn(mine, buffer, group=group)
+    else:
+        mine = None
+        for owner in range(world):
+            chunk = chunk_of(owner, sizes[owner]).div_(world)
+            dist.reduce(chunk, dist.get_global_rank(group, owner), group=group)
+            if owner == rank:
+                mine = chunk
+    out, offset = [], 0
+    for param, param_spans_ in zip(params, spans):
+        start, size = param_spans_[rank]
+        keep = valid_numel(param, start, size)
+        out.append(mine.narrow(0, offset, keep))
+        offset += size
+    return out
+
+
+# -- the shares, before the model exists -----------------------------------------------------------
+
+_engine_shares = []  # the shares of the ZeRO-3 optimizer being built, innermost last
+
+
+@contextlib.contextmanager
+def engine_partitioning(shares):
+    """While the engine builds its ZeRO-3 optimizer, the ``zero.Init`` that partitions the model's
+    parameters uses the engine's shares (None: upstream's equal slices)."""
+    _engine_shares.append(None if shares is None else tuple(shares))
+    try:
+        yield
+    finally:
+        _engine_shares.pop()
+
+
+def partition_shares_for_init(ds_config, world_size):
+    """The shares a ``zero.Init`` partitions with: the engine's, while it builds its optimizer;
+    else an explicit ``zero_partitions`` list in ``ds_config`` (a ``DeepSpeedConfig``) with
+    ``heterogeneous_config.enabled`` and ZeRO stage 3; else None (equal slices). ``"auto"``
+    needs the model and the devices, which the engine has: a model built under ``zero.Init``
+    before ``deepspeed.initialize`` keeps equal slices unless the config lists the shares."""
+    if _engine_shares:
+        return _engine_shares[-1]
+    state = getattr(ds_config, "heterogeneous", None) if ds_config is not None else None
+    settings = getattr(state, "settings", None)
+    if settings is None or not settings.config.enabled:
+        return None
+    if int(getattr(ds_config, "zero_optimization_stage", 0) or 0) != 3:
+        return None
+    shares = settings.memory.zero_partitions
+    if not isinstance(shares, (list, tuple)):
+        return None
+    from .partitions import check_shares
+    return check_shares(shares, int(world_size))
+
+
+def refuse_unsupported(layout, hpz_group=None, quantized=False):
+    """Uneven shards with what keeps upstream's equal slices elsewhere are refused by name."""
+    if layout is None:
+        return
+    unsupported = [name for name, used in (("zero_hpz_partition_size > 1", hpz_group is not None),
+                                           ("zero_quantized_weights / zero_quantized_nontrainable_weights",
+                                            quantized)) if used]
+    if unsupported:
+        raise ShardLayoutError(f"heterogeneous_memory.zero_partitions {layout.describe()} gives ZeRO-3 ranks uneven "
+                               f"shards, which {' and '.join(unsupported)} cannot use (they cut equal slices); "
+                               "set zero_partitions to \"even\" or turn them off")
+
+
+def init_param(param, layout, world_size):
+    """Give a newly converted ZeRO-3 parameter its slices (``_convert_to_deepspeed_param``)."""
+    param.ds_shard_layout = layout
+    param.ds_shard_spans = None if layout is None else layout.spans(param.ds_numel)
+
+
+# -- agreement and checkpoints ---------------------------------------------------------------------
+
+
+def shards_digest(params, shares):
+    text = repr((None if shares is None else [round(s, 9) for s in shares],
+                 [getattr(p, "ds_shard_spans", None) for p in params]))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
+
+
+def agree_on_shards(params, shares, group=None):
+    """All ranks compare the digest of their parameters' slices (one all-gather of an int64)."""
+    from deepspeed import comm as dist
+    from deepspeed.accelerator import get_accelerator
+    world = dist.get_world_size(group=group)
+    mine = torch.tensor([shards_digest(params, shares)], dtype=torch.int64,
+                        device=get_accelerator().current_device_name())
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    digests = [int(t.item()) for t in every]
+    if len(set(digests)) > 1:
+        groups = {}
+        for rank, digest in enumerate(digests):
+            groups.setdefault(digest, []).append(rank)
+        raise ShardLayoutError("the ranks partition the ZeRO-3 parameters differently (ranks "
+                               f"{' vs '.join(str(r) for r in groups.values())}): every rank must use the same "
+                               "heterogeneous_memory.zero_partitions and build the same model")
+
+
+def optimizer_shares(param_groups, group, use_muon=False):
+    """The shares the ZeRO-3 optimizer's parameters were partitioned with (None: equal slices),
+    checked to be the same on every rank."""
+    params = [p for param_group in param_groups for p in param_group["params"]]
+    layout = layout_of(params)
+    if layout is None:
+        return None
+    if use_muon:
+        raise ShardLayoutError(f"heterogeneous_memory.zero_partitions {layout.describe()}: uneven ZeRO-3 shards cannot "
+                               "be used with the Muon optimizer (it updates equal slices); set zero_partitions to \"even\"")
+    agree_on_shards(params, layout.shares, group)
+    return layout.shares
+
+
+def checkpoint_entries(params, shares):
+    """What a ZeRO-3 optimizer state dict records of an uneven layout (nothing for upstream's)."""
+    if shares is None:
+        return {}
+    from deepspeed import comm as dist
+    return {CHECKPOINT_SHARES_KEY: list(shares),
+            CHECKPOINT_NUMELS_KEY: [int(p.partition_numel()) for p in params]}
+
+
+def universal_fragments(optim_sd, param_shapes, partition_rank, partition_count):
+    """``ds_to_universal``'s extraction of one rank's ZeRO-3 optimizer file saved with uneven shares
+    (None for upstream's equal slices): ``(name, state_key, flat_state, offset, numel)`` for every
+    fragment, over the rank's sub-groups taken together (their boundaries follow the rank's own
+    slice sizes, so they may differ between ranks)."""
+    shares = optim_sd.get(CHECKPOINT_SHARES_KEY)
+    if shares is None:
+        return None
+    layout = ShardLayout(shares)
+    groups = range(len(optim_sd["fp32_flat_groups"]))
+    state = optim_sd["optimizer_state_dict"]["state"]
+    flat = {key: torch.cat([state[i][key].view(-1) for i in groups]) for key in ("exp_avg", "exp_avg_sq")}
+    flat["fp32"] = torch.cat([optim_sd["fp32_flat_groups"][i].view(-1) for i in groups])
+    fragments, offset = [], 0
+    for name, shape in ((n, s) for sub_group in param_shapes for n, s in sub_group.items()):
+        numel = math.prod(shape) if not isinstance(shape, int) else shape
+        spans = layout.spans(numel)
+        start, size = spans[partition_rank] if spans is not None else (partition_rank * math.ceil(numel / partition_count),
+                                                                       math.ceil(numel / partition_count))
+        keep = max(0, min(size, numel - start))
+        fragments.extend((name, key, tensor, offset, keep) for key, tensor in flat.items())
+        offset += size
+    return fragments
+
+
+def check_checkpoint_shares(state_dict, shares):
+    """Refuse a per-rank ZeRO-3 checkpoint saved with other shares: its slices would not fit."""
+    saved = state_dict.get(CHECKPOINT_SHARES_KEY)
+    saved = None if saved is None else tuple(float(s) for s in saved)
+    current = None if shares is None else tuple(shares)
+    if saved == current or (saved is not None and current is not None and len(saved) == len(current)
+                            and max(abs(a - b) for a, b in zip(saved, current)) < 1e-9):
+        return
+
+    def describe(values):
+        return "equal shares" if values is None else "[" + ", ".join(f"{s:.3f}" for s in values) + "]"
+
+    raise ShardLayoutError(
+        f"this ZeRO-3 checkpoint was saved with partition shares {describe(saved)} but this run partitions "
+        f"with {describe(current)} (heterogeneous_memory.zero_partitions); load it with the shares it was saved "
+        "with, or convert it to a universal checkpoint (python -m deepspeed.checkpoint.ds_to_universal) and "
+        "load that with checkpoint.load_universal, which re-partitions")

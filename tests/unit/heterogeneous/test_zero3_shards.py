@@ -1,0 +1,195 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Memory-proportional ZeRO-3 shards (``heterogeneous_memory.zero_partitions`` in stage 3).
+
+Pure: the slices of one parameter (aligned, non-empty, covering it exactly; small parameters keep
+upstream's equal slices) and the choice between a padded all-gather and one broadcast per owner.
+Processes: ZeRO-3 with uneven shares equals single-process training (test_exactness's reference),
+each rank holds its share of every parameter, gathered full fp32 parameters are the trained ones,
+and a checkpoint resumes on its own shares, is refused on others and merges with zero_to_fp32.
+"""
+
+import pytest
+import torch
+
+from deepspeed.runtime.heterogeneous.memory.zero3_shards import (ALIGNMENT, ShardLayout, ShardLayoutError,
+                                                                 check_checkpoint_shares, choose_mode, shard_layout)
+
+
+@pytest.mark.parametrize("shares", [(0.75, 0.25), (0.25, 0.75), (0.97, 0.03), (0.5, 0.3, 0.15, 0.05)])
+@pytest.mark.parametrize("numel", [ALIGNMENT * 4, 1000, 4099, 1536 * 1536 + 7])
+def test_slices_are_aligned_non_empty_and_cover_the_parameter(shares, numel):
+    spans = ShardLayout(shares).spans(numel)
+    assert spans[0][0] == 0 and sum(size for _, size in spans) == numel
+    for (start, size), (next_start, _) in zip(spans, spans[1:]):
+        assert start + size == next_start and next_start % ALIGNMENT == 0
+    assert all(size > 0 for _, size in spans)
+    for share, (_, size) in zip(shares, spans):
+        assert abs(size - share * numel) <= ALIGNMENT * len(shares), (shares, numel, spans)
+
+
+def test_small_parameters_keep_equal_slices_and_even_shares_need_no_layout():
+    layout = ShardLayout((0.75, 0.25))
+    assert layout.spans(2 * ALIGNMENT - 1) is None and layout.spans(2 * ALIGNMENT) is not None
+    assert shard_layout((0.5, 0.5), 2) is None and shard_layout(None, 2) is None
+    with pytest.raises(ShardLayoutError, match="3 shares"):
+        shard_layout((0.5, 0.25, 0.25), 2)
+
+
+def test_the_gather_pads_while_a_ring_moves_no_more_than_broadcasts_would():
+    assert choose_mode([750, 250], 2) == "pad"  # two ranks: always
+    assert choose_mode([300, 300, 400], 3) == "pad"  # 2 * 400 <= 1000
+    assert choose_mode([700, 100, 100, 100], 4) == "owners"  # 3 * 700 > 1000
+
+
+def test_a_checkpoint_of_other_shares_is_refused_with_the_ways_out():
+    check_checkpoint_shares({"heterogeneous_zero3_shares": [0.75, 0.25]}, (0.75, 0.25))
+    check_checkpoint_shares({}, None)
+    with pytest.raises(ShardLayoutError, match=r"saved with partition shares \[0.750, 0.250\].*equal shares.*universal"):
+        check_checkpoint_shares({"heterogeneous_zero3_shares": [0.75, 0.25]}, None)
+    with pytest.raises(ShardLayoutError, match=r"equal shares but this run partitions with \[0.250, 0.750\]"):
+        check_checkpoint_shares({}, (0.25, 0.75))
+
+
+# -- training ---------------------------------------------------------------------------------------
+
+
+def _train_zero3(rank, world_size, gas, sizes, clipping, shares, zero=None, bf16=False, init=False):
+    """test_exactness's training in ZeRO-3 with ``zero_partitions: shares``; returns the parameters
+    (gathered), their full fp32 master copies, and each parameter's local slice numel."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+    from test_exactness import BF16_LR, ds_config, make_model, train_slices
+
+    config = ds_config(3, gas, sizes, clipping)
+    config["heterogeneous_memory"] = {"zero_partitions": shares}
+    config["zero_optimization"].update(zero or {})
+    if bf16:
+        config.update(bf16={"enabled": True}, optimizer={"type": "SGD", "params": {"lr": BF16_LR}},
+                      zero_allow_untested_optimizer=True)
+    if init:  # built partitioned, as large models are: the shares must be known before the model
+        with deepspeed.zero.Init(config_dict_or_path=config):
+            model = make_model()
+    else:
+        model = make_model()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    local = [int(p.ds_tensor.numel()) for p in engine.module.parameters()]
+    train_slices(engine, rank, sizes, gas, config["train_batch_size"], torch.bfloat16 if bf16 else None)
+    full_fp32 = [safe_get_full_fp32_param(p).clone() for p in engine.module.parameters()]
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        params = [p.detach().float().clone() for p in engine.module.parameters()]
+    return {"params": params, "full_fp32": full_fp32, "local": local}
+
+
+def _expect_shares(shares, per_rank):
+    """The 16x32 and 32x16 weights (512 elements) are cut by share; the biases (16, 32) keep
+    upstream's equal slices."""
+    for share, result in zip(shares, per_rank):
+        weights = [result["local"][0], result["local"][2]]
+        assert all(abs(n - share * 512) <= ALIGNMENT for n in weights), (shares, [r["local"] for r in per_rank])
+
+
+ZERO3_CASES = [
+    dict(gas=1, sizes=[5, 3], clipping=0.0, shares=[0.75, 0.25]),
+    dict(gas=2, sizes=[7, 1], clipping=0.05, shares=[0.25, 0.75]),
+    dict(gas=1, sizes=[5, 3], clipping=0.0, shares=[0.8, 0.2], init=True),
+    dict(gas=2, sizes=[5, 3], clipping=1.0, shares=[0.75, 0.25],
+         zero={"reduce_scatter": False, "stage3_param_persistence_threshold": 0}),
+]
+
+
+@pytest.mark.multiprocess
+def test_uneven_zero3_shards_train_exactly_and_each_rank_holds_its_share():
+    from harness import run_subcases
+    from test_exactness import reference_parameters
+
+    results = run_subcases(_train_zero3, ZERO3_CASES, world_size=2, timeout=600)
+    for case, per_rank in zip(ZERO3_CASES, results):
+        _expect_shares(case["shares"], per_rank)
+        expected = reference_parameters(sum(case["sizes"]) * case["gas"], case["clipping"])
+        for result in per_rank:
+            for got, full, want in zip(result["params"], result["full_fp32"], expected):
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=lambda m: f"{case}: {m}")
+                torch.testing.assert_close(full, got, rtol=0, atol=0, msg=lambda m: f"{case}: {m}")
+
+
+# -- checkpoints of uneven shards -------------------------------------------------------------------
+
+SAVE_AT = 3
+
+
+def _checkpoint_run(rank, world_size, shares, folder, save=False, load=None, universal=False, sizes=(5, 3)):
+    """ZeRO-3, [5, 3], Adam, five steps: saving after step SAVE_AT (``save``), or from the
+    checkpoint (``load``: its tag; ``universal``: its universal form)."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+    from test_exactness import ds_config, make_model, train_slices
+
+    sizes = list(sizes)
+    model = make_model()
+    config = ds_config(3, 1, sizes, 0.0)
+    config["heterogeneous_memory"] = {"zero_partitions": shares}
+    if universal:
+        config["checkpoint"] = {"load_universal": True}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    first = 0
+    if load is not None:
+        try:
+            engine.load_checkpoint(folder, tag=f"{load}_universal" if universal else load)
+        except Exception as error:  # the parent checks the message
+            return {"error": f"{type(error).__name__}: {error}"}
+        first = SAVE_AT
+
+    def save_at(steps):
+        if save and steps == SAVE_AT:
+            engine.save_checkpoint(folder, tag="saved")
+
+    train_slices(engine, rank, sizes, 1, sum(sizes), first=first, after_step=save_at)
+    return {"full_fp32": [safe_get_full_fp32_param(p).clone() for p in engine.module.parameters()]}
+
+
+@pytest.mark.multiprocess
+def test_uneven_zero3_checkpoints_resume_exactly_merge_and_refuse_other_shares(tmp_path):
+    """Saved with shares (0.75, 0.25): resumed on them = the uninterrupted run; a per-rank load with
+    equal shares is refused by name; zero_to_fp32 merges the uneven slices; the universal
+    checkpoint re-partitions onto equal and reversed shares and onto one rank, exactly."""
+    import subprocess
+    import sys
+
+    from harness import run_subcases
+    from test_exactness import reference_parameters
+    from test_zero_partitions import _reference_after
+
+    folder = str(tmp_path)
+    cases = [dict(shares=[0.75, 0.25], folder=folder, save=True),
+             dict(shares=[0.75, 0.25], folder=folder, load="saved"),
+             dict(shares="even", folder=folder, load="saved")]
+    results = run_subcases(_checkpoint_run, cases, world_size=2, timeout=600)
+    uninterrupted = results[0][0]["full_fp32"]
+    for got, want in zip(uninterrupted, reference_parameters(8, 0.0)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    for rank_result in results[1]:
+        for got, want in zip(rank_result["full_fp32"], uninterrupted):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    for rank_result in results[2]:
+        assert "saved with partition shares [0.750, 0.250]" in rank_result.get("error", ""), rank_result
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    merged = get_fp32_state_dict_from_zero_checkpoint(folder, tag="saved")
+    for got, want in zip(merged.values(), _reference_after(SAVE_AT)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", f"{folder}/saved",
+                    "--output_folder", f"{folder}/saved_universal", "--num_extract_workers", "1",
+                    "--num_merge_workers", "1", "--inject_missing_state"], check=True, capture_output=True, cwd=folder)
+    universal = [dict(shares="even", folder=folder, load="saved", universal=True),
+                 dict(shares=[0.25, 0.75], folder=folder, load="saved", universal=True)]
+    for case, per_rank in zip(universal, run_subcases(_checkpoint_run, universal, world_size=2, timeout=600)):
+        for rank_result in per_rank:
+            assert "full_fp32" in rank_result, (case, rank_result)
+            for got, want in zip(rank_result["full_fp32"], uninterrupted):
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=lambda m: f"{case}: {m}")
+    (alone, ), = run_subcases(_checkpoint_run, [dict(shares="even", folder=folder, load="saved", universal=True,
+                                                     sizes=[8])], world_size=1, timeout=600)
+    assert "full_fp32" in alone, alone
+    for got, want in zip(alone["full_fp32"], uninterrupted):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
