@@ -22,11 +22,13 @@ def test_model_state_follows_zero_sharding(stage, expected):
     assert model_state_bytes(1000, stage, 4, param_bytes=4, optimizer_bytes=8) == expected
 
 
-def test_a_rank_share_replaces_one_nth_in_zero_1_and_2_only():
+def test_a_rank_share_replaces_one_nth_of_what_its_stage_partitions():
     full = dict(param_bytes=4, optimizer_bytes=8)
     assert model_state_bytes(1000, 2, 4, share=0.1, **full) == 1000 * 4 + 1000 * (4 + 8 + 4) * 0.1
     assert model_state_bytes(1000, 1, 4, share=0.7, **full) == 1000 * (4 + 4) + 1000 * (8 + 4) * 0.7
-    assert model_state_bytes(1000, 3, 4, share=0.7, **full) == model_state_bytes(1000, 3, 4, **full)
+    # ZeRO-3: the share of every parameter, so of its gradient and optimizer state too.
+    assert model_state_bytes(1000, 3, 4, share=0.7, **full) == pytest.approx(1000 * (4 + 4 + 8 + 4) * 0.7)
+    assert model_state_bytes(1000, 0, 4, share=0.7, **full) == model_state_bytes(1000, 0, 4, **full)
 
 
 def test_model_state_with_mixed_precision_and_offload():

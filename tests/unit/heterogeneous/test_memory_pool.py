@@ -119,7 +119,7 @@ def test_even_and_explicit_shares_are_kept_and_equal_shares_mean_upstreams_slice
     assert pool.place(spec, zero_partitions=[0.7, 0.3]).partition_shares == (0.7, 0.3)
     assert pool.place(spec).partition_shares is None  # equal devices: auto is even
     assert [r.share for r in pool.place(ModelStateSpec(zero_stage=3, **BF16_1B)).ranks] == [0.5, 0.5]
-    assert pool.placement.partition_shares is None  # ZeRO-3 parameters stay evenly partitioned
+    assert pool.placement.partition_shares is None  # ZeRO-3 too: equal devices, upstream's equal slices
 
 
 def test_activations_take_room_from_the_state():
@@ -158,10 +158,22 @@ def test_explicit_shares_offload_exactly_the_ranks_over_budget():
     assert placement.ranks[1].fits and placement.ranks[0].optimizer_location == "device"
 
 
+def test_zero3_shares_follow_memory_so_the_small_device_needs_no_offload():
+    """4B parameters in bf16 (64 GB of ZeRO-3 state over both ranks) on 80 GB and 20 GiB devices:
+    even shares would need 32 GB on the small one; its share follows its room instead."""
+    spec = ModelStateSpec(zero_stage=3, **BF16_4B)
+    pool = HeterogeneousMemoryPool([80 * GIB, 20 * GIB], hbm_utilization_threshold=1.0)
+    placement = pool.place(spec)
+    small = placement.ranks[1]
+    assert small.fits and small.offload_fraction == 0 and placement.offloaded_ranks == []
+    assert small.share < 0.34 and placement.partition_shares == tuple(r.share for r in placement.ranks)
+    assert small.parameter_bytes == pytest.approx(BF16_4B["num_parameters"] * 2 * small.share)
+
+
 def test_zero3_offloads_the_smallest_ratio_that_fits():
     spec = ModelStateSpec(zero_stage=3, **BF16_4B)
     pool = HeterogeneousMemoryPool([80 * GIB, 20 * GIB], hbm_utilization_threshold=1.0)
-    rank = pool.place(spec).ranks[1]
+    rank = pool.place(spec, zero_partitions="even").ranks[1]
     assert 0 < rank.offload_fraction < 1 and rank.fits
     needed = rank.parameter_bytes + rank.gradient_bytes + rank.optimizer_bytes - rank.budget_bytes
     assert rank.optimizer_bytes * (rank.offload_fraction - 0.01) < needed <= rank.offloaded_bytes
@@ -199,12 +211,14 @@ def test_zero3_offloads_the_fewest_whole_sub_groups_that_fit_the_last_first():
     quarters = (0.4, 0.1, 0.3, 0.2)
     spec = ModelStateSpec(zero_stage=3, sub_groups=quarters, **BF16_4B)
     pool = HeterogeneousMemoryPool([80 * GIB, 20 * GIB], hbm_utilization_threshold=1.0)
-    rank = pool.place(spec).ranks[1]
+    rank = pool.place(spec, zero_partitions="even").ranks[1]
     assert (rank.offload_sub_groups, rank.offload_fraction) == (2, pytest.approx(0.5)) and rank.fits
     # Without known sub-groups the fraction goes in hundredths: 0.44, the first at or above 0.439.
-    assert pool.place(ModelStateSpec(zero_stage=3, **BF16_4B)).ranks[1].offload_fraction == pytest.approx(0.44)
+    assert pool.place(ModelStateSpec(zero_stage=3, **BF16_4B),
+                      zero_partitions="even").ranks[1].offload_fraction == pytest.approx(0.44)
     # Without DeepSpeedCPUAdam upstream's ratio must be 1: all of it.
-    whole = pool.place(ModelStateSpec(zero_stage=3, sub_groups=quarters, partial_offload=False, **BF16_4B)).ranks[1]
+    whole = pool.place(ModelStateSpec(zero_stage=3, sub_groups=quarters, partial_offload=False, **BF16_4B),
+                       zero_partitions="even").ranks[1]
     assert (whole.offload_fraction, whole.offload_sub_groups) == (1.0, 4)
     with pytest.raises(ValueError, match="sub_groups"):
         ModelStateSpec(zero_stage=3, sub_groups=(0.5, 0.2), **BF16_4B)

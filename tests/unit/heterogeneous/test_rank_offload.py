@@ -146,7 +146,9 @@ def _train_zero3(rank, world_size, optimizer, gas, clipping):
 
     config = ds_config(3, gas, SIZES, clipping)
     config["heterogeneous_config"]["emulation"] = {"memory_gb": _zero3_memory_gb(0.03), "mode": "dilation"}
-    config["heterogeneous_memory"] = {"enabled": True, "hbm_utilization_threshold": ZERO3_THRESHOLD}
+    # Even shares: a rank that does not fit offloads (with "auto" its share would follow its memory).
+    config["heterogeneous_memory"] = {"enabled": True, "hbm_utilization_threshold": ZERO3_THRESHOLD,
+                                      "zero_partitions": "even"}
     config["zero_optimization"].update(sub_group_size=1, heterogeneous_offload={"cpu_offload": True})
     model = make_model()
     client = None
@@ -302,7 +304,8 @@ def _train_zero3_nvme(rank, world_size, nvme_path):
     del config["optimizer"]
     config["heterogeneous_config"]["emulation"] = {
         "memory_gb": [1.0, _peak(model, 3, 0.5, torch_adam=False) / BYTES_PER_GB], "mode": "dilation"}
-    config["heterogeneous_memory"] = {"enabled": True, "hbm_utilization_threshold": 1.0, "cpu_memory_limit": "1MB"}
+    config["heterogeneous_memory"] = {"enabled": True, "hbm_utilization_threshold": 1.0, "cpu_memory_limit": "1MB",
+                                      "zero_partitions": "even"}
     config["zero_optimization"].update(sub_group_size=1, heterogeneous_offload={
         "cpu_offload": True, "nvme_offload": True, "nvme_path": nvme_path})
     client = DeepSpeedCPUAdam(model.parameters(), lr=LR, weight_decay=0.0)

@@ -63,7 +63,8 @@ def model_state_bytes(num_parameters,
             whatever it says: they always update an fp32 copy of their partition).
         optimizer_offloaded: optimizer states and master weights live on the host: True, or the part of
             them that does (a ZeRO-3 ``offload_optimizer.ratio``).
-        share: this rank's share of the ZeRO-1/2 partitioned state (``partitions.py``); None: 1/N.
+        share: this rank's share of the ZeRO-1/2/3 partitioned state (``partitions.py``,
+            ``zero3_shards.py``); None: 1/N.
     """
     parts = model_state_parts(num_parameters, zero_stage, data_parallel_size, param_bytes, optimizer_bytes,
                               master_bytes, share)
@@ -85,10 +86,10 @@ def model_state_parts(num_parameters, zero_stage, data_parallel_size, param_byte
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage {zero_stage!r} must be 0, 1, 2 or 3")
     world = max(1, int(data_parallel_size))
-    part = 1.0 / world if share is None or zero_stage not in (1, 2) else float(share)
+    part = 1.0 / world if share is None or zero_stage == 0 else float(share)
     # ZeRO 1-3 keep their own fp32 copy of the partition they update, in fp32 training too.
     master_bytes = max(master_bytes, 4) if zero_stage >= 1 else master_bytes
-    return ModelStateParts(parameters=num_parameters * param_bytes / (world if zero_stage >= 3 else 1),
+    return ModelStateParts(parameters=num_parameters * param_bytes * (part if zero_stage >= 3 else 1),
                            gradients=num_parameters * param_bytes * (part if zero_stage >= 2 else 1),
                            optimizer=num_parameters * (optimizer_bytes + master_bytes) *
                            (part if zero_stage >= 1 else 1))

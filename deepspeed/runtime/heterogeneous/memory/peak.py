@@ -142,18 +142,20 @@ def predict_peak(allocations, share=None, offloaded=0.0, activation_bytes=0.0, b
     """The phases of one rank under ``allocations`` (``ZeroAllocations``) and its peak.
 
     Args:
-        share: the rank's part of the partitioned ZeRO-1/2 state (None: 1/world); ZeRO-3 is even.
+        share: the rank's part of the partitioned ZeRO-1/2/3 state (None: 1/world).
         offloaded: part of the optimizer state (and master copy) off the device (ZeRO-Offload).
         activation_bytes: what the forward saves for backward at the rank's micro-batch.
         baseline_bytes: in use when the engine started.
-        largest_share: the largest rank's share (ZeRO-1/2; None: even shares, or this rank's when
-            larger): every rank flattens each owner's slice of a bucket to reduce it.
+        largest_share: the largest rank's share (None: even shares, or this rank's when larger):
+            in ZeRO-1/2 every rank flattens each owner's slice of a bucket to reduce it; in ZeRO-3
+            the uneven gathers and reduce-scatters pad every rank's slice of a bucket to the largest
+            (``zero3_shards.py``).
     """
     a = allocations
     n, pb = float(a.num_parameters), float(a.param_bytes)
     world = a.world
     stage = a.zero_stage
-    part = (1.0 / world if share is None else float(share)) if stage in (1, 2) else (1.0 / world if stage == 3 else 1.0)
+    part = (1.0 / world if share is None else float(share)) if stage >= 1 else 1.0
     kept = 1.0 if a.host_is_device else 1.0 - min(1.0, max(0.0, float(offloaded)))
     master = 4.0 if stage >= 1 else float(a.master_bytes)
     moved_in = 0.0 if a.parameters_resident else n * pb  # the engine moves the module to the device
@@ -231,15 +233,19 @@ def predict_peak(allocations, share=None, offloaded=0.0, activation_bytes=0.0, b
         }
         return PeakPrediction(phases, float(baseline_bytes), float(activation_bytes))
 
-    # ZeRO-3: partitioned parameters, whole ones gathered for forward and backward.
-    partition = n * pb / world
-    gathered = min(n, float(max(a.max_live_parameters, a.prefetch_bucket))) * pb
-    fp32_partition = n * master / world * kept
-    optimizer = n * a.optimizer_bytes / world * kept
-    grad_partition = n * 4.0 / world  # fp32 gradient partition the optimizer steps
-    bucket = min(a.reduce_bucket, n) * pb * (2 if a.overlap_comm else 1)
+    # ZeRO-3: partitioned parameters (this rank's share), whole ones gathered for forward and backward;
+    # with uneven shares each gathered or reduced bucket is padded to the largest share on every rank.
+    padding = max(1.0, world * max(part, float(largest_share or 0.0)))
+    partition = n * pb * part
+    # A bucket in flight is padded; once gathered, each parameter is whole.
+    gathered = (min(n, float(max(a.max_live_parameters, a.prefetch_bucket))) +
+                min(n, float(a.prefetch_bucket)) * (padding - 1.0)) * pb
+    fp32_partition = n * master * part * kept
+    optimizer = n * a.optimizer_bytes * part * kept
+    grad_partition = n * 4.0 * part  # fp32 gradient partition the optimizer steps
+    bucket = min(a.reduce_bucket, n) * pb * (2 if a.overlap_comm else 1) * padding
     # ZeRO-3 steps each flat optimizer sub-group as one tensor.
-    stepped = min(n / world, float(a.sub_group_size))
+    stepped = min(n * part, float(a.sub_group_size))
     temporaries = a.optimizer_temporaries * stepped * 4.0 * kept
     state = {"parameters": partition + moved_in, "fp32 partition": fp32_partition, "optimizer state": optimizer}
     phases = {

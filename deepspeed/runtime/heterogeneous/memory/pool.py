@@ -8,7 +8,7 @@ same memory. The pool holds both budgets and makes the placement decision in one
     pool = HeterogeneousMemoryPool(hbm_devices=["80GB", "24GB"], cpu_memory_limit="64GB")
     placement = pool.place(ModelStateSpec(num_parameters=3_000_000_000, zero_stage=2,
                                           param_bytes=2, master_bytes=4))
-    placement.partition_shares      # each rank's share of the ZeRO-1/2 state (None: upstream's 1/N)
+    placement.partition_shares      # each rank's share of the ZeRO-1/2/3 state (None: upstream's 1/N)
     print(pool.report())            # per rank: what lives where, and the room left
     pool.report().to_dict()         # the same as plain data
 
@@ -23,9 +23,10 @@ Budgets:
   names, else one node).
 
 The decision (``place``), in this order:
-1. ZeRO-1/2 shares (``zero_partitions``): ``"auto"`` picks them from each rank's room and speed
-   (``partitions.choose_partition_shares``), ``"even"`` keeps 1/N, a list is used as given.
-   ZeRO-3 partitions evenly, ZeRO-0 keeps everything whole.
+1. ZeRO-1/2/3 shares (``zero_partitions``): ``"auto"`` picks them from each rank's room and speed
+   (``partitions.choose_partition_shares``), ``"even"`` keeps 1/N, a list is used as given. In
+   ZeRO-3 a share is of every partitioned parameter, so of its gradient and optimizer state
+   (``zero3_shards.py``). ZeRO-0 keeps everything whole.
 2. A rank whose state still does not fit its device offloads its optimizer state (and fp32 master
    copy): all of it in ZeRO-1/2, where the shares are then chosen again so that the offloading
    rank carries the state its device no longer has to hold; in ZeRO-3 the fewest whole sub-groups
@@ -140,7 +141,7 @@ class MemoryPlacement:
     zero_stage: int
     ranks: Tuple[RankPlacement, ...]
     partition_shares: Optional[Tuple[float, ...]]
-    """The ZeRO-1/2 shares for ``heterogeneous_memory.zero_partitions`` (None: upstream's 1/N)."""
+    """The ZeRO-1/2/3 shares for ``heterogeneous_memory.zero_partitions`` (None: upstream's 1/N)."""
     host_budget_bytes: Optional[int]
     problems: Tuple[str, ...] = ()
 
@@ -232,7 +233,7 @@ class HeterogeneousMemoryPool:
         (also kept as ``self.placement`` for ``report``).
 
         Args:
-            zero_partitions: "auto", "even" or one share per rank (ZeRO-1/2 only).
+            zero_partitions: "auto", "even" or one share per rank (ZeRO-1/2/3).
             activation_bytes: per rank, the activation bytes of its micro-batch, or None (unknown:
                 the room left then still has to hold them).
             cpu_offload, nvme_offload: where a rank that does not fit may offload its optimizer state.
@@ -249,7 +250,7 @@ class HeterogeneousMemoryPool:
             raise ValueError(f"baseline_bytes has {len(baselines)} entries for {world} ranks")
         self._baselines = baselines
         stage = model_state.zero_stage
-        partitioned = stage in (1, 2) and world > 1
+        partitioned = stage >= 1 and world > 1
         if partitioned and zero_partitions not in ("auto", "even"):
             fixed = check_shares(zero_partitions, world)
         elif partitioned and zero_partitions == "auto":
@@ -281,7 +282,7 @@ class HeterogeneousMemoryPool:
                     ] + problems
         if strict and problems:
             raise MemoryPlacementError("; ".join(problems))
-        if stage in (1, 2) and world > 1:
+        if partitioned:
             shares_out = shares if fixed is not None and zero_partitions not in ("auto", "even") else (
                 None if is_even(shares) else tuple(shares))
         else:
@@ -292,7 +293,8 @@ class HeterogeneousMemoryPool:
 
     def _auto_shares(self, model_state, offloaded, activations):
         """``choose_partition_shares`` with each rank's room for the partitioned state; an offloading
-        rank's room is scaled by what a share costs it on the device (ZeRO-2 gradients only)."""
+        rank's room is scaled by what a share costs it on the device (ZeRO-2: gradients; ZeRO-3: parameters
+        and gradients)."""
         world = self.world_size
         if all(b is None for b in self.budgets):
             return choose_partition_shares(self.speeds)
@@ -300,7 +302,11 @@ class HeterogeneousMemoryPool:
         # Uneven shares: every rank flattens the largest owner's slice of a bucket; count it whole.
         held_whole = model_state.device_bytes(world, 0.0, largest_share=1.0)
         state_bytes = model_state.device_bytes(world, 1.0) - held_whole
-        gradient_bytes = model_state.parts(world, 1.0).gradients if model_state.zero_stage == 2 else 0.0
+        # What a share still costs an offloading rank on the device: ZeRO-2 its gradients, ZeRO-3 its
+        # parameters and gradients too.
+        whole_parts = model_state.parts(world, 1.0)
+        gradient_bytes = {2: whole_parts.gradients, 3: whole_parts.gradients + whole_parts.parameters}.get(
+            model_state.zero_stage, 0.0)
         rooms = []
         for rank, budget in enumerate(self.budgets):
             room = None if budget is None else budget - held_whole - (activations[rank] or 0.0) - self._baselines[rank]
@@ -313,9 +319,9 @@ class HeterogeneousMemoryPool:
         world, ranks = self.world_size, []
         forced = model_state.optimizer_device
         # choose_partition_shares rounds to millionths; the last share takes what the others' rounding left.
-        slack = world * 1e-6 * model_state.device_bytes(world, 1.0) if model_state.zero_stage in (1, 2) else 0.0
+        slack = world * 1e-6 * model_state.device_bytes(world, 1.0) if model_state.zero_stage >= 1 else 0.0
         for rank, share in enumerate(shares):
-            parts = model_state.parts(world, share if model_state.zero_stage in (1, 2) else None)
+            parts = model_state.parts(world, share if model_state.zero_stage >= 1 else None)
             fraction = 1.0 if forced else offloaded.get(rank, 0.0)
             sub_groups = offloaded_sub_groups(model_state.sub_groups, fraction) if model_state.zero_stage == 3 else None
             peak = None if model_state.allocations is None else model_state.peak(

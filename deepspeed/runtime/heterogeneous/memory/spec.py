@@ -64,9 +64,9 @@ class ModelStateSpec:
     def peak(self, share, offloaded=0.0, activation_bytes=0.0, baseline_bytes=0.0, largest_share=None):
         """``peak.predict_peak`` of a rank (``allocations`` must be known)."""
         offloaded = 1.0 if self.optimizer_device is not None else float(offloaded)
-        return predict_peak(self.allocations, share=share if self.zero_stage in (1, 2) else None, offloaded=offloaded,
+        return predict_peak(self.allocations, share=share if self.zero_stage >= 1 else None, offloaded=offloaded,
                             activation_bytes=activation_bytes or 0.0, baseline_bytes=baseline_bytes or 0.0,
-                            largest_share=largest_share if self.zero_stage in (1, 2) else None)
+                            largest_share=largest_share if self.zero_stage >= 1 else None)
 
     @classmethod
     def for_engine(cls, ds_config, model, optimizer=None, emulated_device=False):
