@@ -149,6 +149,7 @@ def zero_buffer_settings(zero):
     return dict(reduce_bucket=int(zero.reduce_bucket_size), allgather_bucket=int(zero.allgather_bucket_size),
                 overlap_comm=bool(zero.overlap_comm), contiguous_gradients=bool(zero.contiguous_gradients),
                 max_live_parameters=int(zero.max_live_parameters), prefetch_bucket=int(zero.prefetch_bucket_size),
+                max_reuse_distance=int(zero.max_reuse_distance),
                 sub_group_size=int(zero.sub_group_size))
 
 

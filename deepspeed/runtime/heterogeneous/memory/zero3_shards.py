@@ -275,34 +275,42 @@ def reduce_scatter(params, grads, group):
     spans, sizes = _contributions(params, world)
     dtype, device = grads[0].dtype, grads[0].device
 
-    def chunk_of(owner, length):
-        parts = []
+    def fill(buffer, owner, base):
+        """Write ``owner``'s slice of every gradient into ``buffer`` from ``base`` (padding zeroed)."""
+        offset = base
         for param, grad, param_spans_ in zip(params, grads, spans):
             start, size = param_spans_[owner]
             keep = valid_numel(param, start, size)
             if keep:
-                parts.append(grad.reshape(-1).narrow(0, start, keep))
+                buffer.narrow(0, offset, keep).copy_(grad.reshape(-1).narrow(0, start, keep))
             if size - keep:
-                parts.append(torch.zeros(size - keep, dtype=dtype, device=device))
-        if length > sizes[owner]:
-            parts.append(torch.zeros(length - sizes[owner], dtype=dtype, device=device))
-        return torch.cat(parts)
+                buffer.narrow(0, offset + keep, size - keep).zero_()
+            offset += size
+        return offset
 
+    # One buffer, written in place: no copy of a bucket is made twice.
     reducer = hierarchical.zero3_reducer(group)
     if reducer is not None:
-        buffer = torch.cat([chunk_of(r, sizes[r]) for r in range(world)]).div_(world)
-        reducer.reduce_to_owners(buffer, [(sizes[r], r) for r in range(world)])
+        buffer = torch.empty(sum(sizes), dtype=dtype, device=device)
+        for owner in range(world):
+            fill(buffer, owner, sum(sizes[:owner]))
+        reducer.reduce_to_owners(buffer.div_(world), [(sizes[r], r) for r in range(world)])
         mine = buffer.narrow(0, sum(sizes[:rank]), sizes[rank])
     elif choose_mode(sizes, world) == "pad":
         largest = max(sizes)
-        buffer = torch.cat([chunk_of(r, largest) for r in range(world)]).div_(world)
+        buffer = torch.empty(largest * world, dtype=dtype, device=device)
+        for owner in range(world):
+            end = fill(buffer, owner, owner * largest)
+            buffer.narrow(0, end, (owner + 1) * largest - end).zero_()
         mine = torch.empty(largest, dtype=dtype, device=device)
-        dist.reduce_scatter_fn(mine, buffer, group=group)
+        dist.reduce_scatter_fn(mine, buffer.div_(world), group=group)
+        del buffer
     else:
         mine = None
         for owner in range(world):
-            chunk = chunk_of(owner, sizes[owner]).div_(world)
-            dist.reduce(chunk, dist.get_global_rank(group, owner), group=group)
+            chunk = torch.empty(sizes[owner], dtype=dtype, device=device)
+            fill(chunk, owner, 0)
+            dist.reduce(chunk.div_(world), dist.get_global_rank(group, owner), group=group)
             if owner == rank:
                 mine = chunk
     out, offset = [], 0
