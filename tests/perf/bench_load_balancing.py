@@ -104,7 +104,8 @@ class CollectiveKinds:
         return step
 
 
-def _train(rank, world_size, stage, strategy, speeds, global_batch, mode, breakdown, zero3_settings, zero_extra=None):
+def _train(rank, world_size, stage, strategy, speeds, global_batch, mode, breakdown, zero3_settings, zero_extra=None,
+           memory=None):
     """One run; returns rank 0's samples/s over the measured steps, the plan in force and, with
     ``breakdown``, where each rank's time went in a few more steps."""
     import torch
@@ -130,6 +131,8 @@ def _train(rank, world_size, stage, strategy, speeds, global_batch, mode, breakd
     }
     if emulated:
         config["heterogeneous_config"]["emulation"] = {"speeds": list(speeds), "mode": mode}
+    if memory is not None:
+        config["heterogeneous_memory"] = memory
     dataset = TokenDataset(seq_len=model.config.seq_len, num_samples=4096, seed=0)
     engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
                                                 training_data=dataset)
@@ -153,7 +156,8 @@ def _train(rank, world_size, stage, strategy, speeds, global_batch, mode, breakd
     runtime = engine._heterogeneous_runtime()
     result = {"samples_per_s": global_batch * MEASURED_STEPS / elapsed,
               "plan": list(engine.heterogeneous_plan.micro_batch_sizes),
-              "emulation": runtime.emulation_mode if emulated else "none"}
+              "emulation": runtime.emulation_mode if emulated else "none",
+              "zero3_shares": getattr(engine.optimizer, "zero3_shares", None)}
     if breakdown:
         from deepspeed.profiling.heterogeneous_profiler import HeterogeneousProfiler
         profiler = HeterogeneousProfiler(engine)
@@ -173,9 +177,10 @@ def _train(rank, world_size, stage, strategy, speeds, global_batch, mode, breakd
     return result
 
 
-def measure(stage, strategy, speeds, mode="auto", breakdown=False, zero3_settings="fork", zero_extra=None):
+def measure(stage, strategy, speeds, mode="auto", breakdown=False, zero3_settings="fork", zero_extra=None, memory=None):
     results = run_ranks(_train, world_size=len(speeds), timeout=900,
-                        args=(stage, strategy, speeds, GLOBAL_BATCH, mode, breakdown, zero3_settings, zero_extra))
+                        args=(stage, strategy, speeds, GLOBAL_BATCH, mode, breakdown, zero3_settings, zero_extra,
+                              memory))
     first = dict(results[0])
     # The emulation in force is the slowest rank's (a full-speed rank is not emulated).
     first["emulation"] = results[min(range(len(speeds)), key=lambda r: speeds[r])]["emulation"]

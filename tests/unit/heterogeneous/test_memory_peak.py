@@ -96,10 +96,30 @@ def test_zero3_gathers_whole_parameters_and_steps_sub_groups():
     # Partition 2e6, fp32 partition 2e6, Adam 4e6; gathered 4e6; fp32 gradient partition 2e6;
     # bucket 4e6.
     assert peak.phase_bytes("backward") == 2e6 + 2e6 + 4e6 + 4e6 + 2e6 + 4e6
-    # Step: Adam's temporaries of one sub-group (2e5 elements): 2 * 8e5.
-    assert peak.phase_bytes("step") == 8e6 + 2e6 + 2 * 8e5
+    # Step: the sub-group's gradient flattened (2e5 elements: 8e5) and Adam's temporaries of it: 2 * 8e5.
+    assert peak.phase_bytes("step") == 8e6 + 2e6 + 8e5 + 2 * 8e5
+    # Upstream keeps every parameter used again within stage3_max_reuse_distance gathered (1e9: all).
     limited = predict_peak(allocations(3, max_live_parameters=100_000, prefetch_bucket=50_000))
+    assert limited.phase_bytes("forward") == 8e6 + 4e6
+    limited = predict_peak(allocations(3, max_live_parameters=100_000, prefetch_bucket=50_000,
+                                       max_reuse_distance=10_000))
     assert limited.phase_bytes("forward") == 8e6 + 4e5
+
+
+def test_a_zero3_share_scales_what_the_rank_keeps_and_uneven_buckets_are_padded():
+    """Share 0.2 of 1e6 fp32 parameters with the largest rank at 0.8: the partition, fp32 copy,
+    Adam state and gradient partition are 0.2 of the whole; a gathered or reduced bucket is padded
+    to the largest slice on each of the 2 ranks (1.6 buckets)."""
+    even = predict_peak(allocations(3, max_live_parameters=100_000, prefetch_bucket=50_000,
+                                    max_reuse_distance=10_000, reduce_bucket=100_000))
+    small = predict_peak(allocations(3, max_live_parameters=100_000, prefetch_bucket=50_000,
+                                     max_reuse_distance=10_000, reduce_bucket=100_000), share=0.2, largest_share=0.8)
+    kept = {"parameters": 4e6, "fp32 partition": 4e6, "optimizer state": 8e6}
+    for name, whole in kept.items():
+        assert even.phases["forward"][name] == whole / 2 and small.phases["forward"][name] == pytest.approx(whole * 0.2)
+    assert small.phases["backward"]["gradient partition"] == pytest.approx(4e6 * 0.2)
+    assert small.phases["backward"]["reduce bucket"] == pytest.approx(4e5 * 1.6)
+    assert small.phases["forward"]["gathered parameters"] == pytest.approx((100_000 + 50_000 * 0.6) * 4)
 
 
 def test_bad_allocations_are_refused():
