@@ -112,6 +112,27 @@ def test_uneven_zero3_shards_train_exactly_and_each_rank_holds_its_share():
                 torch.testing.assert_close(full, got, rtol=0, atol=0, msg=lambda m: f"{case}: {m}")
 
 
+@pytest.mark.multiprocess
+def test_four_ranks_gather_per_owner_and_bf16_tracks_the_reference():
+    """Shares (0.5, 0.3, 0.15, 0.05) on 4 ranks: one broadcast per owner moves fewer bytes than a
+    padded ring (3 x 0.5 > 1), so the other collectives run; bf16 with SGD as test_exactness's."""
+    from harness import run_subcases
+    from test_exactness import BF16_LR, reference_parameters, sgd_reference
+
+    four = dict(gas=1, sizes=[3, 3, 1, 1], clipping=0.05, shares=[0.5, 0.3, 0.15, 0.05])
+    per_rank, = run_subcases(_train_zero3, [four], world_size=4, timeout=600)
+    _expect_shares(four["shares"], per_rank)
+    for result in per_rank:
+        for got, want in zip(result["params"], reference_parameters(8, 0.05)):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    bf16 = dict(gas=1, sizes=[5, 3], clipping=0.0, shares=[0.75, 0.25], bf16=True)
+    per_rank, = run_subcases(_train_zero3, [bf16], world_size=2, timeout=600)
+    _expect_shares(bf16["shares"], per_rank)
+    for result in per_rank:
+        for got, want in zip(result["params"], sgd_reference(8, BF16_LR)):
+            torch.testing.assert_close(got, want, rtol=0, atol=2.5e-3)
+
+
 # -- checkpoints of uneven shards -------------------------------------------------------------------
 
 SAVE_AT = 3
