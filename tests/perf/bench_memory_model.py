@@ -21,6 +21,7 @@ Models:
   padding).
 
     python tests/perf/bench_memory_model.py [--quick] [--rows large-2-fp32-adam ...] [--phases]
+    python tests/perf/bench_memory_model.py --zero3-shares      # ZeRO-3, rank 1 at a share of 0.2
     python tests/perf/bench_memory_model.py --limits
 
 ``--limits`` puts rank 1 under a memory limit set from outside at 85% and 60% of upstream's
@@ -46,6 +47,7 @@ from harness import run_ranks  # noqa: E402
 STEPS, GLOBAL_BATCH = 3, 8
 METER_BYTES = 64 * 2**30  # a limit that only measures
 TARGET_WITHIN, TARGET_UNDER = 0.10, 0.05
+ZERO3_SHARES = (0.8, 0.2)
 RESULTS = REPO / "tests" / "perf" / "results" / "memory_model.json"
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 
@@ -117,7 +119,8 @@ def config_of(row):
               "zero_allow_untested_optimizer": True,
               "optimizer": optimizer, "zero_optimization": zero,
               "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "uniform"},
-              "heterogeneous_memory": {"enabled": True, "zero_partitions": "even", "adaptive_chunking": False}}
+              "heterogeneous_memory": {"enabled": True, "zero_partitions": row.get("shares", "even"),
+                                       "adaptive_chunking": False}}
     if row["dtype"] == "bf16":
         config["bf16"] = {"enabled": True}
     return config
@@ -183,11 +186,19 @@ def rows_for(quick):
                     rows.append(dict(model=model, stage=stage, dtype=dtype, optimizer=optimizer, offload=False))
                 if stage >= 1 and not quick:
                     rows.append(dict(model=model, stage=stage, dtype=dtype, optimizer="adam", offload=True))
-    return rows
+    return rows + ([] if quick else zero3_share_rows())
+
+
+def zero3_share_rows():
+    """ZeRO-3 with uneven shares (rank 1 holds a fifth of every parameter), offload off and on."""
+    return [dict(model=model, stage=3, dtype=dtype, optimizer="adam", offload=offload, shares=list(ZERO3_SHARES))
+            for model in ("large", "gpt", "many") for dtype in ("fp32", "bf16") for offload in (False, True)]
 
 
 def row_name(row):
-    return f"{row['model']}-{row['stage']}-{row['dtype']}-{row['optimizer']}{'-offload' if row['offload'] else ''}"
+    shares = f"-shares{round(100 * row['shares'][0])}" if row.get("shares") else ""
+    return (f"{row['model']}-{row['stage']}-{row['dtype']}-{row['optimizer']}{'-offload' if row['offload'] else ''}"
+            f"{shares}")
 
 
 def under_limits():
@@ -240,6 +251,8 @@ def main():
                         help="rank 1 under an outside limit at 85%% and 60%% of upstream's peak: upstream vs the fork")
     parser.add_argument("--rows", nargs="*", help="row names to run (e.g. large-2-fp32-adam)")
     parser.add_argument("--phases", action="store_true", help="print predicted/measured bytes per phase")
+    parser.add_argument("--zero3-shares", action="store_true",
+                        help="only the ZeRO-3 rows with uneven shares (writes memory_model_zero3_shares.json)")
     args = parser.parse_args()
     if os.geteuid() != 0 or not (CGROUP_ROOT / "cgroup.procs").exists():
         sys.exit("bench_memory_model.py needs root and the cgroup v1 memory controller")
@@ -247,6 +260,8 @@ def main():
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         return under_limits()
     rows = [r for r in rows_for(args.quick and not args.rows) if not args.rows or row_name(r) in args.rows]
+    if args.zero3_shares:
+        rows = zero3_share_rows()
     results = []
     header = f"{'row':30s} {'rank':>4s} {'at start':>9s} {'predicted':>10s} {'measured':>10s} {'ratio':>6s}  peak phase"
     print(header)
@@ -282,10 +297,11 @@ def main():
     print(f"\n{summary['within_10pct']}/{summary['rows']} rank-rows within +-10% (target: all); "
           f"{summary['under_by_more_than_5pct']} under-predict by more than 5% (target: none); "
           f"{summary['failed']} failed")
-    if not args.quick and not args.rows:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps({"summary": summary, "results": results}, indent=1))
-        print(f"wrote {RESULTS}")
+    if args.zero3_shares or (not args.quick and not args.rows):
+        path = RESULTS.with_name("memory_model_zero3_shares.json") if args.zero3_shares else RESULTS
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"summary": summary, "results": results}, indent=1))
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

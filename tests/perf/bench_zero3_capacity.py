@@ -5,7 +5,8 @@ Rank 0 may use 1.5 GiB, rank 1 0.5 GiB (physical limits: a memory cgroup per ran
 engine starts, so a rank over its limit is killed as a GPU runs out of memory). Upstream gives
 both ranks equal slices of every parameter, so rank 1 bounds the model; the fork
 (``heterogeneous_memory.enabled``, ``zero_partitions: "auto"``) gives each rank the share of every
-parameter its memory holds. Both run the same ZeRO-3 settings (Adam, fp32, global batch 8, buckets,
+parameter its memory holds, and (``compute_aware``) each rank the micro-batch its memory holds once the
+first step has measured the activations. Both run the same ZeRO-3 settings (Adam, fp32, global batch 8, buckets,
 live parameters and reuse distance of 2e6 elements, as a user of small devices sets them); the
 fork's emulated device is its limit less the 256 MiB host allowance its cgroup adds.
 
@@ -38,7 +39,7 @@ from harness import run_ranks  # noqa: E402
 LIMITS_GIB = (1.5, 0.5)
 HOST_ALLOWANCE_GIB = 0.25  # emulation/cgroups.py HOST_ALLOWANCE_BYTES
 BUCKET = 2_000_000
-STEPS, GLOBAL_BATCH = 2, 8
+STEPS, GLOBAL_BATCH = 3, 8
 RESULTS = REPO / "tests" / "perf" / "results" / "zero3_capacity.json"
 
 
@@ -67,8 +68,10 @@ def _train(rank, world_size, system, model, size):
         config["train_micro_batch_size_per_gpu"] = GLOBAL_BATCH // world_size
     else:
         device_gb = [limit - HOST_ALLOWANCE_GIB for limit in LIMITS_GIB]
-        config["heterogeneous_config"] = {"enabled": True, "load_balancing_strategy": "manual",
-                                          "micro_batch_sizes": [GLOBAL_BATCH // world_size] * world_size,
+        # compute_aware: a rank's micro-batch follows what its memory holds (activations measured at
+        # the first step), as the shares follow it for the model state.
+        config["heterogeneous_config"] = {"enabled": True, "load_balancing_strategy": "compute_aware",
+                                          "profile_steps": 1,
                                           "emulation": {"memory_gb": device_gb, "mode": "cgroup"}}
         config["heterogeneous_memory"] = {"enabled": True, "adaptive_chunking": False, "zero_partitions": "auto"}
     module = build(model, size)
@@ -79,8 +82,10 @@ def _train(rank, world_size, system, model, size):
     per_rank = GLOBAL_BATCH // world_size
     for step in range(STEPS):
         generator = torch.Generator().manual_seed(step)
+        sizes = list(engine.heterogeneous_plan.micro_batch_sizes) if system == "fork" else [per_rank] * world_size
+        first = sum(sizes[:rank])
         rows = (torch.randint(0, 8192, (GLOBAL_BATCH, 129), generator=generator) if model == "gpt" else
-                torch.randn(GLOBAL_BATCH, size, generator=generator))[rank * per_rank:(rank + 1) * per_rank]
+                torch.randn(GLOBAL_BATCH, size, generator=generator))[first:first + sizes[rank]]
         engine.backward(loss_of("gpt" if model == "gpt" else "mlp", engine, rows))
         engine.step()
     if system != "upstream":
@@ -88,7 +93,9 @@ def _train(rank, world_size, system, model, size):
     path = cgroup.path
     peak = next(int((path / n).read_text()) for n in ("memory.max_usage_in_bytes", "memory.peak") if (path / n).exists())
     cgroup.close()
-    return {"parameters": parameters, "peak_mib": peak / 2**20, "shares": getattr(engine.optimizer, "zero3_shares", None)}
+    plan = getattr(engine, "heterogeneous_plan", None)
+    return {"parameters": parameters, "peak_mib": peak / 2**20, "shares": getattr(engine.optimizer, "zero3_shares", None),
+            "micro_batches": None if plan is None else list(plan.micro_batch_sizes)}
 
 
 def attempt(system, model, size):
