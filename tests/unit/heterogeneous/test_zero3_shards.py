@@ -11,8 +11,9 @@ and a checkpoint resumes on its own shares, is refused on others and merges with
 import pytest
 import torch
 
+from deepspeed.runtime.heterogeneous.comm.uneven_shards import choose_mode
 from deepspeed.runtime.heterogeneous.memory.zero3_shards import (ALIGNMENT, ShardLayout, ShardLayoutError,
-                                                                 check_checkpoint_shares, choose_mode, shard_layout)
+                                                                 check_checkpoint_shares, shard_layout)
 
 
 @pytest.mark.parametrize("shares", [(0.75, 0.25), (0.25, 0.75), (0.97, 0.03), (0.5, 0.3, 0.15, 0.05)])
