@@ -13,12 +13,11 @@ host allowance) at about half of what it reaches with upstream's equal slices:
 Needs root and the memory controller; skips with the reason elsewhere, never in CI.
 """
 
-import os
-
 import pytest
 import torch
 
 from harness import run_subcases
+from test_memory_limits import memory_cgroups  # noqa: F401 - the fixture: root and the memory controller
 
 WIDTH, LAYERS, STEPS, LR = 1536, 12, 3, 1e-3
 # Rank 1: 0.17 GiB + the 256 MiB host allowance = 430 MiB, half of its 865 MiB peak with upstream's
@@ -102,20 +101,6 @@ def reference(clipping=0.0):
             torch.nn.utils.clip_grad_norm_(model.parameters(), clipping)
         optimizer.step()
     return [p.detach() for p in model.parameters()]
-
-
-@pytest.fixture
-def memory_cgroups():
-    from deepspeed.runtime.heterogeneous.emulation.cgroups import (find_hierarchy, placement,
-                                                                   remove_stale_cgroups_everywhere)
-    hierarchy = find_hierarchy("memory")
-    reason = ("not root" if os.geteuid() != 0 else "no memory controller mounted" if hierarchy is None else
-              None if os.access(placement(hierarchy), os.W_OK) else f"{placement(hierarchy)} is not writable")
-    if reason is not None:
-        assert os.environ.get("CI") != "true", f"CI must run the physical memory tests: {reason}"
-        pytest.skip(f"memory cgroups unusable here: {reason}")
-    yield
-    remove_stale_cgroups_everywhere()  # a killed rank's cgroup stays until the next start
 
 
 @pytest.mark.multiprocess

@@ -203,37 +203,10 @@ def test_a_small_gpt_with_a_tied_head_trains_on_uneven_shards_as_on_even_ones():
 
 # -- checkpoints of uneven shards -------------------------------------------------------------------
 
-SAVE_AT = 3
-
-
-def _checkpoint_run(rank, world_size, shares, folder, save=False, load=None, universal=False, sizes=(5, 3)):
-    """ZeRO-3, [5, 3], Adam, five steps: saving after step SAVE_AT (``save``), or from the
-    checkpoint (``load``: its tag; ``universal``: its universal form)."""
-    import deepspeed
-    from deepspeed.utils import safe_get_full_fp32_param
-    from test_exactness import ds_config, make_model, train_slices
-
-    sizes = list(sizes)
-    model = make_model()
-    config = ds_config(3, 1, sizes, 0.0)
-    config["heterogeneous_memory"] = {"zero_partitions": shares}
-    if universal:
-        config["checkpoint"] = {"load_universal": True}
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    first = 0
-    if load is not None:
-        try:
-            engine.load_checkpoint(folder, tag=f"{load}_universal" if universal else load)
-        except Exception as error:  # the parent checks the message
-            return {"error": f"{type(error).__name__}: {error}"}
-        first = SAVE_AT
-
-    def save_at(steps):
-        if save and steps == SAVE_AT:
-            engine.save_checkpoint(folder, tag="saved")
-
-    train_slices(engine, rank, sizes, 1, sum(sizes), first=first, after_step=save_at)
-    return {"full_fp32": [safe_get_full_fp32_param(p).clone() for p in engine.module.parameters()]}
+def _checkpoint_run(rank, world_size, **case):
+    """test_zero_partitions's checkpoint run (save after step 3, or resume from it) in ZeRO-3."""
+    from test_zero_partitions import _checkpoint_run as run
+    return run(rank, world_size, stage=3, **case)
 
 
 @pytest.mark.multiprocess
@@ -246,7 +219,7 @@ def test_uneven_zero3_checkpoints_resume_exactly_merge_and_refuse_other_shares(t
 
     from harness import run_subcases
     from test_exactness import reference_parameters
-    from test_zero_partitions import _reference_after
+    from test_zero_partitions import SAVE_AT, _reference_after
 
     folder = str(tmp_path)
     cases = [dict(shares=[0.75, 0.25], folder=folder, save=True),

@@ -186,15 +186,15 @@ def test_bf16_uneven_shares_track_the_reference():
 SAVE_AT = 3
 
 
-def _checkpoint_run(rank, world_size, shares, folder, save=False, load=None, universal=False, sizes=(5, 3)):
-    """ZeRO-2, [5, 3], Adam: steps 1..STEPS, saving after step SAVE_AT (``save``) or starting from
-    the checkpoint (``load``: its tag); ``universal``: load its universal form."""
+def _checkpoint_run(rank, world_size, shares, folder, save=False, load=None, universal=False, sizes=(5, 3), stage=2):
+    """ZeRO-2 (or ``stage``), [5, 3], Adam: steps 1..STEPS, saving after step SAVE_AT (``save``) or
+    starting from the checkpoint (``load``: its tag); ``universal``: load its universal form."""
     import deepspeed
     from test_exactness import ds_config, make_model, train_slices
 
     sizes = list(sizes)
     model = make_model()
-    config = ds_config(2, 1, sizes, 0.0)
+    config = ds_config(stage, 1, sizes, 0.0)
     config["heterogeneous_memory"] = {"zero_partitions": shares}
     if universal:
         config["checkpoint"] = {"load_universal": True}
@@ -213,8 +213,9 @@ def _checkpoint_run(rank, world_size, shares, folder, save=False, load=None, uni
 
     train_slices(engine, rank, sizes, 1, sum(sizes), first=first, after_step=save_at)
     from deepspeed.utils import safe_get_full_fp32_param
-    return {"params": [p.detach().clone() for p in engine.module.parameters()],
-            "full_fp32": [safe_get_full_fp32_param(p).clone() for p in engine.module.parameters()]}
+    full_fp32 = [safe_get_full_fp32_param(p).clone() for p in engine.module.parameters()]
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
+        return {"params": [p.detach().clone() for p in engine.module.parameters()], "full_fp32": full_fp32}
 
 
 def _reference_after(steps):
