@@ -11,8 +11,8 @@ live parameters and reuse distance of 2e6 elements, as a user of small devices s
 fork's emulated device is its limit less the 256 MiB host allowance its cgroup adds.
 
 For each model family, the size grows (doubling, then bisection on the integer size) until a run
-fails: killed by the kernel, or refused at start-up by the fork's own memory check (which never
-lets the kernel kill). Reported: the largest size and parameter count each trains 2 steps with,
+fails: killed by the kernel, or refused by the fork's own memory check, at start-up or once the
+first step has measured the activations (it never lets the kernel kill). Reported: the largest size and parameter count each trains 2 steps with,
 and the ratio fork / upstream (goal: >= 1.5).
 
 - ``mlp``: 12 x Linear(W, W), W in multiples of 128;
@@ -109,8 +109,9 @@ def attempt(system, model, size):
         remove_stale_cgroups_everywhere()
         if "exited with code -9" in text:
             return "killed", text[-300:]
-        if "no placement fits" in text:
-            return "refused", text[text.index("no placement fits"):][:300]
+        for refusal in ("no placement fits", "no plan fits"):  # at start-up, or once the first step measured
+            if refusal in text:
+                return "refused", text[text.index(refusal):][:300]
         return "failed", text[-600:]
 
 
