@@ -21,6 +21,7 @@ from .memory.model_state import config_model_state_bytes, startup_memory_limits
 from .memory.meter import EMULATED, MemoryMeter
 from .memory.placement import engine_placement, offloads_per_rank, refuse_unfit_peaks
 from .memory.pool import HeterogeneousMemoryPool, ModelStateSpec, memory_capacities
+from .memory.zero3_shards import existing_shares
 from .memory.partitions import check_shares
 from .planning.planner import Plan, plan_micro_batches, time_models_from_scores
 
@@ -185,6 +186,8 @@ def place_engine_state(state, ds_config, model, optimizer=None):
     setting = memory.zero_partitions
     stage = int(ds_config.zero_optimization_stage or 0)
     world = int(ds_config.world_size)
+    if stage == 3:  # a model zero.Init partitioned already keeps its cut, which the placement then checks
+        setting = existing_shares(model) or setting
     if not memory.enabled:
         explicit = stage in (1, 2, 3) and world >= 2 and setting not in ("auto", "even")
         return None, check_shares(setting, world) if explicit else None, {}

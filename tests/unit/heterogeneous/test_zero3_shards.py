@@ -134,6 +134,44 @@ def test_four_ranks_gather_per_owner_and_bf16_tracks_the_reference():
             torch.testing.assert_close(got, want, rtol=0, atol=2.5e-3)
 
 
+def _engine_and_cut(rank, world_size, init):
+    """``zero_partitions: [0.75, 0.25]`` for the engine: its shares and the optimizer's, for a model
+    built normally, or cut into equal slices by ``zero.Init`` (given ``"even"``) before the engine."""
+    import copy
+    import deepspeed
+    from test_exactness import ds_config, make_model, train_slices
+
+    config = ds_config(3, 1, [5, 3], 0.0)
+    config["heterogeneous_memory"] = {"zero_partitions": [0.75, 0.25]}
+    if init:
+        even = copy.deepcopy(config)
+        even["heterogeneous_memory"]["zero_partitions"] = "even"
+        with deepspeed.zero.Init(config_dict_or_path=even):
+            model = make_model()
+    else:
+        model = make_model()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    train_slices(engine, rank, [5, 3], 1, 8)
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        params = [p.detach().clone() for p in engine.module.parameters()]
+    return {"engine": engine._config.heterogeneous.partition_shares, "optimizer": engine.optimizer.zero3_shares,
+            "params": params}
+
+
+@pytest.mark.multiprocess
+def test_a_model_cut_by_zero_init_before_the_engine_keeps_its_cut():
+    """The engine's placement and its log follow the slices the parameters have, not the config's."""
+    from harness import run_subcases
+    from test_exactness import reference_parameters
+
+    built, cut = run_subcases(_engine_and_cut, [dict(init=False), dict(init=True)], world_size=2, timeout=600)
+    assert built[0]["engine"] == built[0]["optimizer"] == (0.75, 0.25), (built[0]["engine"], built[0]["optimizer"])
+    assert cut[0]["engine"] is None and cut[0]["optimizer"] is None, (cut[0]["engine"], cut[0]["optimizer"])
+    for result in built + cut:
+        for got, want in zip(result["params"], reference_parameters(8, 0.0)):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
 GPT_LR, GPT_STEPS = 0.5, 4  # SGD: every gradient's value shows in the update (Adam's hides its scale)
 
 

@@ -163,9 +163,24 @@ def partition_shares_for_init(ds_config, world_size):
         return None
     shares = settings.memory.zero_partitions
     if not isinstance(shares, (list, tuple)):
+        if shares == "auto" and settings.memory.enabled and int(world_size) > 1:
+            from deepspeed.utils import logger
+            logger.warning("deepspeed-hetero: zero.Init cuts the model into equal ZeRO-3 slices: "
+                           "heterogeneous_memory.zero_partitions \"auto\" is decided by the engine, from the model; "
+                           "give the shares as a list to cut a model built under zero.Init by them")
         return None
     from .partitions import check_shares
     return check_shares(shares, int(world_size))
+
+
+def existing_shares(model):
+    """How ``model``'s parameters are already cut, where ``zero.Init`` partitioned them before the
+    engine started: their shares, ``"even"``, or None (not partitioned yet: the engine decides)."""
+    params = [p for p in model.parameters() if hasattr(p, "ds_id")] if model is not None else []
+    if not params:
+        return None
+    layout = layout_of(params)
+    return "even" if layout is None else list(layout.shares)
 
 
 def refuse_unsupported(layout, hpz_group=None, quantized=False):
