@@ -170,6 +170,20 @@ def test_zero3_shares_follow_memory_so_the_small_device_needs_no_offload():
     assert small.parameter_bytes == pytest.approx(BF16_4B["num_parameters"] * 2 * small.share)
 
 
+def test_zero3_rank_whose_share_still_does_not_fit_offloads_alone():
+    """Shares (0.7, 0.3) of 4B bf16 parameters (64 GB of ZeRO-3 state: 2 + 2 + 12 bytes each):
+    rank 1's 30%, 19.2 GB, exceeds its 12 GiB; it offloads part of its optimizer state, rank 0
+    none, and the shares stay as given."""
+    spec = ModelStateSpec(zero_stage=3, **BF16_4B)
+    pool = HeterogeneousMemoryPool([80 * GIB, 12 * GIB], hbm_utilization_threshold=1.0)
+    placement = pool.place(spec, zero_partitions=[0.7, 0.3])
+    first, second = placement.ranks
+    assert placement.partition_shares == (0.7, 0.3) and placement.offloaded_ranks == [1]
+    assert 0 < second.offload_fraction < 1 and second.fits and first.offload_fraction == 0
+    assert second.parameter_bytes == pytest.approx(BF16_4B["num_parameters"] * 2 * 0.3)
+    assert second.optimizer_bytes == pytest.approx(BF16_4B["num_parameters"] * 12 * 0.3)
+
+
 def test_zero3_offloads_the_smallest_ratio_that_fits():
     spec = ModelStateSpec(zero_stage=3, **BF16_4B)
     pool = HeterogeneousMemoryPool([80 * GIB, 20 * GIB], hbm_utilization_threshold=1.0)
