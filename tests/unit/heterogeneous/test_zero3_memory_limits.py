@@ -114,7 +114,7 @@ def reference(clipping=0.0, model="mlp"):
         # Each rank's mean, weighted by its rows: the mean over the 8 rows (the GPT's tokens).
         (module(x[:, :-1], x[:, 1:]) if model == "gpt" else module(x).pow(2).mean()).backward()
         if clipping:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clipping)
+            torch.nn.utils.clip_grad_norm_(module.parameters(), clipping)
         optimizer.step()
     return [p.detach() for p in module.parameters()]
 
