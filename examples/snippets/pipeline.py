@@ -38,3 +38,8 @@ for step in range(5):
     loss = engine.train_batch()
 print(f"rank {engine.global_rank}: stage {engine.stage_id} holds layers {net.parts[engine.stage_id]}-"
       f"{net.parts[engine.stage_id + 1] - 1}, loss {loss.item():.4f}")
+# Leave without interpreter finalization, where gloo's worker threads can abort a rank after its
+# work ("terminate called without an active exception"): destroy the process group, flush, exit.
+from deepspeed.runtime.heterogeneous.process_exit import end_process  # noqa: E402
+
+end_process(0)
