@@ -271,23 +271,28 @@ def zero_partition_layout(shares, alignment, world_size, cpu_offload=False, has_
     return ZeroPartitionLayout(shares, alignment)
 
 
-def agree_on_layout(layout, group=None):
-    """Every rank compares the layout's digest before the first collective that depends on it; a
-    rank whose layout differs stops every rank with an error naming it (no hang, no wrong
-    gradient)."""
+def ranks_differing_from_rank_0(value, group=None):
+    """All-gather one int64 per rank (a digest) over ``group``; the ranks whose value differs from
+    rank 0's (empty when all agree, or alone)."""
     import torch
     from deepspeed import comm as dist
     from deepspeed.accelerator import get_accelerator
     world = dist.get_world_size(group=group)
     if world == 1:
-        return
-    mine = torch.tensor([int(layout.digest(), 16) & (2**62 - 1)], dtype=torch.int64,
-                        device=get_accelerator().current_device_name())
+        return []
+    mine = torch.tensor([value], dtype=torch.int64, device=get_accelerator().current_device_name())
     everyone = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine, group=group)
     values = [int(t.item()) for t in everyone]
-    if len(set(values)) > 1:
-        differing = [rank for rank, value in enumerate(values) if value != values[0]]
+    return [rank for rank, value in enumerate(values) if value != values[0]]
+
+
+def agree_on_layout(layout, group=None):
+    """Every rank compares the layout's digest before the first collective that depends on it; a
+    rank whose layout differs stops every rank with an error naming it (no hang, no wrong
+    gradient)."""
+    differing = ranks_differing_from_rank_0(int(layout.digest(), 16) & (2**62 - 1), group)
+    if differing:
         raise PartitionLayoutError(
             f"the ranks disagree on the ZeRO partition layout (shares {describe_shares(layout.shares)} on this "
             f"rank; data-parallel ranks {differing} differ from rank 0): every rank must be given the same "

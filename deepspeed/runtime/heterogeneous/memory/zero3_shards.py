@@ -63,7 +63,8 @@ class ShardLayout:
         return tuple((starts[r], starts[r + 1] - starts[r]) for r in range(world))
 
     def describe(self):
-        return "[" + ", ".join(f"{s:.3f}" for s in self.shares) + "]"
+        from .partitions import describe_shares
+        return describe_shares(self.shares)
 
 
 def shard_layout(shares, world_size):
@@ -198,6 +199,8 @@ def refuse_unsupported(layout, hpz_group=None, quantized=False):
 
 def init_param(param, layout, world_size):
     """Give a newly converted ZeRO-3 parameter its slices (``_convert_to_deepspeed_param``)."""
+    if layout is not None and layout.world_size != int(world_size):
+        layout = None  # a parameter partitioned over another group (experts) keeps equal slices
     param.ds_shard_layout = layout
     param.ds_shard_spans = None if layout is None else layout.spans(param.ds_numel)
 
@@ -213,20 +216,11 @@ def shards_digest(params, shares):
 
 def agree_on_shards(params, shares, group=None):
     """All ranks compare the digest of their parameters' slices (one all-gather of an int64)."""
-    from deepspeed import comm as dist
-    from deepspeed.accelerator import get_accelerator
-    world = dist.get_world_size(group=group)
-    mine = torch.tensor([shards_digest(params, shares)], dtype=torch.int64,
-                        device=get_accelerator().current_device_name())
-    every = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine, group=group)
-    digests = [int(t.item()) for t in every]
-    if len(set(digests)) > 1:
-        groups = {}
-        for rank, digest in enumerate(digests):
-            groups.setdefault(digest, []).append(rank)
-        raise ShardLayoutError("the ranks partition the ZeRO-3 parameters differently (ranks "
-                               f"{' vs '.join(str(r) for r in groups.values())}): every rank must use the same "
+    from .partitions import ranks_differing_from_rank_0
+    differing = ranks_differing_from_rank_0(shards_digest(params, shares), group)
+    if differing:
+        raise ShardLayoutError(f"the ranks partition the ZeRO-3 parameters differently (data-parallel ranks "
+                               f"{differing} differ from rank 0): every rank must use the same "
                                "heterogeneous_memory.zero_partitions and build the same model")
 
 
@@ -248,7 +242,6 @@ def checkpoint_entries(params, shares):
     """What a ZeRO-3 optimizer state dict records of an uneven layout (nothing for upstream's)."""
     if shares is None:
         return {}
-    from deepspeed import comm as dist
     return {CHECKPOINT_SHARES_KEY: list(shares),
             CHECKPOINT_NUMELS_KEY: [int(p.partition_numel()) for p in params]}
 
@@ -288,7 +281,8 @@ def check_checkpoint_shares(state_dict, shares):
         return
 
     def describe(values):
-        return "equal shares" if values is None else "[" + ", ".join(f"{s:.3f}" for s in values) + "]"
+        from .partitions import describe_shares
+        return "equal shares" if values is None else describe_shares(values)
 
     raise ShardLayoutError(
         f"this ZeRO-3 checkpoint was saved with partition shares {describe(saved)} but this run partitions "
