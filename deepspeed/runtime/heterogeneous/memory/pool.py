@@ -380,19 +380,23 @@ class HeterogeneousMemoryPool:
         budget = (f"its budget {_size(rank.budget_bytes)} ({self.utilization:.0%} of {_size(rank.capacity_bytes)}, "
                   "heterogeneous_memory.hbm_utilization_threshold)")
         host_is_device = model_state.allocations is not None and model_state.allocations.host_is_device
+        # ZeRO-3 has no higher stage: what it holds beyond its share is its buckets.
+        smaller = ("use a higher ZeRO stage, smaller buckets" if model_state.zero_stage < 3 else
+                   "use smaller buckets (zero_optimization.reduce_bucket_size, stage3_prefetch_bucket_size, "
+                   "stage3_max_live_parameters, stage3_max_reuse_distance)")
         if host_is_device and model_state.zero_stage >= 1:
-            advice = ("its device is the host (the CPU accelerator), where offloading moves nothing off it: use a "
-                      "higher ZeRO stage, smaller buckets, or give the rank more memory")
+            advice = ("its device is the host (the CPU accelerator), where offloading moves nothing off it: "
+                      f"{smaller}, or give the rank more memory")
         elif model_state.zero_stage == 0:
             advice = "ZeRO stage 0 cannot offload: use ZeRO stage 1-3, or give the rank more memory"
         elif rank.offload_fraction >= 1.0:
-            advice = "even with all its optimizer state offloaded: use a higher ZeRO stage or give it more memory"
+            advice = f"even with all its optimizer state offloaded: {smaller}, or give it more memory"
         elif not offload_allowed and model_state.optimizer_device is None:
             advice = (f"offloading its optimizer state ({_size(rank.optimizer_bytes)}) would leave "
                       f"{_size(rank.device_bytes - rank.optimizer_bytes)}: allow it with {OFFLOAD_KEY}.cpu_offload "
-                      "(or nvme_offload), use a higher ZeRO stage or give the rank more memory")
+                      f"(or nvme_offload), {smaller}, or give the rank more memory")
         else:
-            advice = "use a higher ZeRO stage or give the rank more memory"
+            advice = f"{smaller}, or give the rank more memory"
         fits_in = "" if rank.capacity_bytes is None else (
             f" (it would fit a capacity of {_size(rank.device_bytes / self.utilization)})")
         return (f"{label} needs {_size(rank.device_bytes)} on its device ({held}), more than {budget}; {advice}"
