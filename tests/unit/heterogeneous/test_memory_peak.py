@@ -41,6 +41,9 @@ def test_zero2_phases_hold_the_buffers_upstream_allocates():
     assert peak.phase_bytes("all-gather") == 10 * MiB + 7e6 + 1e6 + 4e6
     assert peak.peak_phase == "reduce" and peak.peak_bytes == int(10 * MiB + 14.4e6)
     assert peak.buffer_bytes == pytest.approx(4e5 + 4e6 + 2e6)
+    # Uneven shares: each owner broadcasts its slice into the flat parameters in place, nothing staged.
+    uneven = predict_peak(allocations(2), share=0.25, baseline_bytes=10 * MiB, largest_share=0.75)
+    assert uneven.phase_bytes("all-gather") == 10 * MiB + 7e6 + 1e6
 
 
 def test_zero1_holds_every_gradient_until_the_boundary():

@@ -208,7 +208,10 @@ def predict_peak(allocations, share=None, offloaded=0.0, activation_bytes=0.0, b
         slice_copy = min(a.reduce_bucket, n) * pb * max(part, 1.0 / world, float(largest_share or 0.0))
         # The updated partitions are all-gathered into the flat parameters in allgather_bucket_size
         # pieces; a host backend (gloo) stages a piece's gathered output before copying it out.
-        staging = min(a.allgather_bucket, n) * pb if a.host_is_device else 0.0
+        # Uneven shares are broadcast by their owners into the flat parameters in place
+        # (partitions.gather_uneven_partitions): nothing is staged.
+        uneven = largest_share is not None and float(largest_share) > 1.0 / world + 1e-9
+        staging = min(a.allgather_bucket, n) * pb if a.host_is_device and not uneven else 0.0
         params = {"parameters": flat + moved_in}
         state = {"fp32 partition": fp32_partition, "optimizer state": optimizer}
         if offloaded > 0:
