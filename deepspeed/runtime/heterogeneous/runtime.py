@@ -145,6 +145,9 @@ class HeterogeneousRuntime:
         self._agreement_s = 0.0  # the last agreement's own seconds, which are not a step's
         self._update_comm_clock()
         self.limits.apply_speed_schedule(1)
+        # A CPU quota does not bind where other processes hold the cores: measured, not assumed.
+        if self.limits.check_speeds(self.agreement.gather_from_every_rank) is not None:
+            self._update_comm_clock()  # a rank moved to dilation times its collectives from now on
         # On more than one host, the hosts and their measured links go under the title.
         self.log_plan("plan at start-up", self.plan,
                       "\n  ".join(filter(None, [topology_note(self.state.topology), self._emulation_note()])) or None)
@@ -156,12 +159,8 @@ class HeterogeneousRuntime:
         return self.state.plan
 
     def _emulation_note(self):
-        import os
-        try:
-            load, cores = os.getloadavg()[0], os.cpu_count()
-        except (OSError, AttributeError):
-            load, cores = None, None
-        return emulation_note(self.settings.emulation, self.limits.mode, self.limits.memory_mode, load, cores)
+        return emulation_note(self.settings.emulation, self.limits.mode, self.limits.memory_mode,
+                              self.limits.speed_check)
 
     @property
     def profiling(self):

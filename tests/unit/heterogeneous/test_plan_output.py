@@ -43,14 +43,18 @@ def test_rank0_prints_the_start_up_plan_and_each_change_as_one_block(monkeypatch
     assert lines[0] == "[deepspeed-hetero] plan at start-up (strategy compute_aware):"
     assert lines[1].split() == ["rank", "device", "mbs", "gas", "samples/step", "pred.", "time", "share"]
     assert lines[2].split()[:3] == ["0", "fast-gpu", "4"] and lines[3].split()[:3] == ["1", "slow-gpu", "4"]
+    # Priors compare the ranks only: no time is shown for them (it printed the micro-batch sizes).
+    assert lines[2].split()[5] == "-" and lines[3].split()[5] == "-"
+    assert lines[4].startswith("strategy compute_aware, train_batch_size 8, predicted step time not measured, "
+                               "balance (mean/max rank time) 75.0% by the devices' prior scores"), lines[4]
     assert sum(line.startswith("[deepspeed-hetero]") for line in lines) == 1
 
     runtime.switch_to(PROFILED, "plan after profiling step 1")
     change = capsys.readouterr().out.splitlines()
     assert change[0] == "[deepspeed-hetero] plan after profiling step 1 (strategy compute_aware):"
     # The start-up plan's times come from priors and compare ranks only: no unit (it printed "4 s").
-    assert change[1] == ("  micro-batches [4, 4] -> [6, 2], gas [1, 1] -> [1, 1], predicted step time 4 (relative: "
-                         "not measured) -> 3 s")
+    assert change[1] == ("  micro-batches [4, 4] -> [6, 2], gas [1, 1] -> [1, 1], predicted step time not measured "
+                         "-> 3 s")
     assert change[2].split() == ["rank", "device", "mbs", "gas", "samples/step", "pred.", "time", "(s)", "share"]
     assert change[3].split()[:3] == ["0", "fast-gpu", "6"]
     assert sum(line.startswith("[deepspeed-hetero]") for line in change) == 1

@@ -15,8 +15,13 @@ device's speed, by one of two means:
   (ZeRO-2 buckets, ZeRO-3's reduce-scatter and gathers) run at full speed and the peers wait
   twice, at them and after. Portable, but only compute is slowed.
 
-``auto`` picks cgroup where the machine allows it, else dilation. The balancing code never reads
-these settings: it sees only the (slowed) times it measures.
+``auto`` picks cgroup where the machine allows it, else dilation. A quota only caps a rank: where
+other processes already hold the cores it slows the rank less than asked (measured on 2 cores
+beside two busy loops: 0.82-0.87 for an asked 0.4), so at start-up every rank runs the same short
+workload at once and the speeds achieved are compared with the asked ones (``achieved_speeds``,
+``speeds_hold``); under ``auto`` the quota ranks fall back to dilation where they miss by more
+than 15% (``limits.EmulatedLimits.check_speeds``). The balancing code never reads these settings:
+it sees only the (slowed) times it measures.
 
 ``emulation.memory_gb[r]`` is always enforced by accounting (``limits.py``: predicted
 model state + measured activations against the capacity). Where ``mode`` lets the emulation use
@@ -170,6 +175,48 @@ def start_memory_limit(emulation, rank):
     return _memory_cgroup
 
 
+SPEED_TOLERANCE = 0.15
+"""How far (relative) an emulated rank's measured speed may sit from the asked one."""
+
+
+def workload_seconds(iterations=120, size=256, rounds=3):
+    """Seconds this process takes for a fixed compute workload on its accelerator (matrix products
+    at the threads training uses), after a short warm-up: what a CPU quota or a busy core slows."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+    accelerator = get_accelerator()
+    device = accelerator.current_device_name()
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=generator).to(device)
+    b = (torch.randn(size, size, generator=generator) / size**0.5).to(device)
+    for _ in range(10):
+        a = torch.tanh(a @ b)
+    accelerator.synchronize()
+    began = time.perf_counter()
+    for _ in range(iterations * rounds):
+        a = torch.tanh(a @ b)
+    accelerator.synchronize()
+    return time.perf_counter() - began
+
+
+def achieved_speeds(asked, seconds):
+    """Per rank, the speed it ran the same workload at, relative to an unthrottled rank: the ranks
+    asked to run at 1.0 are the reference (their mean time), else the fastest asked rank, taken to
+    run at its asked speed. ``asked`` and ``seconds`` are per emulated rank."""
+    full = [t for s, t in zip(asked, seconds) if s >= 1.0]
+    if full:
+        reference = sum(full) / len(full)
+    else:
+        fastest = max(range(len(asked)), key=lambda r: (asked[r], -r))
+        reference = seconds[fastest] * asked[fastest]
+    return [round(reference / t, 3) if t > 0 else float("inf") for t in seconds]
+
+
+def speeds_hold(asked, achieved, tolerance=SPEED_TOLERANCE):
+    """Whether every rank's achieved speed is within ``tolerance`` (relative) of the asked one."""
+    return all(abs(a - s) <= tolerance * s for s, a in zip(asked, achieved))
+
+
 class Emulator:
     """Slows this rank to ``speed``; ``mode`` is the means in force ('cgroup', 'dilation' or 'none')."""
 
@@ -202,6 +249,15 @@ class Emulator:
                     raise RuntimeError(f"heterogeneous_config.emulation.mode 'cgroup' is not possible here ({exc}); "
                                        "use 'dilation' or 'auto'") from exc
         self.mode = "dilation"
+
+    def use_dilation(self):
+        """Slow this rank by dilation from now on, also at later speed changes (a quota that did not
+        deliver its speed is left)."""
+        if self._cgroup is not None:
+            self._cgroup.close()
+            self._cgroup = None
+        self._requested = "dilation"
+        self.mode = "dilation" if self.speed < 1.0 else "none"
 
     def begin_compute(self):
         """A forward+backward starts: dilation stretches its compute from here on."""

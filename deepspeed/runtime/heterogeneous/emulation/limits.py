@@ -12,11 +12,15 @@ optimizer state) and the kernel kills it beyond the limit. Nothing here runs whe
 
 from deepspeed.utils import logger
 
-from .emulator import scheduled_speed, start_emulation, start_memory_limit
+from .emulator import (SPEED_TOLERANCE, achieved_speeds, scheduled_speed, speeds_hold, start_emulation,
+                       start_memory_limit, workload_seconds)
 
 
 class EmulatedOutOfMemoryError(RuntimeError):
     """A rank of an emulated cluster needed more than its emulated memory (``emulation.memory_gb``)."""
+
+
+_speed_owner = None  # the EmulatedLimits whose emulator slows this process
 
 
 class EmulatedLimits:
@@ -29,16 +33,53 @@ class EmulatedLimits:
     """
 
     def __init__(self, emulation, rank, capacity_bytes=None):
+        global _speed_owner
         self.emulation = emulation
         self.rank = rank
         self.capacity_bytes = capacity_bytes if emulation is not None and emulation.memory_gb else None
+        # A process is one rank: its speed is the latest engine's. An earlier engine's quota or
+        # dilation (a second engine in a notebook or a test's process) would otherwise stay in force.
+        if _speed_owner is not None and _speed_owner.emulator is not None:
+            _speed_owner.emulator.close()
+            _speed_owner.emulator = None
         self.emulator = start_emulation(emulation, rank)
+        _speed_owner = self
         # Joined as the engine started; joined here when the engine's start hook did not run.
         self.memory_cgroup = start_memory_limit(emulation, rank) if self.capacity_bytes else None
+        self.speed_check = None  # SpeedCheck: what the quotas achieved at start-up (None: not measured)
 
     @property
     def mode(self):
         return self.emulator.mode if self.emulator is not None else "none"
+
+    def check_speeds(self, gather, workload=workload_seconds):
+        """Measure, on every rank at once, whether the CPU quotas deliver the asked speeds, and under
+        ``emulation.mode: auto`` move the quota ranks to dilation where they do not (``SpeedCheck``).
+
+        ``gather(entry, what)`` returns every process's entry (``Agreement.gather_from_every_rank``):
+        a collective, run by every process alike. The first gather tells whether any rank holds a
+        quota (else nothing more runs); the workload then runs on every rank at once, as training
+        does, and its times are gathered. Every rank decides from the same gathered times."""
+        if self.emulation is None or not (self.emulation.speeds or self.emulation.speed_schedule):
+            return None
+        speed = self.emulator.speed if self.emulator is not None else 1.0
+        modes = gather((self.rank, speed, self.mode), "the emulation modes of the ranks")
+        if not any(mode == "cgroup" for _, _, mode in modes):
+            self.speed_check = SpeedCheck(cluster_mode(modes), None, None, False)
+            return self.speed_check
+        seconds = gather((self.rank, workload()), "the emulation's speed check")
+        ranks = sorted({rank for rank, _, _ in modes})
+        asked = [max(s for r, s, _ in modes if r == rank) for rank in ranks]
+        # A replica's members (model parallelism) share an emulated rank: the slowest sets its pace.
+        took = [max(t for r, t in seconds if r == rank) for rank in ranks]
+        achieved = achieved_speeds(asked, took)
+        holds = speeds_hold(asked, achieved)
+        fell_back = not holds and self.emulation.mode == "auto"
+        if fell_back and self.emulator is not None:
+            self.emulator.use_dilation()
+        mode = "dilation" if fell_back else cluster_mode(modes)
+        self.speed_check = SpeedCheck(mode, asked, achieved, fell_back)
+        return self.speed_check
 
     @property
     def memory_mode(self):
@@ -91,32 +132,63 @@ class EmulatedLimits:
             self.memory_cgroup = None
 
 
-BUSY_LOAD_PER_CORE = 0.75
-"""A 1-minute load average per core above which the host counts as busy at start-up."""
+class SpeedCheck:
+    """What the start-up speed check found: the mode slowing the ranks ('cgroup', 'dilation' or
+    'none'), the asked and achieved speeds per emulated rank (None: not measured, no quota in
+    use), and whether the quota ranks fell back to dilation."""
+
+    def __init__(self, mode, asked, achieved, fell_back):
+        self.mode, self.asked, self.achieved, self.fell_back = mode, asked, achieved, fell_back
+
+    @property
+    def holds(self):
+        return self.achieved is None or speeds_hold(self.asked, self.achieved)
 
 
-def emulation_note(emulation, mode, memory_mode="none", load=None, cores=None):
-    """The start-up plan's emulation line: which mode slows the ranks and at what speeds, what
-    emulates their memory, and a warning where a CPU quota cannot bind (the host's cores already
-    busy at start: a quota only caps a rank, it cannot slow one that the load already slows more);
-    None without emulation. ``load``/``cores``: the host's 1-minute load average and core count."""
+def cluster_mode(modes):
+    """The means that slows the ranks, from every rank's ``(rank, speed, mode)``."""
+    found = {mode for _, _, mode in modes}
+    return "cgroup" if "cgroup" in found else "dilation" if "dilation" in found else "none"
+
+
+def _speeds(values):
+    return "[" + ", ".join(f"{v:.2f}" for v in values) + "]"
+
+
+def emulation_note(emulation, mode, memory_mode="none", check=None):
+    """The start-up plan's emulation line: which mode slows the ranks, at what speeds asked and, for
+    CPU quotas, measured at start-up (``check``: a ``SpeedCheck``), what emulates their memory;
+    where the quotas missed, what was done instead or, with ``mode: cgroup`` set by hand, a warning.
+    None without emulation. ``mode``: this rank's emulator's mode, used when nothing was checked."""
     if emulation is None or not (emulation.speeds or emulation.speed_schedule or emulation.memory_gb):
         return None
-    if mode in (None, "none"):  # this rank runs at full speed: the configured mode acts on the others
+    if check is not None and check.mode != "none":
+        mode = check.mode
+    elif mode in (None, "none"):  # this rank runs at full speed: the configured mode acts on the others
         mode = emulation.mode
     how = {"cgroup": "CPU-quota cgroups", "dilation": "time dilation",
            "auto": "CPU-quota cgroups where the machine allows them, else time dilation"}.get(mode, mode)
     parts = []
+    warning = None
     if emulation.speeds or emulation.speed_schedule:
         speeds = list(emulation.speeds) if emulation.speeds else "1.0 each"
-        parts.append(f"speeds {speeds} by {how} (emulation.mode {emulation.mode})")
+        measured = check is not None and check.achieved is not None
+        if measured and check.fell_back:
+            source = (f"emulation.mode {emulation.mode}: CPU quotas ran the ranks at {_speeds(check.achieved)} at "
+                      f"start-up, beyond {SPEED_TOLERANCE:.0%} of the asked speeds, as when other processes hold "
+                      "the cores")
+        elif measured:
+            source = f"emulation.mode {emulation.mode}; measured at start-up {_speeds(check.achieved)}"
+            if not check.holds:
+                warning = (f"warning: the CPU quotas do not deliver the asked speeds (beyond {SPEED_TOLERANCE:.0%}), "
+                           "as when other processes hold the cores; set heterogeneous_config.emulation.mode to "
+                           "\"auto\" or \"dilation\" to emulate slower devices on a busy machine")
+        else:
+            source = f"emulation.mode {emulation.mode}"
+        parts.append(f"speeds {speeds} by {how} ({source})")
         if emulation.speed_schedule:
             parts.append("then " + ", ".join(f"{list(c.speeds)} from step {c.step}" for c in emulation.speed_schedule))
     if emulation.memory_gb:
         parts.append(f"memory_gb {list(emulation.memory_gb)} by {memory_mode}")
     line = "emulated: " + "; ".join(parts)
-    if mode == "cgroup" and load is not None and cores and load > BUSY_LOAD_PER_CORE * cores:
-        line += (f"\n  warning: this host is busy (load average {load:.1f} on {cores} cores): a CPU quota cannot slow "
-                 f"a rank that other processes already slow, so the emulated speeds may not hold; set "
-                 f"heterogeneous_config.emulation.mode to \"dilation\" to emulate slower devices on a busy machine")
-    return line
+    return line + ("\n  " + warning if warning else "")

@@ -69,7 +69,8 @@ class Plan:
         """The predicted step time for the log: seconds, or a relative time marked as such."""
         if self.time_unit:
             return f"{self.predicted_step_time:.4g} {self.time_unit}"
-        return f"{self.predicted_step_time:.4g} (relative: not measured)"
+        # Priors (device scores) compare the ranks only; a number here would read as a time.
+        return "not measured"
 
     def with_prior_times(self):
         """This plan, its times marked as relative (the time models were priors, not measured)."""
@@ -107,7 +108,8 @@ class Plan:
         batch = self.train_batch_size
         header = ("rank", "device", "mbs", "gas", "samples/step", f"pred. time{' (s)' if self.time_unit else ''}",
                   "share")
-        rows = [(str(rank), names[rank], str(m), str(g), str(m * g), f"{t:.4g}", f"{100 * m * g / batch:.1f}%")
+        rows = [(str(rank), names[rank], str(m), str(g), str(m * g), f"{t:.4g}" if self.time_unit else "-",
+                 f"{100 * m * g / batch:.1f}%")
                 for rank, (m, g, t) in enumerate(zip(self.micro_batch_sizes, self.gradient_accumulation_steps,
                                                      self.predicted_rank_times))]
         widths = [max(len(row[column]) for row in [header] + rows) for column in range(len(header))]
@@ -116,5 +118,6 @@ class Plan:
         mean_time = math.fsum(self.predicted_rank_times) / self.world_size
         lines.append(f"strategy {self.strategy}, train_batch_size {self.train_batch_size}, predicted step time "
                      f"{self.format_step_time()}, balance (mean/max rank time) "
-                     f"{100 * mean_time / self.predicted_step_time:.1f}%")
+                     f"{100 * mean_time / self.predicted_step_time:.1f}%" +
+                     ("" if self.time_unit else " by the devices' prior scores"))
         return "\n".join(lines + [f"note: {note}" for note in self.notes])
