@@ -53,31 +53,44 @@ def banner(text):
     print(f"\n=== {text} " + "=" * max(0, 76 - len(text)), flush=True)
 
 
+def shown(line):
+    """The launcher's lines the demo passes on: the fork's plan blocks (titles, what changed, the
+    tables, their notes and the emulation line) and op builds, which take minutes the first time."""
+    text = line.strip()
+    return (line.startswith("[deepspeed-hetero]") or text.startswith(("rank ", "strategy ", "note:", "emulated:",
+                                                                       "micro-batches ", "warning:"))
+            or text.split(" ", 1)[0] in ("0", "1") or text.startswith("DeepSpeed: building op"))
+
+
 def train(config_path):
-    """Launch 2 ranks; returns (per-step records, summary)."""
+    """Launch 2 ranks, passing the plan blocks on as they come; returns (per-step records, summary)."""
     port = free_port()
+    records, summary, output = [], None, []
     try:
-        proc = subprocess.run([
+        proc = subprocess.Popen([
             str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port),
             str(HERE / "train_heterogeneous.py"), "--deepspeed_config", str(config_path), "--steps", str(STEPS)
-        ], capture_output=True, text=True, timeout=1800, env=ENV)
+        ], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            output.append(line)
+            if line.startswith("{"):
+                record = json.loads(line)
+                if record.get("summary"):
+                    summary = record
+                else:
+                    records.append(record)
+            elif shown(line):
+                print(line, flush=True)
+        returncode = proc.wait(timeout=1800)
     finally:
-        # Upstream's CPU shared-memory all-reduce never unlinks its 66 MiB buffers in /dev/shm.
+        # The fork unlinks the CPU all-reduce's 66 MiB /dev/shm buffers once every rank has mapped
+        # them (patches/cpu-shm-unlink-buffers.patch); a rank killed before that leaves its own.
         for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
             os.unlink(path)
-    records, summary = [], None
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            record = json.loads(line)
-            if record.get("summary"):
-                summary = record
-            else:
-                records.append(record)
-        elif "deepspeed-hetero plan" in line or line.lstrip().startswith(("rank", "----", "0 ", "1 ")):
-            print(line)
-    if proc.returncode != 0 or summary is None:
-        print(f"training failed (exit {proc.returncode}); its output follows:\n{proc.stdout}{proc.stderr}")
-        raise SystemExit(proc.returncode or 1)
+    if returncode != 0 or summary is None:
+        print(f"training failed (exit {returncode}); its output follows:\n" + "\n".join(output))
+        raise SystemExit(returncode or 1)
     return records, summary
 
 

@@ -50,6 +50,7 @@ def main():
                 from deepspeed.profiling.heterogeneous_profiler import HeterogeneousProfiler
                 profiler = HeterogeneousProfiler(engine)
                 profiler.start_heterogeneous_profile()
+        ran = engine.heterogeneous_plan  # the plan this step runs (profiling may switch it at the step's end)
         inputs, targets = split_batch(next(batches).to(engine.device))
         loss = engine(inputs, targets)
         engine.backward(loss)
@@ -58,9 +59,8 @@ def main():
         share = torch.tensor([loss.item() * len(inputs), float(len(inputs))])
         dist.all_reduce(share)
         if rank == 0:
-            plan = engine.heterogeneous_plan
             print(json.dumps({"step": step, "loss": share[0].item() / share[1].item(),
-                              "plan": list(plan.micro_batch_sizes) if plan else None}), flush=True)
+                              "plan": list(ran.micro_batch_sizes) if ran else None}), flush=True)
     dist.barrier()
     elapsed = time.perf_counter() - start
     if profiler is not None:

@@ -78,5 +78,5 @@ def test_the_env_report_prints_the_parts_after_the_status_line(tmp_path):
     heterogeneous_report(str(path), file=output)
     lines = output.getvalue().splitlines()
     index = lines.index("Communication Optimization: Inactive")
-    assert lines[index + 1] == ("Communication: hierarchical reduction auto: on when the data-parallel ranks span "
+    assert lines[index + 1] == ("  hierarchical reduction auto: on when the data-parallel ranks span "
                                 "more than one host; link-aware buckets off")

@@ -99,6 +99,15 @@ def test_unknown_keys_are_named_with_the_allowed_ones(config, expected):
     ({"heterogeneous_memory": {"cpu_memory_limit": "lots"}}, "heterogeneous_memory.cpu_memory_limit: 'lots' is not"),
     ({"zero_optimization": {"heterogeneous_offload": {"nvme_offload": True}}}, "nvme_offload needs nvme_path"),
     ({"heterogeneous_config": [1, 2]}, "heterogeneous_config must be a JSON object"),
+    # A value of the wrong type: the message also says what the key takes, range included.
+    ({"heterogeneous_config": {"profile_steps": "five"}},
+     "heterogeneous_config.profile_steps: Input should be a valid integer, unable to parse string as an integer "
+     "(got 'five'); allowed: an integer >= 0"),
+    ({"heterogeneous_config": {"emulation": {"speeds": [1.0, "slow"]}}}, "(got 'slow'); allowed: a number in (0, 1]"),
+    ({"heterogeneous_config": {"scheduler": {"imbalance_threshold": "high"}}}, "allowed: a number in (0, 1)"),
+    ({"heterogeneous_config": {"scheduler": {"check_interval": 2.5}}}, "(got 2.5); allowed: an integer > 0"),
+    ({"heterogeneous_config": {"enabled": "maybe"}}, "(got 'maybe'); allowed: true or false"),
+    ({"heterogeneous_memory": {"hbm_utilization_threshold": "most"}}, "allowed: a number in (0, 1]"),
 ])
 def test_bad_values_say_what_is_allowed(config, expected):
     assert expected in error_of(config)

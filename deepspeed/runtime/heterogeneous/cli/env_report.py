@@ -9,7 +9,8 @@ env_report section), exactly as::
     Load Balancing Strategy: Compute-Aware|Uniform|Manual
     Communication Optimization: Active|Inactive
 
-and, when the fork is enabled, ``Communication: <part>; <part>; ...`` after the last one.
+and, when the fork is enabled, the parts under the last one, indented: ``  <part>; <part>; ...``
+(which part is in force, or why not).
 
 With ``--pipeline-stages N`` it adds a ``Pipeline`` section (``pipeline_lines``): the stages and
 data-parallel replicas a ``PipelineModule(num_stages=N)`` would get from these devices and the
@@ -226,7 +227,7 @@ def heterogeneous_report(config_path=None, file=None, model_parameters=None, pip
     emit(f"Load Balancing Strategy: {STRATEGY_LABELS[strategy]}")
     emit(f"Communication Optimization: {'Active' if communication_optimization_active(settings) else 'Inactive'}")
     if settings.enabled:
-        emit(f"Communication: {'; '.join(communication_status(settings, None, param_dict)[1])}")
+        emit(f"  {'; '.join(communication_status(settings, None, param_dict)[1])}")
     if config_path is not None:
         emit(f"Training Precision: {precision[0]}")
         if precision[1]:

@@ -6,8 +6,8 @@ Every model forbids unknown keys; ``settings.py`` loads them and words their err
 import re
 from typing import Annotated, Dict, List, Literal, Optional, Union
 
-from pydantic import (AfterValidator, BeforeValidator, Field, PositiveFloat, PositiveInt, field_validator,
-                      model_validator)
+from pydantic import (AfterValidator, BeforeValidator, Field, PositiveFloat, PositiveInt, WithJsonSchema,
+                      field_validator, model_validator)
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 
@@ -37,7 +37,8 @@ def _relative_speed(speed):
     return speed
 
 
-RelativeSpeed = Annotated[float, AfterValidator(_relative_speed)]
+RelativeSpeed = Annotated[float, AfterValidator(_relative_speed),
+                          WithJsonSchema({"type": "number", "exclusiveMinimum": 0, "maximum": 1})]
 """An emulated rank's speed as a fraction of the unthrottled device, in (0, 1]; an error names its index."""
 
 

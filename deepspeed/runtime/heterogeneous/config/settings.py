@@ -121,8 +121,57 @@ def _format_error(block, model, exc):
         else:
             message = error["msg"].removeprefix("Value error, ")
             shown = "" if error["type"] == "value_error" else f" (got {error.get('input')!r})"
-            lines.append(f"{path}: {message}{shown}")
+            # A value of the wrong type: say what the key takes, range included.
+            allowed = _allowed_values(model, loc) if error["type"].endswith(("_type", "_parsing", "_from_float")) else None
+            lines.append(f"{path}: {message}{shown}" + (f"; allowed: {allowed}" if allowed else ""))
     return "invalid DeepSpeed config: " + "; ".join(lines)
+
+
+_KINDS = {"integer": "an integer", "number": "a number", "boolean": "true or false", "string": "a string"}
+
+
+def _allowed_values(model, loc):
+    """What the key at ``loc`` of ``model`` takes, from its JSON schema: the kind and range of a
+    number ("an integer >= 0", "a number in (0, 1]"), or the allowed words; None where not known."""
+    schema = model.model_json_schema()
+    definitions = schema.get("$defs", {})
+
+    def resolve(node):
+        while "$ref" in node:
+            node = definitions.get(node["$ref"].rsplit("/", 1)[-1], {})
+        return node
+
+    def branches(node):
+        node = resolve(node)
+        return [resolve(b) for b in node.get("anyOf", [node])]
+
+    nodes = [schema]
+    for part in loc:
+        found = []
+        for node in (b for n in nodes for b in branches(n)):
+            child = node.get("items") if isinstance(part, int) else node.get("properties", {}).get(part)
+            if child is not None:
+                found.append(child)
+        nodes = found
+    described = [_describe(node) for n in nodes for node in branches(n) if node.get("type") != "null"]
+    described = [d for d in described if d]
+    return " or ".join(dict.fromkeys(described)) or None
+
+
+def _describe(node):
+    if "enum" in node or "const" in node:
+        return " or ".join(repr(v) for v in node.get("enum", [node.get("const")]))
+    kind = _KINDS.get(node.get("type"))
+    if kind is None:
+        return None
+    low = (f"> {node['exclusiveMinimum']:g}" if "exclusiveMinimum" in node else
+           f">= {node['minimum']:g}" if "minimum" in node else None)
+    high = (f"< {node['exclusiveMaximum']:g}" if "exclusiveMaximum" in node else
+            f"<= {node['maximum']:g}" if "maximum" in node else None)
+    if low and high:
+        return (f"{kind} in {'(' if low[0:2] == '> ' else '['}{low.split()[-1]}, {high.split()[-1]}"
+                f"{')' if high[0:2] == '< ' else ']'}")
+    return " ".join(filter(None, [kind, low, high]))
 
 
 class HeterogeneousConfigError(ValueError):
