@@ -162,7 +162,9 @@ class HeterogeneousState:
         ``param_dict`` before upstream parses it. A seed-style workload "scheduler" is moved out of
         the LR scheduler's key."""
         from .cluster.agreement import check_settings_agree
-        from .cluster.ranks import data_parallel_rank, gather_local_devices
+        from .cluster.ranks import (ACCELERATE_PROCESSES, accelerate_process_count, accelerate_world_problem,
+                                    data_parallel_rank, gather_local_devices)
+        from deepspeed.accelerator import get_accelerator
         from .planning.precision import choose_precision_for_config
         from .cluster.topology import discover_topology
 
@@ -183,11 +185,19 @@ class HeterogeneousState:
             from deepspeed import comm as dist
             state.emulation_rank = dist.get_rank()
         summary = settings_summary(settings)
+        processes = accelerate_process_count()
+        if processes is not None:  # compared as a setting: every rank must have been set up alike
+            summary["settings"][ACCELERATE_PROCESSES] = processes
         key = _cluster_key(summary, state.dp_rank, world_size)
         if key not in _cluster_facts:
             # Before the fork's first collective: a rank whose environment or config differs, or
             # that runs without the fork, ends here with an error naming it rather than in a hang.
             check_settings_agree(summary)
+            # Agreed above, so every rank raises alike.
+            problem = accelerate_world_problem(processes, _job_world_size(), get_accelerator().device_name())
+            if problem:
+                one_line_config_errors()
+                raise HeterogeneousConfigError(problem)
             devices = gather_local_devices(settings, state.dp_rank, int(world_size), state.emulated_rank)
             _cluster_facts[key] = (devices, discover_topology(state.dp_rank, int(world_size)))
         state.devices, state.topology = _cluster_facts[key]
@@ -301,6 +311,11 @@ def _cluster_key(summary, dp_rank, world_size):
             _default_group = (weakref.ref(current), generation + 1)
         group = (dist.get_rank(), dist.get_world_size(), _default_group[1])
     return json.dumps(summary, sort_keys=True, default=str), int(dp_rank), int(world_size), group
+
+
+def _job_world_size():
+    from deepspeed import comm as dist
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _pipeline_process_count(mpu, world_size):

@@ -400,3 +400,18 @@ def test_a_zero_loss_tells_nothing_and_is_asked_again():
     watch.start(owner)
     owner(num_items_in_batch=4)
     assert watch.stop() is True
+
+
+@pytest.mark.multiprocess
+def test_trainer_arguments_without_use_cpu_stop_every_rank_with_one_line(tmp_path):
+    """Without a GPU, TrainingArguments needs use_cpu=True: accelerate otherwise counts one process and
+    the Trainer sizes the global batch for one. Before, the ranks failed at the first forward with one
+    traceback each about the data loader's sizes."""
+    script = SCRIPT.with_name("hf_trainer_without_use_cpu.py")
+    code, output = launch_deepspeed(script, num_ranks=2, timeout=300, cwd=tmp_path)
+    assert code != 0, output[-3000:]
+    assert output.count("transformers/accelerate set this job up for 1 process(es), but 2 ranks run it") == 1, \
+        output[-3000:]
+    assert "TrainingArguments(use_cpu=True)" in output and "Traceback" not in output, output[-3000:]
+    code, output = launch_deepspeed(script, ["--use-cpu"], num_ranks=2, timeout=300, cwd=tmp_path)
+    assert code == 0 and "trained" in output, output[-3000:]

@@ -89,3 +89,35 @@ def gather_local_devices(settings, dp_rank, world_size, emulated_rank=None):
 def _emulated_memory_gb(settings):
     emulation = settings.config.emulation
     return emulation.memory_gb if emulation is not None and emulation.memory_gb else None
+
+
+ACCELERATE_PROCESSES = "accelerate.num_processes"
+"""The settings-summary key under which each rank reports the process count Hugging Face
+accelerate set itself up for (``accelerate_process_count``), so that the ranks compare it."""
+
+
+def accelerate_process_count():
+    """The number of processes Hugging Face accelerate's state (which transformers'
+    ``TrainingArguments`` and ``accelerate launch`` set up) counts in this process, or None where
+    accelerate is not in use. Read, never imported: a run without accelerate pays nothing."""
+    import sys
+    state = sys.modules.get("accelerate.state")
+    shared = getattr(getattr(state, "PartialState", None), "_shared_state", None) or {}
+    count = shared.get("num_processes")
+    return int(count) if count is not None else None
+
+
+def accelerate_world_problem(count, world_size, accelerator_name):
+    """The error where accelerate counted another number of processes than the job has, else None.
+
+    On a machine without a GPU, ``TrainingArguments`` without ``use_cpu=True`` leaves accelerate
+    with no backend: it counts one process, the Trainer sizes the global batch for one, and the
+    ranks are then fed the wrong samples."""
+    if count is None or count == world_size:
+        return None
+    fix = ("pass TrainingArguments(use_cpu=True) (or set ACCELERATE_USE_CPU=1): without it, on a machine without a "
+           "GPU, accelerate finds no distributed backend and counts one process"
+           if accelerator_name == "cpu" else "launch every rank through the same launcher accelerate was set up for")
+    return (f"deepspeed-hetero: transformers/accelerate set this job up for {count} process(es), but "
+            f"{world_size} ranks run it, so the Trainer would size the global batch and split the data for "
+            f"{count}; {fix}")
