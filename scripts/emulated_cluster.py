@@ -254,6 +254,14 @@ def deepspeed_host_argv(host, master_addr, master_port, hostfile, script, script
             master_addr, "--master_port", str(master_port), str(script), *map(str, script_args)]
 
 
+def torchrun_host_argv(host, master_addr, master_port, nnodes, nproc_per_node, script, script_args=()):
+    """The ``torchrun`` command of one host, as on real hosts: its node rank, host 0's address
+    (static rendezvous); torchrun starts the same number of ranks on every host."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc_per_node",
+            str(nproc_per_node), "--node_rank", str(host.index), "--master_addr", master_addr, "--master_port",
+            str(master_port), str(script), *map(str, script_args)]
+
+
 # -- machine checks -----------------------------------------------------------------------------
 
 
@@ -672,21 +680,32 @@ class EmulatedCluster:
                               capture_output=True, text=True, timeout=timeout)
 
     def launch_deepspeed(self, script, script_args=(), env=None, host_env=None, timeout=300, master_port=29500,
-                         cwd=None, failure_grace=30.0):
-        """Run ``script`` on every host through the real ``deepspeed`` launcher (no ssh); wait for
-        all hosts. A host that fails gives the others ``failure_grace`` seconds (a peer's collective
-        usually breaks at once; one blocked in a rendezvous would wait its whole time-out), then
-        every host still running is killed, as on ``timeout``.
+                         cwd=None, failure_grace=30.0, launcher="deepspeed"):
+        """Run ``script`` on every host through a real launcher, the ``deepspeed`` one (no ssh) or
+        ``torchrun`` (``launcher="torchrun"``, equal ranks per host); wait for all hosts. A host that
+        fails gives the others ``failure_grace`` seconds (a peer's collective usually breaks at
+        once; one blocked in a rendezvous would wait its whole time-out), then every host still
+        running is killed, as on ``timeout``.
 
         Args:
             env: variables for every host; ``host_env``: per host index, on top.
         Returns a ClusterRun (each host's exit status and merged stdout/stderr).
         """
         self._check_running()
+        if launcher not in ("deepspeed", "torchrun"):
+            raise ClusterError(f"launcher {launcher!r}: use 'deepspeed' or 'torchrun'")
+        ranks = {host.spec.ranks for host in self.hosts}
+        if launcher == "torchrun" and len(ranks) != 1:
+            raise ClusterError(f"torchrun starts the same number of ranks on every host; these hosts have "
+                               f"{[host.spec.ranks for host in self.hosts]}")
         runs = []
         for host in self.hosts:
-            argv = deepspeed_host_argv(host, self.master_addr, master_port, self.workdir / "hostfile", script,
-                                       script_args)
+            if launcher == "torchrun":
+                argv = torchrun_host_argv(host, self.master_addr, master_port, len(self.hosts), host.spec.ranks,
+                                          script, script_args)
+            else:
+                argv = deepspeed_host_argv(host, self.master_addr, master_port, self.workdir / "hostfile", script,
+                                           script_args)
             log_path = self.workdir / f"host{host.index}-{len(self._processes)}.log"
             with open(log_path, "w") as log:
                 variables = dict(env or {})
@@ -861,6 +880,8 @@ def main(argv=None):
     parser.add_argument("--cpus", help="CPU quota of each host (one value, or one per host)")
     parser.add_argument("--memory-gb", help="memory limit of each host in GiB (one value, or one per host)")
     parser.add_argument("--master-port", type=int, default=29500)
+    parser.add_argument("--launcher", choices=("deepspeed", "torchrun"), default="deepspeed",
+                        help="the launcher every host runs (torchrun: equal ranks per host)")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--measure", action="store_true", help="measure each host's rate to host 0, then exit")
     parser.add_argument("--cleanup", action="store_true", help="remove stale runs of killed processes, then exit")
@@ -891,7 +912,7 @@ def main(argv=None):
             return 0
         before = [cluster.link_counters(k) for k in range(len(cluster.hosts))]
         result = cluster.launch_deepspeed(args.script, args.script_args, timeout=args.timeout,
-                                          master_port=args.master_port)
+                                          master_port=args.master_port, launcher=args.launcher)
         for index, output in enumerate(result.outputs):
             print(f"===== host {index} (exit {result.returncodes[index]}) =====\n{output}", flush=True)
         for index in range(len(cluster.hosts)):

@@ -202,24 +202,69 @@ def remove_build_locks(roots, since):
     return removed
 
 
+SHM_BUFFERS = "/dev/shm/deepspeed_allreduce_buffer_*"
+
+
 def remove_shm_buffers(port):
-    """Remove the shared-memory buffers upstream's CPU all-reduce leaks for a launch on ``port``."""
-    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+    """Remove the CPU all-reduce's shared-memory buffers of a launch on ``port``: the fork unlinks
+    them once every rank has mapped them, but a rank killed before that (a timed-out or failed
+    experiment) leaves its own."""
+    for path in glob.glob(f"{SHM_BUFFERS[:-1]}*_{port}_*"):
         try:
             os.unlink(path)
         except OSError:
             pass
 
 
+def mapped_paths(proc="/proc"):
+    """Every path some live process maps (``/proc/<pid>/maps``), as far as this process may read."""
+    paths = set()
+    for maps in glob.glob(os.path.join(proc, "[0-9]*", "maps")):
+        try:
+            with open(maps) as handle:
+                paths.update(line.split(None, 5)[5].strip() for line in handle if line.count(" ") >= 5
+                             and "/dev/shm/" in line)
+        except (OSError, IndexError):
+            pass
+    return paths
+
+
+def remove_orphaned_shm_buffers(min_age_s=60.0, now=None, mapped=None):
+    """Remove CPU all-reduce buffers (66 MiB each, in RAM-backed /dev/shm) that no live process maps
+    and that are older than ``min_age_s`` (a starting job maps its buffer right after creating
+    it): what earlier runs killed before the unlink left. Returns the removed paths."""
+    now = time.time() if now is None else now
+    mapped = mapped_paths() if mapped is None else mapped
+    removed = []
+    for path in glob.glob(SHM_BUFFERS):
+        try:
+            if path in mapped or now - os.stat(path).st_mtime < min_age_s:
+                continue
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
 class ExperimentRunner:
 
-    def __init__(self, launcher_args, user_script, user_args, arg_mappings, timeout, env=None):
+    def __init__(self, launcher_args, user_script, user_args, arg_mappings, timeout, env=None, base_port=None):
         self.launcher_args = list(launcher_args)
+        self.base_port = base_port  # the user's --master_port: launch n (from 0) uses base_port + n
+        self.launches = 0
         self.user_script = user_script
         self.user_args = list(user_args)
         self.arg_mappings = dict(arg_mappings)
         self.timeout = timeout
         self.env = dict(os.environ if env is None else env)
+
+    def next_port(self):
+        """The port of the next launch: the user's --master_port counted up (a port a killed
+        experiment held may still be in TIME_WAIT), else a free one."""
+        port = free_port() if self.base_port is None else self.base_port + self.launches
+        self.launches += 1
+        return port
 
     def command(self, experiment, config_path, port):
         return [sys.executable, "-u", "-m", "deepspeed.launcher.runner", *self.launcher_args, "--master_port",
@@ -235,7 +280,7 @@ class ExperimentRunner:
             os.remove(metric_path)  # a file left by an earlier run must never be read as this one's
         with open(config_path, "w") as handle:
             json.dump(config, handle, indent=2)
-        port = free_port()
+        port = self.next_port()
         command = self.command(experiment, config_path, port)
         with open(os.path.join(exp_dir, "cmd.txt"), "w") as handle:
             handle.write(" ".join(command) + "\n")

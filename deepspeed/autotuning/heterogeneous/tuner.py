@@ -65,6 +65,20 @@ def _launcher_args(argv, user_script):
     return out
 
 
+def _master_port(argv, user_script):
+    """The launcher's --master_port on the command line (the experiments count up from it), or None."""
+    args = list(argv[:argv.index(user_script)]) if user_script in argv else list(argv)
+    for i, arg in enumerate(args):
+        value = arg.split("=", 1)[1] if arg.startswith("--master_port=") else (
+            args[i + 1] if arg == "--master_port" and i + 1 < len(args) else None)
+        if value is not None:
+            try:
+                return int(value)
+            except ValueError:
+                raise AutotuningConfigError(f"--master_port {value!r}: use a port number") from None
+    return None
+
+
 class HeterogeneousAutotuner(TuningSearch, TuningOutputs):
 
     def __init__(self, args, active_resources, argv):
@@ -99,7 +113,8 @@ class HeterogeneousAutotuner(TuningSearch, TuningOutputs):
         self.exps_dir = os.path.abspath(self.settings.exps_dir)
         self._clear_previous_results()
         self.runner = ExperimentRunner(_launcher_args(argv, script), script, args.user_args,
-                                       self.settings.arg_mappings, self.settings.experiment_timeout)
+                                       self.settings.arg_mappings, self.settings.experiment_timeout,
+                                       base_port=_master_port(argv, script))
         self.outcomes = []
         self.configs = {}
         self.profile = None
@@ -151,8 +166,10 @@ class HeterogeneousAutotuner(TuningSearch, TuningOutputs):
         config = experiment.ds_config(self.user_config, os.path.join(exp_dir, "metrics.json"), settings,
                                       PROFILE_STEPS)
         number = len([o for o in self.outcomes if o.status != PREDICTED_OOM]) + 1
+        # The search plans stage by stage, so the total grows as it goes: a count that reached its
+        # total and went on ("3/3, 4/4") would read as finished.
         total = max(self.planned, number)
-        counter = f"{number}/{total}" if self.planned else f"{number} (profiling run)"
+        counter = f"{number} of {total} planned so far" if self.planned else f"{number} (profiling run)"
         elapsed = time.monotonic() - self.began
         eta = (sum(self.durations) / len(self.durations)) * (total - number + 1) if self.durations else None
         _say(f"experiment {counter} {name}: running (elapsed {_clock(elapsed)}, ETA "
@@ -201,6 +218,7 @@ class HeterogeneousAutotuner(TuningSearch, TuningOutputs):
     # -- the search -----------------------------------------------------------------------------
 
     def tune(self):
+        from .runner import remove_orphaned_shm_buffers
         self.began = time.monotonic()
         try:
             self._tune()
@@ -208,6 +226,11 @@ class HeterogeneousAutotuner(TuningSearch, TuningOutputs):
             self.interrupted = True
             self._write_results()  # what was tried, up to the interruption
             raise
+        finally:
+            # Whatever a killed rank left in /dev/shm (66 MiB each), from this tuning or before it.
+            removed = remove_orphaned_shm_buffers()
+            if removed:
+                _say(f"removed {len(removed)} shared-memory buffer(s) that killed ranks left in /dev/shm")
 
     def _tune(self):
         space = self.space
@@ -269,8 +292,8 @@ class HeterogeneousAutotuner(TuningSearch, TuningOutputs):
 
     def run_after_tuning(self):
         import subprocess
-        from .runner import free_port, remove_shm_buffers
-        port = free_port()
+        from .runner import remove_shm_buffers
+        port = self.runner.next_port()
         optimal = self.optimal_command()
         command = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(port)] + optimal[1:]
         _say(f"launching the optimal configuration: {' '.join(optimal)}")

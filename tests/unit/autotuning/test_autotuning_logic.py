@@ -17,7 +17,7 @@ from deepspeed.autotuning.heterogeneous.search import TuningSearch
 from deepspeed.autotuning.heterogeneous.space import (AutotuningConfigError, Experiment, interpolate,
                                                       optimal_ds_config, parse_settings, parse_space,
                                                       replica_micro_batches)
-from deepspeed.autotuning.heterogeneous.tuner import EXPLORATION, _launcher_args, choose_next
+from deepspeed.autotuning.heterogeneous.tuner import EXPLORATION, _launcher_args, _master_port, choose_next
 from deepspeed.runtime.heterogeneous.planning.planner import TimeModel
 
 
@@ -194,6 +194,43 @@ def test_launcher_arguments_drop_autotuning_and_the_port():
     argv = ["--autotuning", "tune", "--num_nodes", "1", "--num_gpus", "2", "--master_port", "29500", "train.py",
             "--deepspeed_config", "ds.json"]
     assert _launcher_args(argv, "train.py") == ["--num_nodes", "1", "--num_gpus", "2"]
+
+
+def test_the_users_master_port_is_where_the_experiments_count_from():
+    from deepspeed.autotuning.heterogeneous.runner import ExperimentRunner
+    argv = ["--autotuning", "tune", "--num_gpus", "2", "--master_port", "29600", "train.py", "--master_port", "1"]
+    assert _master_port(argv, "train.py") == 29600  # the script's own flags are not the launcher's
+    assert _master_port(["--master_port=29700", "train.py"], "train.py") == 29700
+    assert _master_port(["--num_gpus", "2", "train.py"], "train.py") is None
+    with pytest.raises(AutotuningConfigError, match="--master_port 'x'"):
+        _master_port(["--master_port", "x", "train.py"], "train.py")
+    runner = ExperimentRunner([], "train.py", [], {}, 60, base_port=29600)
+    assert [runner.next_port() for _ in range(3)] == [29600, 29601, 29602]
+    free = ExperimentRunner([], "train.py", [], {}, 60).next_port()
+    assert 0 < free < 65536
+
+
+def test_only_orphaned_shared_memory_buffers_are_removed():
+    import os
+    import time
+    from deepspeed.autotuning.heterogeneous.runner import remove_orphaned_shm_buffers
+    tag = f"autotuning_test_{os.getpid()}"
+    paths = {name: f"/dev/shm/deepspeed_allreduce_buffer_{tag}_127.0.0.1_{port}_0"
+             for name, port in (("orphaned", 1), ("mapped", 2), ("new", 3))}
+    try:
+        for path in paths.values():
+            with open(path, "wb") as handle:
+                handle.write(b"x")
+        old = time.time() - 600
+        for name in ("orphaned", "mapped"):
+            os.utime(paths[name], (old, old))
+        removed = remove_orphaned_shm_buffers(min_age_s=60, mapped={paths["mapped"]})
+        assert paths["orphaned"] in removed and not os.path.exists(paths["orphaned"])
+        assert os.path.exists(paths["mapped"]) and os.path.exists(paths["new"])  # in use, or just created
+    finally:
+        for path in paths.values():
+            if os.path.exists(path):
+                os.unlink(path)
 
 
 # -- outcomes ------------------------------------------------------------------------------------

@@ -128,7 +128,7 @@ def test_tune_then_run_on_an_emulated_mixed_cluster(tmp_path):
                  "| z1 ", "| global "):
         assert line in output
     assert "[autotuning] experiment 1 (profiling run) profile_z1_gas1_tbs16: running" in output
-    assert "[autotuning] experiment 2/" in output and "ETA" in output
+    assert "[autotuning] experiment 2 of " in output and " planned so far " in output and "ETA" in output
     optimal = json.loads((tmp_path / "autotuning_results" / "ds_config_optimal.json").read_text())
     plan = optimal["heterogeneous_config"]
     assert optimal["train_batch_size"] == 16 and optimal["zero_optimization"]["stage"] == 1

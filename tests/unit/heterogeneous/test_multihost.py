@@ -83,10 +83,10 @@ def check_exact(results, case):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=lambda m: f"{case} rank {rank}: {m}")
 
 
-def launch(cluster, out, cases, timeout=420, env=None):
+def launch(cluster, out, cases, timeout=420, env=None, launcher="deepspeed"):
     run = cluster.launch_deepspeed(TRAIN, ["--out", out, "--cases", ",".join(cases)],
                                    env={**harness.fork_environment(), **(env or {})}, timeout=timeout,
-                                   master_port=harness.free_port())
+                                   master_port=harness.free_port(), launcher=launcher)
     assert run.ok, run.describe()
     return load_ranks(out, cluster.world_size), run
 
@@ -152,6 +152,22 @@ def test_uneven_hosts_two_ranks_and_one(cluster_machine, tmp_path):
         # The path from host 0 to host 1 runs at host 1's (slower) rate.
         assert 0.5 * RATE_MBIT / 2 * 1e6 < topology["leader_bandwidths"][1] * 8 < 1.05 * RATE_MBIT / 2 * 1e6
     assert results[0]["cases"]["compute_aware"]["device_local_ranks"] == [0, 1, 0]
+
+
+@pytest.mark.multiprocess
+def test_torchrun_on_every_host_as_docs_multihost_recipe_runs_it(cluster_machine, tmp_path):
+    """docs/multihost.md's torchrun recipe, the same command on every host (its node rank, host 0's
+    address): the fork finds the hosts from torchrun's GROUP_RANK and trains exactly."""
+    specs = [ec.HostSpec(ranks=1, rate_mbit=RATE_MBIT)] * 2
+    with ec.EmulatedCluster(specs) as cluster:
+        results, run = launch(cluster, tmp_path, ["zero2"], launcher="torchrun")
+    assert_nothing_left(cluster)
+    check_exact(results, "zero2")
+    for rank, result in enumerate(results):
+        assert result["env"]["CROSS_RANK"] is None and result["env"]["RANK"] == str(rank)
+        topology = result["cases"]["zero2"]["topology"]
+        assert topology["hosts"] == [0, 1] and topology["source"] == "GROUP_RANK", topology
+    assert "  topology: 2 hosts (ranks 0 | 1), inter-host " in run.outputs[0], run.outputs[0][-3000:]
 
 
 FAILING = """
