@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -312,11 +311,12 @@ OOM_SCRIPT = textwrap.dedent("""
 def test_the_launcher_says_which_rank_its_emulated_memory_killed(memory_cgroups, tmp_path):
     script = tmp_path / "hoard.py"
     script.write_text(OOM_SCRIPT)
-    started = time.monotonic()
     returncode, output = launch_deepspeed(script, num_ranks=2, timeout=120)
     assert returncode != 0, output[-4000:]
     assert "data-parallel rank 1 (pid" in output and "was killed by the kernel because it exceeded its emulated " \
            "memory" in output, output[-4000:]
     assert "memory_gb 0.01 + 0.25 GiB" in output, output[-4000:]
     assert "rank 1 was not stopped" not in output
-    assert time.monotonic() - started < 100  # the surviving rank fails, it does not wait out a timeout
+    # The surviving rank fails with its peer (the launcher ends it), it does not wait out a
+    # collective time-out; the launch's own 120 s guards a hang.
+    assert "Timeout" not in output and "timed out" not in output, output[-4000:]

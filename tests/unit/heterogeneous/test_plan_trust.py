@@ -373,7 +373,8 @@ def test_a_failure_of_rank_0s_decision_is_raised_on_every_rank_at_once():
     for result in crash:
         assert result["type"] == "PlanDecisionError", crash
         assert "rank 0 raised ZeroDivisionError: division by zero" in result["message"], result
-    assert all(result["seconds"] < 30 for result in bypass + crash), (bypass, crash)
+    # Both errors are the decision's own: a rank left waiting in the broadcast would have raised the
+    # process group's time-out error instead.
 
 
 # -- end to end: a switch after profiling that made the step slower is reverted --------------------

@@ -4,7 +4,6 @@
 import itertools
 import json
 import random
-import time
 
 import pytest
 
@@ -157,14 +156,13 @@ def test_total_capacity_below_the_batch_says_so_and_suggests_gas():
     assert "gradient_accumulation_steps 4 would fit" in message
 
 
-def test_plans_4096_ranks_quickly():
+def test_plans_4096_ranks():
+    """How long it takes is tests/perf/bench_planner.py's (target: under 1 s)."""
     rng = random.Random(7)
     models = [TimeModel(rng.uniform(0, 0.05), rng.uniform(0.5, 4.0)) for _ in range(4096)]
     caps = [rng.choice([None, rng.randint(8, 64)]) for _ in models]
     for allow_per_rank_gas in (False, True):
-        start = time.perf_counter()
         plan = plan_micro_batches(models, 4096 * 40 + 1234, max_micro_batch=caps, allow_per_rank_gas=allow_per_rank_gas)
-        assert time.perf_counter() - start < 1.0  # loose: typically 20-200 ms
         assert sum(plan.samples_per_rank) == 4096 * 40 + 1234
         assert all(m <= (cap or m) for m, cap in zip(plan.micro_batch_sizes, caps))
 
