@@ -18,9 +18,9 @@ from harness import run_subcases
 WIDTH, HIDDEN = 512, 2048  # compute-dominated: emulated speeds decide the step time
 PROFILE = 4
 CHECK_INTERVAL = 4
-STEPS = PROFILE + CHECK_INTERVAL + 3
+STEPS = PROFILE + 2 * CHECK_INTERVAL + 2
 FIRST_STOP = PROFILE + 2  # profiling done, the switch is two steps into its check window
-SECOND_STOP = PROFILE + CHECK_INTERVAL + 1  # one step after the revert
+SECOND_STOP = PROFILE + CHECK_INTERVAL + 1  # one step after the revert, into the comparison's interval
 
 
 def _plan(sizes):
@@ -165,17 +165,22 @@ def test_resume_in_a_verify_window_and_after_a_revert(tmp_path):
     assert first["window"] == FIRST_STOP - PROFILE and first["startup"] == [8, 8], first
     assert fast["loaded_first"] == first, (fast["loaded_first"], first)
 
-    # The check is due at step PROFILE + CHECK_INTERVAL, resumed or not, and reverts.
+    # The check is due at step PROFILE + CHECK_INTERVAL, resumed or not, and goes back to the
+    # start-up plan: the two profiling steps before the switch are too few to judge by, so the two
+    # plans are compared on one more interval, which keeps the start-up plan.
     assert plans[PROFILE - 1:PROFILE - 1 + CHECK_INTERVAL] == [profiled] * CHECK_INTERVAL, plans
     assert plans[PROFILE - 1 + CHECK_INTERVAL:] == [[8, 8]] * (STEPS - PROFILE + 1 - CHECK_INTERVAL), plans
     revert = (PROFILE + CHECK_INTERVAL, profiled, [8, 8], "revert")
     second = fast["saved_second"]
-    assert second["events"] == [revert] and second["phase"] == "static" and second["pending"] is None, second
-    assert second["reverted"] == [(profiled, 10)], second  # barred for RETRY_AFTER_CHECKS checks
+    assert second["events"] == [revert] and second["phase"] == "verifying", second
+    assert second["pending"] == [profiled, [8, 8]] and second["reverted"] == [], second  # comparing
 
-    # Resumed after the revert: static, nothing pending, the reverted plan still barred.
+    # Resumed in the comparison's interval: it goes on with the steps it measured, and ends with
+    # the start-up plan kept and the profiled one barred for RETRY_AFTER_CHECKS checks.
     assert fast["loaded_second"] == second, (fast["loaded_second"], second)
-    assert fast["end"]["events"] == [revert] and fast["end"]["phase"] == "static", fast["end"]
+    end = fast["end"]
+    assert end["events"] == [revert] and end["phase"] == "static" and end["pending"] is None, end
+    assert end["reverted"] == [(profiled, 10)], end
 
 
 def _clock_by_phase(rank, world_size, strategy, dynamic):

@@ -234,6 +234,21 @@ def test_a_switch_that_made_the_step_slower_is_reverted_and_not_retried_soon():
     assert again.rebalance and list(again.plan.micro_batch_sizes) == [25, 7]
 
 
+def test_a_slower_interval_against_two_steps_before_the_switch_is_compared_not_reverted():
+    """A real 2.5x difference was undone against a baseline of two (profiling) steps, "+53.0%, noise
+    bound 45.0%": so few steps before a switch are compared again on a whole interval instead."""
+    rebalancer = Rebalancer(None, retry_after_checks=3)
+    old, new = UNIFORM, _plan([26, 6])
+    rebalancer.switched(old, new, [0.60, 0.62], None, "switch after profiling")
+    first = rebalancer.judge_switch(new, [0.95, 0.92, 0.93, 0.94])
+    assert first.rebalance and first.revert and first.plan is old, first
+    assert "slower, but against 2 step(s) before the switch, too few to judge by" in first.reason, first.reason
+    assert rebalancer.pending is not None and rebalancer.pending.comparing
+    # The uniform split, measured on a whole interval, is the slower one: the switch comes back.
+    second = rebalancer.judge_switch(old, [1.5, 1.45, 1.55, 1.5])
+    assert second.rebalance and second.plan is new and second.reason.endswith("back to [26, 6]"), second.reason
+
+
 def test_a_faster_switch_is_kept():
     rebalancer = Rebalancer(None)
     old, new = UNIFORM, _plan([18, 14])
@@ -387,8 +402,9 @@ def _reverted_after_profiling(rank, world_size, steps):
     fitted steps give the noise gate a line with a degree of freedom), so the plan moves work to rank
     0; from the first step after profiling rank 0 runs at 0.05 and rank 1 at full speed (a
     neighbour's job moved), so the new plan is much slower than the start-up plan was. Without
-    dynamic rebalancing, one check CHECK_INTERVAL steps after profiling compares the two and
-    reverts."""
+    dynamic rebalancing, one check CHECK_INTERVAL steps after profiling goes back to the start-up
+    plan: the steps before the switch (profiling's at the start-up plan) are too few to judge by,
+    so that plan runs one more interval, and the comparison of the two on all their steps keeps it."""
     import deepspeed
 
     torch.manual_seed(0)
@@ -423,14 +439,15 @@ PROFILE = 4
 
 @pytest.mark.multiprocess
 def test_a_switch_after_profiling_that_made_the_step_slower_is_reverted():
-    steps = PROFILE + CHECK_INTERVAL + 3
+    steps = PROFILE + 2 * CHECK_INTERVAL + 2
     fast, slow = run_subcases(_reverted_after_profiling, [dict(steps=steps)], world_size=2, timeout=600)[0]
     assert fast["plans"] == slow["plans"] and fast["events"] == slow["events"]
     plans = fast["plans"]  # plans[k]: the plan in force after step k + 1
     profiled = plans[PROFILE - 1]
     assert profiled[0] > profiled[1], plans  # profiling moved work to rank 0, then fast
     assert plans[PROFILE - 1:PROFILE - 1 + CHECK_INTERVAL] == [profiled] * CHECK_INTERVAL, plans
-    # The check at step PROFILE + CHECK_INTERVAL reverted to the start-up plan, and no check follows.
+    # The check at step PROFILE + CHECK_INTERVAL went back to the start-up plan, the comparison an
+    # interval later kept it (rank 0, now at 0.05, is far slower with the profiled plan's work).
     assert plans[PROFILE - 1 + CHECK_INTERVAL:] == [[8, 8]] * (steps - PROFILE + 1 - CHECK_INTERVAL), plans
     assert fast["events"] == [(PROFILE + CHECK_INTERVAL, profiled, [8, 8], "revert")], fast["events"]
     assert not fast["verifying"] and not fast["pending"]

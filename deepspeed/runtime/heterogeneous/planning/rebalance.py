@@ -233,12 +233,18 @@ class Rebalancer:
                     f"scheduler.check_interval steps after the switch)")
         if slowdown <= 0:
             return Decision(False, -slowdown, f"{observed}: kept")
-        if slowdown <= bound:
+        # A baseline of fewer steps than a judgement needs (profiling's steps at the start-up plan
+        # may be one or two, early steps at that) is no evidence against a whole interval: a real
+        # 2.5x difference was undone against two such steps. Compare the two plans on more steps.
+        short = len(pending.before) < MIN_STEPS_TO_JUDGE
+        if slowdown <= bound or short:
+            why = ("slower, within the noise" if slowdown <= bound else
+                   f"slower, but against {len(pending.before)} step(s) before the switch, too few to judge by")
             # Run the plan before again for one interval; the models that chose this one go along.
             self.pending = PendingSwitch(plan, pending.old_plan, self.reference_models, list(after), pending.label,
                                          comparing=True, earlier=list(pending.before))
             self.plan_chosen(pending.old_models or balanced_models(pending.old_plan))
-            return Decision(True, -slowdown, f"{observed}: slower, within the noise; back to "
+            return Decision(True, -slowdown, f"{observed}: {why}; back to "
                             f"{list(pending.old_plan.micro_batch_sizes)} for one interval, to compare the two "
                             f"plans on more steps", pending.old_plan, revert=True)
         self.reverted[plan_key(pending.new_plan)] = self.retry_after_checks
