@@ -41,6 +41,11 @@ the JSON keeps every run's throughput, plan and load average. Prints a table and
     make perf                                                    # all benchmarks
     python tests/perf/bench_load_balancing.py                    # this one (from the repository root)
     python tests/perf/bench_load_balancing.py --stages 3 --speeds 1.0 0.55 --repeats 2
+    python tests/perf/bench_load_balancing.py --stages 2 --speeds 1.0 0.55 --sweep --no-ceiling
+
+``--sweep`` (2 ranks) also measures the static splits [16, 16], [18, 14], ..., [30, 2] with the
+manual strategy in the same window of steps as compute_aware (steps 7-14, the first 16 steps
+holding profiling and that window): compute_aware over the best of them, target 0.95.
 """
 
 import json
@@ -65,6 +70,7 @@ MEASURED_STEPS = 8
 BREAKDOWN_STEPS = 4  # after the measured ones, ZeRO-3 only: profiler + per-kind collective time
 TARGETS = {0: 0.90, 1: 0.90, 2: 0.90, 3: 0.85}
 CEILING_TARGET = 0.95
+BEST_STATIC_TARGET = 0.95  # compute_aware over the best static split of the sweep (--sweep)
 RESULTS = REPO / "tests" / "perf" / "results" / "load_balancing.json"
 
 
@@ -105,7 +111,7 @@ class CollectiveKinds:
 
 
 def _train(rank, world_size, stage, strategy, speeds, global_batch, mode, breakdown, zero3_settings, zero_extra=None,
-           memory=None):
+           memory=None, manual=None):
     """One run; returns rank 0's samples/s over the measured steps, the plan in force and, with
     ``breakdown``, where each rank's time went in a few more steps."""
     import torch
@@ -129,6 +135,8 @@ def _train(rank, world_size, stage, strategy, speeds, global_batch, mode, breakd
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "torch_adam": True}},
         "heterogeneous_config": {"enabled": True, "load_balancing_strategy": strategy, "profile_steps": PROFILE_STEPS},
     }
+    if manual is not None:  # a static split of the sweep
+        config["heterogeneous_config"]["micro_batch_sizes"] = list(manual)
     if emulated:
         config["heterogeneous_config"]["emulation"] = {"speeds": list(speeds), "mode": mode}
     if memory is not None:
@@ -177,10 +185,11 @@ def _train(rank, world_size, stage, strategy, speeds, global_batch, mode, breakd
     return result
 
 
-def measure(stage, strategy, speeds, mode="auto", breakdown=False, zero3_settings="fork", zero_extra=None, memory=None):
+def measure(stage, strategy, speeds, mode="auto", breakdown=False, zero3_settings="fork", zero_extra=None, memory=None,
+            manual=None):
     results = run_ranks(_train, world_size=len(speeds), timeout=900,
                         args=(stage, strategy, speeds, GLOBAL_BATCH, mode, breakdown, zero3_settings, zero_extra,
-                              memory))
+                              memory, manual))
     first = dict(results[0])
     # The emulation in force is the slowest rank's (a full-speed rank is not emulated).
     first["emulation"] = results[min(range(len(speeds)), key=lambda r: speeds[r])]["emulation"]
@@ -264,7 +273,7 @@ def stage_modes(stage, modes):
 
 
 def run(stages=(0, 1, 2, 3), speeds=SPEEDS, modes=None, ceiling=True, repeats=1, zero3_settings="fork",
-        results=RESULTS):
+        results=RESULTS, sweep=False):
     speeds = tuple(speeds)
     wanted = []
     for stage in stages:
@@ -321,6 +330,19 @@ def run(stages=(0, 1, 2, 3), speeds=SPEEDS, modes=None, ceiling=True, repeats=1,
                     "target_fraction_of_ceiling": CEILING_TARGET,
                     "meets_ceiling_target": balanced["samples_per_s"] / ceiling_value >= CEILING_TARGET,
                 })
+            if sweep and len(speeds) == 2:
+                # Static splits around the speed ratio, each in the same window compute_aware is
+                # measured in (steps 7-14: within the first 16, profiling included before them).
+                row["sweep"] = []
+                for extra in range(0, GLOBAL_BATCH // 2, 2):
+                    split = [GLOBAL_BATCH // 2 + extra, GLOBAL_BATCH // 2 - extra]
+                    static = _median_run(repeats, stage, "manual", speeds, mode=mode, zero3_settings=zero3_settings,
+                                         manual=split)
+                    row["sweep"].append({"plan": split, "samples_per_s": static["samples_per_s"]})
+                best = max(row["sweep"], key=lambda entry: entry["samples_per_s"])
+                row.update(best_static_plan=best["plan"], best_static_samples_per_s=best["samples_per_s"],
+                           fraction_of_best_static=balanced["samples_per_s"] / best["samples_per_s"],
+                           target_fraction_of_best_static=BEST_STATIC_TARGET)
             if "breakdown" in balanced:
                 row["breakdown"] = {"compute_aware": balanced["breakdown"]}
                 if homogeneous is not None and "breakdown" in homogeneous:
@@ -358,6 +380,14 @@ def print_table(report):
                      f"{row['fraction_of_ceiling_best']:>9.1%}")
         print(line)
     for row in report["stages"]:
+        if "sweep" in row:
+            splits = ", ".join(f"{entry['plan']} {entry['samples_per_s']:.1f}" for entry in row["sweep"])
+            print(f"\nZeRO-{row['zero_stage']} ({row['emulation']}) static splits, samples/s: {splits}")
+            print(f"  compute_aware {row['compute_aware_samples_per_s']:.1f} at {row['compute_aware_plan']} = "
+                  f"{row['fraction_of_best_static']:.1%} of the best static split {row['best_static_plan']} "
+                  f"(target {row['target_fraction_of_best_static']:.0%}: "
+                  f"{'met' if row['fraction_of_best_static'] >= row['target_fraction_of_best_static'] else 'MISSED'})")
+    for row in report["stages"]:
         for run_name, breakdown in row.get("breakdown", {}).items():
             emulation = row["emulation"] if run_name != "homogeneous" else "none"
             print(f"\nZeRO-{row['zero_stage']} {run_name} ({emulation}), "
@@ -386,6 +416,8 @@ if __name__ == "__main__":
     parser.add_argument("--zero3-settings", choices=["fork", "upstream"], default="fork",
                         help="'upstream': upstream's ZeRO-3 defaults set in the config (the fork's choice bypassed)")
     parser.add_argument("--output", type=Path, default=RESULTS, help="JSON path")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also measure static splits (manual) around the speed ratio, 2 ranks: the best static split")
     options = parser.parse_args()
     if any(not 0.0 < speed <= 1.0 for speed in options.speeds) or len(options.speeds) < 2:
         parser.error(f"--speeds: at least two values in (0, 1], got {options.speeds}")
@@ -393,4 +425,4 @@ if __name__ == "__main__":
         parser.error(f"--repeats must be >= 1, got {options.repeats}")
     os.chdir(REPO)
     run(options.stages, options.speeds, options.modes, options.ceiling, options.repeats, options.zero3_settings,
-        options.output.resolve())
+        options.output.resolve(), options.sweep)

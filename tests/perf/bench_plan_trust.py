@@ -14,9 +14,14 @@ Workloads, 2 ranks, ZeRO-1, global batch 32, one torch thread per rank:
 - compute-dominated: the small GPT of bench_load_balancing.py, rank 1 at 0.4, once: compute_aware
   must keep today's gain over uniform.
 
+Beside busy loops (``--busy N``, default 2 spinning processes, the same two MLP rows again):
+identical ranks that one busy core makes look different must not hold a lopsided plan (one share
+over 1.5x another) past the first check window; a real 0.4 must keep its plan.
+
 Each run trains with compute_aware and 3 profiling steps (``PROFILE_STEPS``), past
 the post-profiling check (check_interval steps after profiling, where a switch that made the step
-slower is reverted). Then, in the same processes, it alternates blocks of BLOCK steps at the plan
+slower is reverted) and a comparison's interval after it, counting the steps past the first check
+that ran a lopsided plan. Then, in the same processes, it alternates blocks of BLOCK steps at the plan
 compute_aware settled on and at the uniform split (the same engine switching plans at step
 boundaries, as a rebalance does), ROUNDS times: the two plans are measured side by side under
 the same load, which a 2-core machine shared with other jobs makes essential (separate runs of a
@@ -24,11 +29,12 @@ the same load, which a 2-core machine shared with other jobs makes essential (se
 a barrier before each). Targets (reported, not asserted): compute_aware >= 0.97x uniform's
 throughput in every communication-dominated run; on the compute-dominated model >= 1.3x.
 
-    python tests/perf/bench_plan_trust.py [--repeats N]     (from the repository root)
+    python tests/perf/bench_plan_trust.py [--repeats N] [--busy N]     (from the repository root)
 """
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,6 +51,8 @@ PROFILE_STEPS = 3  # below the default (5): fewer measurements per rank, the har
 CHECK_INTERVAL = 20  # the default: the post-profiling check runs 20 steps after profiling
 BLOCK = {"mlp": 4, "gpt": 3}
 ROUNDS = {"mlp": 20, "gpt": 2}
+BUSY = 2  # spinning processes beside the ranks in the busy rows
+LOPSIDED = 1.5  # a plan whose largest share is more than this times the smallest
 TARGET_COMM = 0.97
 TARGET_COMPUTE = 1.3
 RESULTS = REPO / "tests" / "perf" / "results" / "plan_trust.json"
@@ -56,9 +64,24 @@ def _mlp():
     return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 64))
 
 
-def _run(rank, world_size, workload, speeds):
+def _lopsided(plan):
+    return max(plan) > LOPSIDED * min(plan)
+
+
+def _run(rank, world_size, workload, speeds, busy=0):
     """One compute_aware run; returns the step times of its plan and of the uniform split, measured
-    in alternating blocks after the post-profiling check, and the plans it went through."""
+    in alternating blocks after the post-profiling check, and the plans it went through. ``busy``
+    spinning processes run beside the ranks (started by rank 0): a machine with other work."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)] if rank == 0 else []
+    try:
+        return _measured(world_size, workload, speeds)
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+
+
+def _measured(world_size, workload, speeds):
     import contextlib
     import io
 
@@ -95,8 +118,10 @@ def _run(rank, world_size, workload, speeds):
     runtime = engine._heterogeneous_runtime()
     batches = iter(loader)
     plans = [list(engine.heterogeneous_plan.micro_batch_sizes)]
+    per_step = []  # the plan each training step ran
 
     def step():
+        per_step.append(list(engine.heterogeneous_plan.micro_batch_sizes))
         engine.backward(loss_of(next(batches)))
         engine.step()
         plan = list(engine.heterogeneous_plan.micro_batch_sizes)
@@ -112,10 +137,13 @@ def _run(rank, world_size, workload, speeds):
             times.append(time.perf_counter() - start)
         return times
 
-    for _ in range(PROFILE_STEPS + CHECK_INTERVAL + 2):
+    # Past the first check after profiling and a comparison's interval, where one follows.
+    for _ in range(PROFILE_STEPS + 2 * CHECK_INTERVAL + 2):
         step()
     chosen = engine.heterogeneous_plan
     trained = list(plans)  # the training's plans; the benchmark's block switches are not recorded
+    first_check = PROFILE_STEPS + CHECK_INTERVAL  # steps after it: past the first check window
+    held = sum(_lopsided(plan) for plan in per_step[first_check:])
     uniform = plan_micro_batches([TimeModel(0.0, 1.0)] * world_size, GLOBAL_BATCH, 1, "uniform")
     times = {"compute_aware": [], "uniform": []}
     for round_index in range(ROUNDS[workload]):
@@ -127,7 +155,8 @@ def _run(rank, world_size, workload, speeds):
             times[label] += timed(BLOCK[workload])
     mode = runtime.emulation_mode
     runtime.close()  # leave the CPU-quota cgroup before the next case
-    return {"times": times, "plans": trained, "emulation": mode}
+    return {"times": times, "plans": trained, "emulation": mode, "lopsided_after_first_check": held,
+            "steps_after_first_check": len(per_step) - first_check}
 
 
 def _median(values):
@@ -136,9 +165,12 @@ def _median(values):
     return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
 
 
-def run(repeats=REPEATS):
+def run(repeats=REPEATS, busy=BUSY):
     cases = [dict(workload="mlp", speeds=speeds) for speeds in ((1.0, 1.0), (1.0, SLOW)) for _ in range(repeats)]
     cases.append(dict(workload="gpt", speeds=(1.0, SLOW)))
+    if busy:
+        cases += [dict(workload="mlp", speeds=speeds, busy=busy) for speeds in ((1.0, 1.0), (1.0, SLOW))
+                  for _ in range(repeats)]
     started = time.perf_counter()
     results = run_subcases(_run, cases, world_size=2, timeout=1800)
     elapsed = time.perf_counter() - started
@@ -149,7 +181,9 @@ def run(repeats=REPEATS):
         ratio = uniform / aware  # compute_aware's throughput over uniform's
         target = TARGET_COMM if case["workload"] == "mlp" else TARGET_COMPUTE
         report["runs"].append({
-            "workload": case["workload"], "speeds": list(case["speeds"]), "emulation": rank1["emulation"],
+            "workload": case["workload"], "speeds": list(case["speeds"]), "busy_loops": case.get("busy", 0),
+            "lopsided_after_first_check": rank0["lopsided_after_first_check"],
+            "steps_after_first_check": rank0["steps_after_first_check"], "emulation": rank1["emulation"],
             "uniform_step_s": uniform, "compute_aware_step_s": aware, "compute_aware_plans": rank0["plans"],
             "same_split_as_uniform": rank0["plans"][-1] == [GLOBAL_BATCH // 2] * 2,
             "throughput_ratio": ratio, "target": target, "meets_target": ratio >= target})
@@ -163,13 +197,17 @@ def run(repeats=REPEATS):
 def print_table(report):
     print(f"\nplan trust: compute_aware vs uniform, 2 ranks, ZeRO-1, global batch {report['global_batch']}, "
           f"{report['elapsed_s']:.0f} s")
-    print(f"{'workload':>8}  {'speeds':>10}  {'uniform ms':>10}  {'aware ms':>8}  {'aware/uniform':>13}  "
+    print(f"{'workload':>8}  {'busy':>4}  {'speeds':>10}  {'uniform ms':>10}  {'aware ms':>8}  {'aware/uniform':>13}  "
           f"{'target':>6}  plans of compute_aware")
     for row in report["runs"]:
-        print(f"{row['workload']:>8}  {str(row['speeds']):>10}  {1e3 * row['uniform_step_s']:>10.2f}  "
+        print(f"{row['workload']:>8}  {row['busy_loops']:>4}  {str(row['speeds']):>10}  {1e3 * row['uniform_step_s']:>10.2f}  "
               f"{1e3 * row['compute_aware_step_s']:>8.2f}  {row['throughput_ratio']:>12.3f}x  "
               f"{row['target']:>5.2f}{'' if row['meets_target'] else '!'}{'=' if row['same_split_as_uniform'] else ' '} "
               f"{' -> '.join(map(str, row['compute_aware_plans']))}")
+    equal = [row for row in report["runs"] if row["speeds"][0] == row["speeds"][1]]
+    held = [row for row in equal if row["lopsided_after_first_check"]]
+    print(f"identical ranks: a plan with one rank's share over {LOPSIDED:g}x another's held past the first check "
+          f"window in {len(held)} of {len(equal)} runs (target: none)")
     missed = [row for row in report["runs"] if not row["meets_target"]]
     print(f"targets met in {len(report['runs']) - len(missed)} of {len(report['runs'])} runs "
           f"(emulation: {report['runs'][-1]['emulation']}); '=': compute_aware kept the uniform split, so the "
@@ -180,5 +218,7 @@ if __name__ == "__main__":
     import argparse
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=REPEATS)
+    parser.add_argument("--busy", type=int, default=BUSY, help="busy loops beside the ranks in the extra rows (0: none)")
     os.chdir(REPO)
-    run(parser.parse_args().repeats)
+    arguments = parser.parse_args()
+    run(arguments.repeats, arguments.busy)
