@@ -124,5 +124,8 @@ def test_time_dilation_stretches_the_compute_before_each_collective():
                                                                                world_size=2, timeout=120)
     assert mode0 == "none" and mode1 == "dilation"
     assert waited0 >= 0.1, f"the fast rank waited {waited0:.3f} s at the collective, expected about 0.12"
-    assert 0.055 <= closing1 < 0.15, f"the closing sleep was {closing1:.3f} s, expected about 0.06"
+    # At least the 60 ms the stretch adds (a sleep never ends early); an upper bound would measure
+    # the machine's load, not the dilation (180 ms would mean the compute before the collective was
+    # stretched again: tests/unit/heterogeneous/test_emulation_note.py's pure checks cover the rule).
+    assert closing1 >= 0.055, f"the closing sleep was {closing1:.3f} s, expected about 0.06"
     assert cleared0 and cleared1, "the dilation hook must not outlive the micro-step"

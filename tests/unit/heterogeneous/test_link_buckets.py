@@ -148,9 +148,10 @@ def test_the_measured_link_sets_the_optimizers_buckets_on_every_rank():
     assert user_set[0]["reduce"] == 3_000_000
     assert user_set[0]["allgather"] == link_bucket_elements(user_set[0]["bandwidth"])
 
-    # 1 GiB ranks: adaptive chunking's 2% (5.4e6 elements) is below loopback's link size: it wins
-    # (aligned: ZeRO-2 refuses chunking's odd 5,368,709 elements).
+    # 1 GiB ranks: adaptive chunking's 2% (5.4e6 elements) against loopback's link size: the smaller
+    # wins (aligned: ZeRO-2 refuses chunking's odd 5,368,709 elements). Which one is smaller depends
+    # on the loopback speed measured (usually the chunk); the rule is what is asserted.
     chunk = chunked[0]["chunks"]["reduce_bucket_size"]
-    assert chunk < link_bucket_elements(chunked[0]["bandwidth"])
-    assert chunked[0]["reduce"] == chunked[0]["allgather"] == chunk // 1024 * 1024
+    expected = min(chunk // 1024 * 1024, link_bucket_elements(chunked[0]["bandwidth"]))
+    assert chunked[0]["reduce"] == chunked[0]["allgather"] == expected, (chunk, chunked[0])
     assert chunked[0]["state"]["reduce_bucket_size"] == chunked[0]["reduce"]
