@@ -194,10 +194,13 @@ class HeterogeneousState:
             # that runs without the fork, ends here with an error naming it rather than in a hang.
             check_settings_agree(summary)
             # Agreed above, so every rank raises alike.
-            problem = accelerate_world_problem(processes, _job_world_size(), get_accelerator().device_name())
-            if problem:
+            error, problem = accelerate_world_problem(processes, _job_world_size(), get_accelerator().device_name(),
+                                                      param_dict)
+            if error:
                 one_line_config_errors()
                 raise HeterogeneousConfigError(problem)
+            if problem and _job_rank() == 0:
+                logger.warning(problem)
             devices = gather_local_devices(settings, state.dp_rank, int(world_size), state.emulated_rank)
             _cluster_facts[key] = (devices, discover_topology(state.dp_rank, int(world_size)))
         state.devices, state.topology = _cluster_facts[key]
@@ -316,6 +319,11 @@ def _cluster_key(summary, dp_rank, world_size):
 def _job_world_size():
     from deepspeed import comm as dist
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _job_rank():
+    from deepspeed import comm as dist
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _pipeline_process_count(mpu, world_size):

@@ -107,17 +107,28 @@ def accelerate_process_count():
     return int(count) if count is not None else None
 
 
-def accelerate_world_problem(count, world_size, accelerator_name):
-    """The error where accelerate counted another number of processes than the job has, else None.
+def accelerate_world_problem(count, world_size, accelerator_name, param_dict=None):
+    """``(error, message)`` where accelerate counted another number of processes than the job has,
+    else ``(False, None)``.
 
-    On a machine without a GPU, ``TrainingArguments`` without ``use_cpu=True`` leaves accelerate
-    with no backend: it counts one process, the Trainer sizes the global batch for one, and the
-    ranks are then fed the wrong samples."""
+    On a machine without a GPU, ``TrainingArguments`` without ``use_cpu=True`` (and
+    ``Accelerator()`` without ``cpu=True``, as ``accelerate launch`` without ``--cpu`` starts it)
+    leaves accelerate with no backend: it counts one process and shards no data loader. Where the
+    config's batch was sized for that count (``train_batch_size`` = micro-batch x gas x count: the
+    Trainer fills it so) the ranks would be fed the wrong number of samples: an error. Otherwise
+    the job runs, but every rank iterates the whole of a loader accelerate prepared: a warning."""
     if count is None or count == world_size:
-        return None
-    fix = ("pass TrainingArguments(use_cpu=True) (or set ACCELERATE_USE_CPU=1): without it, on a machine without a "
-           "GPU, accelerate finds no distributed backend and counts one process"
+        return False, None
+    fix = ("pass TrainingArguments(use_cpu=True) or Accelerator(cpu=True) (or set ACCELERATE_USE_CPU=1): without "
+           "it, on a machine without a GPU, accelerate finds no distributed backend and counts one process"
            if accelerator_name == "cpu" else "launch every rank through the same launcher accelerate was set up for")
-    return (f"deepspeed-hetero: transformers/accelerate set this job up for {count} process(es), but "
-            f"{world_size} ranks run it, so the Trainer would size the global batch and split the data for "
-            f"{count}; {fix}")
+    batch = [(param_dict or {}).get(key) for key in
+             ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")]
+    sized_for_count = all(isinstance(v, int) for v in batch) and batch[0] == batch[1] * batch[2] * count
+    if sized_for_count:
+        return True, (f"deepspeed-hetero: transformers/accelerate set this job up for {count} process(es), but "
+                      f"{world_size} ranks run it, and sized the global batch for {count} (train_batch_size "
+                      f"{batch[0]}); {fix}")
+    return False, (f"deepspeed-hetero: accelerate set this job up for {count} process(es), but {world_size} ranks "
+                   f"run it: a data loader it prepares is not sharded across the ranks, so every rank iterates "
+                   f"all of it; {fix}, or shard the loader yourself")
