@@ -23,14 +23,13 @@ Writes tests/perf/results/emulation.json.
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "tests" / "unit")]
 
-from harness import run_subcases  # noqa: E402
+from harness import busy_loops, run_subcases  # noqa: E402
 
 SPEEDS = [1.0, 0.4]
 ASKED = SPEEDS[0] / SPEEDS[1]
@@ -44,8 +43,7 @@ def _run(rank, world_size, mode, busy):
     import torch
     import deepspeed
     from deepspeed.runtime.heterogeneous.measure import comm_clock
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)] if rank == 0 else []
-    try:
+    with busy_loops(busy if rank == 0 else 0):
         config = {"train_batch_size": GLOBAL_BATCH, "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
                   "steps_per_print": 10**6,
                   "heterogeneous_config": {"enabled": True, "emulation": {"speeds": SPEEDS, "mode": mode},
@@ -74,10 +72,6 @@ def _run(rank, world_size, mode, busy):
                 "check": None if check is None or check.achieved is None else check.achieved,
                 "fell_back": bool(check is not None and check.fell_back),
                 "micro_step_s": gathered, "slowdown": gathered[1] / gathered[0]}
-    finally:
-        for spinner in spinners:
-            spinner.kill()
-            spinner.wait()
 
 
 def main():

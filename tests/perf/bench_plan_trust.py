@@ -34,7 +34,6 @@ throughput in every communication-dominated run; on the compute-dominated model 
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,7 +41,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "tests" / "unit")]
 
-from harness import run_subcases  # noqa: E402
+from harness import busy_loops, run_subcases  # noqa: E402
 
 GLOBAL_BATCH = 32
 SLOW = 0.4
@@ -72,13 +71,8 @@ def _run(rank, world_size, workload, speeds, busy=0):
     """One compute_aware run; returns the step times of its plan and of the uniform split, measured
     in alternating blocks after the post-profiling check, and the plans it went through. ``busy``
     spinning processes run beside the ranks (started by rank 0): a machine with other work."""
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)] if rank == 0 else []
-    try:
+    with busy_loops(busy if rank == 0 else 0):
         return _measured(world_size, workload, speeds)
-    finally:
-        for spinner in spinners:
-            spinner.kill()
-            spinner.wait()
 
 
 def _measured(world_size, workload, speeds):

@@ -53,6 +53,38 @@ _port_lock = threading.Lock()
 _report = None
 
 
+def require_cpu_quotas(min_cores=1):
+    """Skip the calling test, saying why, where CPU-quota cgroups cannot be used (not root, no cpu
+    controller, fewer than ``min_cores`` cores); fail instead under CI, which must run it."""
+    reason = None
+    if os.geteuid() != 0:
+        reason = "not root"
+    else:
+        from deepspeed.runtime.heterogeneous.measure.cgroup_files import find_hierarchy
+        if find_hierarchy("cpu") is None:
+            reason = "no cpu cgroup controller"
+        elif len(os.sched_getaffinity(0)) < min_cores:
+            reason = f"fewer than {min_cores} cores"
+    if reason:
+        import pytest
+        assert os.environ.get("CI") != "true", f"CI must run the CPU-quota tests: {reason}"
+        pytest.skip(f"CPU-quota cgroups unusable here: {reason}")
+
+
+@contextlib.contextmanager
+def busy_loops(count, core=None):
+    """``count`` processes spinning beside the caller (on ``core`` alone, when given) until the
+    block ends: a machine with other work. They are killed on exit, also on failure."""
+    pin = f"import os\nos.sched_setaffinity(0, {{{core}}})\n" if core is not None else ""
+    spinners = [subprocess.Popen([sys.executable, "-c", pin + "while True:\n    pass\n"]) for _ in range(count)]
+    try:
+        yield spinners
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+
+
 def free_port():
     """Return a TCP port that is free on 127.0.0.1 and was not handed out before by this process.
 

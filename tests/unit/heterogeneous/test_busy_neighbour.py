@@ -13,42 +13,22 @@ that both ranks hold. Whether that plan is never slower than uniform's is a timi
 """
 
 import os
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
-from harness import run_subcases
+from harness import busy_loops, require_cpu_quotas, run_subcases
 
 WIDTH, HIDDEN, BATCH, PROFILE, CHECK_INTERVAL, STEPS = 512, 4096, 16, 5, 4, 24
 LAST = 8  # the steps at the plan that stays (after profiling, its check and a comparison: 13 steps)
-
-
-def _cpu_cgroups_unusable():
-    if os.geteuid() != 0:
-        return "not root"
-    from deepspeed.runtime.heterogeneous.measure.cgroup_files import find_hierarchy
-    if find_hierarchy("cpu") is None:
-        return "no cpu cgroup controller"
-    if len(os.sched_getaffinity(0)) < 2:
-        return "fewer than 2 cores"
-    return None
-
-
-def _spinner(core):
-    """A process that keeps ``core`` busy until killed."""
-    code = f"import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True:\n    pass\n"
-    return subprocess.Popen([sys.executable, "-c", code])
 
 
 def _run(rank, world_size, strategy):
     import deepspeed
     cores = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cores[rank % len(cores)]})
-    spinners = [_spinner(cores[0]) for _ in range(2)] if rank == 0 else []
-    try:
+    with busy_loops(2 if rank == 0 else 0, core=cores[0]):
         heterogeneous = {"enabled": True, "emulation": {"speeds": [1.0, 0.5], "mode": "cgroup"}}
         if strategy == "uniform":
             heterogeneous.update(load_balancing_strategy="manual", micro_batch_sizes=[8, 8])
@@ -72,18 +52,11 @@ def _run(rank, world_size, strategy):
             walls.append(time.perf_counter() - began)
             plans.append(list(engine.heterogeneous_plan.micro_batch_sizes))
         return {"walls": walls, "plans": plans}
-    finally:
-        for spinner in spinners:
-            spinner.kill()
-            spinner.wait()
 
 
 @pytest.mark.multiprocess
 def test_a_busy_neighbour_of_the_fast_rank_ends_on_one_agreed_plan():
-    reason = _cpu_cgroups_unusable()
-    if reason:
-        assert os.environ.get("CI") != "true", f"CI must run the CPU-quota tests: {reason}"
-        pytest.skip(f"CPU-quota emulation unusable here: {reason}")
+    require_cpu_quotas(min_cores=2)
     (fork, other), = run_subcases(_run, [dict(strategy="compute_aware")], world_size=2, timeout=600)
     assert fork["plans"] == other["plans"]
     # The last steps ran the plan that stays (the switch after profiling was judged by then).

@@ -60,12 +60,8 @@ class _Ranks:
 
 @pytest.fixture
 def cpu_quotas():
-    import os
-    from deepspeed.runtime.heterogeneous.measure.cgroup_files import find_hierarchy
-    reason = "not root" if os.geteuid() != 0 else "no cpu cgroup controller" if find_hierarchy("cpu") is None else None
-    if reason:
-        assert os.environ.get("CI") != "true", f"CI must run the CPU-quota tests: {reason}"
-        pytest.skip(f"CPU-quota cgroups unusable here: {reason}")
+    from harness import require_cpu_quotas
+    require_cpu_quotas()
 
 
 def test_a_quota_that_misses_its_speed_falls_back_to_dilation_under_auto(cpu_quotas):

@@ -11,29 +11,17 @@ achieved slowdown under load is measured by tests/perf/bench_emulation.py); the 
 check does not run, the ranks decide differently, or the decision is not acted on.
 """
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from harness import run_subcases
+from harness import busy_loops, require_cpu_quotas, run_subcases
 
 WIDTH, BATCH, STEPS = 64, 16, 3
 
 
-def _cpu_quotas_unusable():
-    if os.geteuid() != 0:
-        return "not root"
-    from deepspeed.runtime.heterogeneous.measure.cgroup_files import find_hierarchy
-    return "no cpu cgroup controller" if find_hierarchy("cpu") is None else None
-
-
 def _train(rank, world_size, busy):
     import deepspeed
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)] if rank == 0 else []
-    try:
+    with busy_loops(busy if rank == 0 else 0):
         config = {"train_batch_size": BATCH, "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
                   "heterogeneous_config": {"enabled": True, "emulation": {"speeds": [1.0, 0.4]},
                                            "load_balancing_strategy": "manual", "micro_batch_sizes": [8, 8]}}
@@ -48,18 +36,11 @@ def _train(rank, world_size, busy):
         check = limits.speed_check
         return {"check": (check.mode, check.asked, check.achieved, check.fell_back, check.holds),
                 "mode": limits.mode, "quota": limits.emulator is not None and limits.emulator._cgroup is not None}
-    finally:
-        for spinner in spinners:
-            spinner.kill()
-            spinner.wait()
 
 
 @pytest.mark.multiprocess
 def test_the_speed_check_is_agreed_and_acted_on_beside_busy_loops():
-    reason = _cpu_quotas_unusable()
-    if reason:
-        assert os.environ.get("CI") != "true", f"CI must run the CPU-quota tests: {reason}"
-        pytest.skip(f"CPU-quota emulation unusable here: {reason}")
+    require_cpu_quotas()
     for first, second in run_subcases(_train, [dict(busy=2), dict(busy=0)], world_size=2, timeout=300):
         assert first["check"] == second["check"], (first, second)  # decided from the same gathered times
         mode, asked, achieved, fell_back, holds = first["check"]
