@@ -7,6 +7,8 @@ Entry points:
 - ``run_subcases(fn, cases, ...)``: run many parameter sets inside one spawned group, so that
   process start-up and ``import deepspeed`` (seconds each) are paid once.
 - ``launch_deepspeed(script, ...)``: run a script under the real ``deepspeed`` launcher.
+- ``VirtualDevice``: a rank whose timers read a clock that only its model's work moves, for
+  tests of what the fork decides from measured times (the decision is then the same in every run).
 - ``warm_shm_comm_op(...)``: build the JIT op every rank loads at start-up, once, before ranks
   race for its build directory (``tests/conftest.py`` calls it once per session).
 
@@ -83,6 +85,54 @@ def busy_loops(count, core=None):
         for spinner in spinners:
             spinner.kill()
             spinner.wait()
+
+
+class VirtualDevice:
+    """A device whose time is virtual: while ``installed()``, ``time.perf_counter`` (which every
+    timer of the fork reads) returns a clock that moves only when the model calls ``compute`` for
+    its rows, by ``rows * seconds_per_sample / speed``, and by one nanosecond per reading (so that
+    a loop waiting for time to pass ends). Collectives then take no time, a rank's own time is its
+    work, and the slowest rank's own time is the step's: the fork decides from times that are the
+    same in every run, on a quiet machine or a loaded one. Set ``speed`` before each step to follow
+    a schedule. Real time (``time.monotonic``, ``time.time``: timeouts, logs) is untouched."""
+
+    TICK_S = 1e-9
+
+    def __init__(self, seconds_per_sample, speed=1.0):
+        self.seconds_per_sample = seconds_per_sample
+        self.speed = speed
+        self.now = 0.0
+
+    def perf_counter(self):
+        self.now += self.TICK_S
+        return self.now
+
+    def compute(self, rows):
+        self.now += rows * self.seconds_per_sample / self.speed
+
+    @contextlib.contextmanager
+    def installed(self):
+        real = time.perf_counter
+        self.now = max(self.now, real())  # marks taken before stay in the past
+        time.perf_counter = self.perf_counter
+        try:
+            yield self
+        finally:
+            time.perf_counter = real
+
+    def layer(self):
+        """A ``torch.nn.Module`` that passes its input through and charges its rows to this device."""
+        import torch
+
+        device = self
+
+        class VirtualWork(torch.nn.Module):
+
+            def forward(self, x):
+                device.compute(x.shape[0])
+                return x
+
+        return VirtualWork()
 
 
 def free_port():

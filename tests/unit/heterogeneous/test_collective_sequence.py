@@ -303,11 +303,14 @@ def test_every_rank_issues_the_same_collectives(recorded, name):
         assert {"all_gather_object", "broadcast_object_list"} <= ops, (name, ops)
     if case["kind"] == "compute_aware":
         plans = first["info"]["plans"]
-        assert len({tuple(plan) for plan in plans}) > 1, plans  # the plan did change while recorded
-        assert plans[-1][0] > plans[-1][1], plans
+        # The plan did change while recorded: reschedule_workload's times (rank 1 three times as
+        # slow per sample, whatever profiling measured) leave [12, 4], never the start-up plan.
+        assert plans[-1] == [12, 4] and plans[0] != plans[-1], plans
     if case["kind"] == "stock_resplit":
         plans = first["info"]["plans"]
-        assert plans[-1][1] > plans[-1][0] and any(p[0] > p[1] for p in plans), plans  # both re-plans moved work
+        # reschedule_workload's times make rank 1 the faster, whatever profiling measured before:
+        # the re-plan moves work to it, and the stock loader's equal batches are re-split.
+        assert plans[-1][1] > plans[-1][0], plans
         assert first["info"]["moved"] > 0 and second["info"]["moved"] > 0, (first["info"], second["info"])
         assert "all_gather" in ops, ops
     if case.get("fp16"):

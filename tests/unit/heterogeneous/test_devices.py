@@ -116,39 +116,73 @@ def test_normalize_scores_rejects_bad_input(scores, message):
 
 
 MATMUL_SLOWDOWN = 8
+MATMUL_SECONDS, TRIAD_SECONDS = 0.01, 0.01  # per call, on the virtual clock below
+
+
+class _VirtualClock:
+    """The benchmark's clock, advanced only by the timed operations: the score then follows from
+    the operations' costs alone, whatever else the machine runs."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+def _expected_score(benchmark, matmul_seconds):
+    """The score of a device whose 512 matmul takes `matmul_seconds` and whose triad takes
+    TRIAD_SECONDS: the step model's harmonic combination of the two rates, in TFLOP/s."""
+    size = benchmark._SMALL_MATMUL  # a matmul this slow leaves no room for the larger one
+    matmul_tflops = 2 * size**3 / matmul_seconds / 1e12
+    memory_tflops = 3 * 4 * benchmark._TRIAD_ELEMENTS / TRIAD_SECONDS / 1e9 * benchmark._STEP_FLOPS_PER_BYTE / 1e3
+    return 1.0 / (1.0 / matmul_tflops + 1.0 / memory_tflops)
 
 
 def test_measured_cpu_score_follows_the_matmul_speed_and_is_cached(monkeypatch):
-    """The CPU has no datasheet entry, so its score is measured. Making every matmul do its work
-    8 times must lower the score several-fold (on a CPU the matmul rate dominates it: drops of
-    7-25x were seen; were the memory term as large, the drop would still be 4.5x): a score that
-    ignored the measurement or timed the wrong thing would not move. Halving is asked for, which
-    load from other processes on a shared machine, slowing the first measurement, does not undo.
-    A second call is served from the cache, without a single matmul."""
+    """The CPU has no datasheet entry, so its score is measured. On a clock that only the timed
+    operations move, the score is the step model's combination of the matmul and triad rates, and
+    matmuls 8 times as slow lower it by that model's amount: a score that ignored the measurement
+    or timed the wrong thing would not move. A second call is served from the cache, without a
+    single matmul."""
     benchmark = sys.modules[measure_device_score.__module__]
-    real_mm = torch.mm
+    clock = _VirtualClock()
     matmuls = []
+    cost = {"matmul": MATMUL_SECONDS}
 
-    def counted_mm(*args, **kwargs):
+    def timed_mm(*args, **kwargs):
         matmuls.append(1)
+        clock.now += cost["matmul"]
         return real_mm(*args, **kwargs)
 
-    def slowed_mm(*args, **kwargs):
-        for _ in range(MATMUL_SLOWDOWN - 1):
-            real_mm(*args, **kwargs)
-        return real_mm(*args, **kwargs)
+    def timed_triad(a, b, c, scalar):
+        clock.now += TRIAD_SECONDS
+        return a
 
+    real_mm = torch.mm
+    monkeypatch.setattr(benchmark, "time", clock)
+    monkeypatch.setattr(benchmark, "triad_", timed_triad)
     monkeypatch.setattr(benchmark, "_measured_scores", {})  # measure here, whatever ran before
-    monkeypatch.setattr(torch, "mm", counted_mm)
+    monkeypatch.setattr(torch, "mm", timed_mm)
     score = measure_device_score("cpu", seconds_budget=0.3)
-    assert math.isfinite(score) and matmuls, "no matmul was timed"
+    assert matmuls, "no matmul was timed"
+    assert score == pytest.approx(_expected_score(benchmark, MATMUL_SECONDS), rel=1e-9)
     timed = len(matmuls)
     assert measure_device_score("cpu") == score and len(matmuls) == timed, "the cached score was measured again"
 
     monkeypatch.setattr(benchmark, "_measured_scores", {})
-    monkeypatch.setattr(torch, "mm", slowed_mm)
+    cost["matmul"] = MATMUL_SLOWDOWN * MATMUL_SECONDS
     slowed = measure_device_score("cpu", seconds_budget=0.3)
-    assert slowed < score / 2, f"8x slower matmuls: score {slowed} against {score}"
+    assert slowed == pytest.approx(_expected_score(benchmark, MATMUL_SLOWDOWN * MATMUL_SECONDS), rel=1e-9)
+    assert slowed < score / 7, (slowed, score)  # matmuls dominate a CPU's score
+
+
+def test_measured_cpu_score_is_a_real_measurement():
+    """Unpatched, the measurement runs on the real clock: a finite, positive score, with the
+    spread of its repeats."""
+    benchmark = sys.modules[measure_device_score.__module__]
+    measured = benchmark.measure_device_score_with_spread("cpu", seconds_budget=0.3)
+    assert math.isfinite(measured.score) and measured.score > 0 and measured.repeats == benchmark._REPEATS
 
 
 def test_device_description_round_trip():

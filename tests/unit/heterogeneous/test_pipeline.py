@@ -136,6 +136,8 @@ def _pipeline(rank, world_size, heterogeneous, stages=2, zero=0, checkpoint_inte
     losses = [float(engine.train_batch()) for _ in range(STEPS)]
     return {"losses": losses, "parts": [int(p) for p in net.parts], "stage": engine.stage_id,
             "cost_unit": engine._config.heterogeneous.pipeline.cost_unit,
+            "layer_costs": list(engine._config.heterogeneous.pipeline.layer_costs),
+            "stage_speeds": list(engine._config.heterogeneous.pipeline.stage_speeds),
             "sizes": list(engine.heterogeneous_plan.micro_batch_sizes),
             "state": {key: value.detach().float().clone() for key, value in engine.module.state_dict().items()}}
 
@@ -217,15 +219,27 @@ def _uneven_layers():
     return [_Repeated(200)] + [torch.nn.Linear(WIDTH, WIDTH) for _ in range(6)]
 
 
+def test_a_layer_costing_more_than_the_rest_together_gets_a_stage_of_its_own():
+    """The costs a probe of the uneven layers gives (the first applies its linear layer 200 times):
+    weighed by them the first layer is a stage alone; weighed by parameters, seven equal layers
+    are cut 3 + 4."""
+    assert list(partition_stages([200.0] + [1.0] * 6, [1.0, 1.0]).parts) == [0, 1, 7]
+    assert list(partition_stages([72.0] * 7, [1.0, 1.0]).parts) == [0, 3, 7]
+
+
 @pytest.mark.multiprocess
-def test_measured_layer_costs_put_a_costly_layer_of_few_parameters_alone_on_a_stage():
-    """Seven layers of 72 parameters each; the first applies its linear layer 200 times. Weighed by
-    parameters it is one of seven equal layers (cut 3 + 4); timed, it costs more than
-    the other six together and gets a stage of its own."""
+def test_measured_layer_costs_decide_the_partition_and_keep_training_exact():
+    """Seven layers of 72 parameters each; the first applies its linear layer 200 times. Timed,
+    every rank partitions by the costs the ranks agreed on (which way a timing falls is the pure
+    test's question above); weighed by parameters, the cut is 3 + 4. Both train exactly."""
     cases = [dict(heterogeneous={"pipeline": {"layer_cost": cost}}, layers="uneven") for cost in ("measured",
                                                                                                  "parameters")]
     measured, counted = run_subcases(_pipeline, cases, world_size=2, timeout=600)
-    assert [r["parts"] for r in measured] == [[0, 1, 7]] * 2
+    for result in measured:
+        assert result["cost_unit"] == "forward + backward seconds, timed on 2 rank(s)", result["cost_unit"]
+        assert result["layer_costs"] == measured[0]["layer_costs"], "every rank must hold the same costs"
+        assert all(cost > 0 for cost in result["layer_costs"]), result["layer_costs"]
+        assert result["parts"] == list(partition_stages(result["layer_costs"], result["stage_speeds"]).parts), result
     assert [r["parts"] for r in counted] == [[0, 3, 7]] * 2
     for case in (measured, counted):
         _assert_exact(case, layers=_uneven_layers())

@@ -3,6 +3,7 @@
 (``deepspeed/runtime/heterogeneous/cluster/topology.py``): the pure rules, and a run on this machine whose
 ranks play different hosts by their ``CROSS_RANK`` (the real multi-host run is test_multihost.py)."""
 
+import math
 import os
 
 import pytest
@@ -115,8 +116,8 @@ def test_ranks_playing_two_hosts_see_two_hosts_and_a_measured_link():
     for topology in two_hosts:
         assert topology.hosts == (0, 1) and topology.source == "CROSS_RANK"
         assert topology.leader_bandwidths[0] is None
-        # Loopback between two processes: measured, and well above any real link's 0.
-        assert topology.link_bandwidth > 1e6, topology
+        # Loopback between two processes: measured (how fast is a benchmark's question).
+        assert math.isfinite(topology.link_bandwidth) and topology.link_bandwidth > 0, topology
     assert two_hosts[0] == two_hosts[1], "every rank must hold the same topology"
     for topology in one_host:
         assert topology.hosts == (0, 0) and topology.link_bandwidth is None  # one host: nothing probed
