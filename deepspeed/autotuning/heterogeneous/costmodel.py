@@ -20,6 +20,7 @@ from typing import List, Optional, Tuple
 
 from deepspeed.runtime.heterogeneous.memory.model_state import model_state_bytes
 from deepspeed.runtime.heterogeneous.planning.planner import TimeModel, plan_micro_batches
+from deepspeed.runtime.heterogeneous.planning.strategies import COMPUTE_AWARE
 
 SPEED_SPREAD_HETEROGENEOUS = 0.25
 """Ranks whose per-sample times differ by more than this are treated as different devices."""
@@ -128,7 +129,7 @@ class ClusterProfile:
             return None
         try:
             plan = plan_micro_batches(self.time_models, train_batch_size=per_micro_step * gas,
-                                      gradient_accumulation_steps=gas, strategy="compute_aware",
+                                      gradient_accumulation_steps=gas, strategy=COMPUTE_AWARE,
                                       max_micro_batch=None if not known else caps)
         except ValueError:
             return None

@@ -68,7 +68,7 @@ def step_end(engine):
 
 def _rank_profile(engine):
     runtime = engine._heterogeneous_runtime() if hasattr(engine, "_heterogeneous_runtime") else None
-    if runtime is None or not runtime.history or runtime.settings.load_balancing_strategy != "compute_aware":
+    if runtime is None or not runtime.history or not runtime.settings.strategy.adapts:
         return None
     from deepspeed.runtime.heterogeneous.memory.model_state import engine_model_state_inputs, fit_activation_model
     rank = runtime.rank

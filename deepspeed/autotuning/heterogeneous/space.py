@@ -26,6 +26,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+from deepspeed.runtime.heterogeneous.planning.strategies import COMPUTE_AWARE, MANUAL, UNIFORM
+
 AUTO = "auto"
 MBS = "train_micro_batch_size_per_gpu"
 GAS = "gradient_accumulation_steps"
@@ -444,22 +446,22 @@ class Experiment:
             config.pop(MBS, None)
             # The replicas' plan follows their pipelines' speeds as the engine starts (no profiling
             # steps with a pipeline); with one replica it is the whole batch.
-            hetero.update(enabled=True, load_balancing_strategy="compute_aware")
+            hetero.update(enabled=True, load_balancing_strategy=COMPUTE_AWARE)
             hetero.pop("micro_batch_sizes", None)
             if self.partition is not None:
                 hetero["pipeline"] = {**(hetero.get("pipeline") or {}), "partition": self.partition}
         elif self.profile:
             config.pop(MBS, None)
-            hetero.update(enabled=True, load_balancing_strategy="compute_aware", profile_steps=profile_steps)
+            hetero.update(enabled=True, load_balancing_strategy=COMPUTE_AWARE, profile_steps=profile_steps)
             hetero.pop("micro_batch_sizes", None)
         elif self.heterogeneous:
             config.pop(MBS, None)
             hetero.update(enabled=True)
             if self.uniform:
-                hetero.update(load_balancing_strategy="uniform")
+                hetero.update(load_balancing_strategy=UNIFORM)
                 hetero.pop("micro_batch_sizes", None)
             else:
-                hetero.update(load_balancing_strategy="manual", micro_batch_sizes=list(self.micro_batch_sizes))
+                hetero.update(load_balancing_strategy=MANUAL, micro_batch_sizes=list(self.micro_batch_sizes))
         else:
             config[MBS] = self.micro_batch_sizes[0]
         if self.profile or self.heterogeneous or self.pipeline_stages is not None:
@@ -516,6 +518,6 @@ def optimal_ds_config(experiment_config, user_config):
     scheduler.pop("type", None)  # the strategy is load_balancing_strategy's
     hetero["scheduler"] = scheduler
     if scheduler.get("dynamic_rebalancing"):
-        hetero["load_balancing_strategy"] = "compute_aware"
+        hetero["load_balancing_strategy"] = COMPUTE_AWARE
         hetero.pop("micro_batch_sizes", None)
     return config

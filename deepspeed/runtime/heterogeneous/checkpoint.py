@@ -123,7 +123,7 @@ def restore(engine, record):
     same_shape = (saved.world_size == current.world_size and saved.train_batch_size == current.train_batch_size
                   and (runtime.per_rank_gas_allowed or not saved.per_rank_gas))
     same_cluster = same_shape and record["cluster"] == cluster_signature(state)
-    if same_shape and (same_cluster or state.settings.config.load_balancing_strategy == "compute_aware"):
+    if same_shape and (same_cluster or state.settings.config.strategy.adapts):
         if (saved.micro_batch_sizes, saved.gradient_accumulation_steps) != (current.micro_batch_sizes,
                                                                             current.gradient_accumulation_steps):
             runtime.switch_to(saved, "plan restored from the checkpoint")

@@ -377,15 +377,16 @@ def _build(model, partition):
 
 
 def replica_plan(state, layout):
-    """The ``compute_aware`` start-up plan of pipeline replicas: micro-batch sizes in proportion to
-    each replica's pipeline speed (the same gas everywhere). None for other strategies."""
-    if state.settings.config.load_balancing_strategy != "compute_aware" or layout.replicas < 2:
+    """The start-up plan of pipeline replicas for a strategy that adapts (``compute_aware``): its plan
+    for each replica's pipeline speed (the same gas everywhere). None for other strategies."""
+    config = state.settings.config
+    if not config.strategy.adapts or layout.replicas < 2:
         return None
     from .planning.planner import TimeModel, plan_micro_batches
     models = [TimeModel(0.0, t) for t in layout.replica_times]
     return plan_micro_batches(models, train_batch_size=state.plan.train_batch_size,
                               gradient_accumulation_steps=state.base_gas or 1,
-                              strategy="compute_aware").with_prior_times()
+                              strategy=config.load_balancing_strategy).with_prior_times()
 
 
 def check_pipeline_settings(state):

@@ -131,8 +131,8 @@ class HeterogeneousRuntime:
         self._exchange_note = None  # rank 0: why the last planning kept the loader's split
         self.gas_origin = 0  # the engine's micro-step count when this rank's current gas took effect
         scheduler = self.settings.scheduler
-        self.dynamic = scheduler.dynamic_rebalancing and self.settings.load_balancing_strategy == "compute_aware"
-        profiles = self.settings.load_balancing_strategy == "compute_aware" and self.settings.profile_steps > 0
+        self.dynamic = scheduler.dynamic_rebalancing and self.settings.strategy.adapts
+        profiles = self.settings.strategy.adapts and self.settings.profile_steps > 0
         self.phase = Phase.PROFILING if profiles else self._after_switch(verify=False)
         # Every rank builds one; only rank 0's decides. Without dynamic rebalancing it serves
         # reschedule_workload() alone, which needs no policy.
@@ -559,7 +559,8 @@ class HeterogeneousRuntime:
             startup = rebalancer.startup_plan
             steps_left = max(self.settings.profile_steps - len(self.history), 0)
             decision = plan_after_profiling_step(self.history, self.plan, self.state.base_gas, self.memory_limits(),
-                                                 self.per_rank_gas_allowed, steps_left, startup)
+                                                 self.per_rank_gas_allowed, steps_left, startup,
+                                                 strategy=self.settings.load_balancing_strategy)
             plan = decision.plan
             if not last:
                 return {"plan": plan.to_dict()}
@@ -616,7 +617,8 @@ class HeterogeneousRuntime:
 
     def _best_plan_for(self, models):
         best = plan_micro_batches(models, train_batch_size=self.plan.train_batch_size,
-                                  gradient_accumulation_steps=self.state.base_gas, strategy="compute_aware",
+                                  gradient_accumulation_steps=self.state.base_gas,
+                                  strategy=self.settings.load_balancing_strategy,
                                   max_micro_batch=self.memory_limits(), allow_per_rank_gas=self.per_rank_gas_allowed)
         return self._worth_resplitting(best, models)
 

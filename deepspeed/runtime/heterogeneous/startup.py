@@ -42,7 +42,7 @@ def initial_plan(settings, train_batch_size, gas, world_size, zero_stage, device
         allow_per_rank_gas = zero_stage <= 1 and config.loss_items is None
     names = [d.name for d in devices] if devices else None
     scores = [1.0] * world_size
-    if config.load_balancing_strategy == "compute_aware" and devices:
+    if config.strategy.adapts and devices:
         known = [d.spec_score for d in devices]
         # A device without a datasheet entry scores 0 here; rather than guess, start equal and let
         # the profiling steps measure the real workload.
@@ -115,7 +115,7 @@ def cap_startup_plan(ds_config, model, optimizer=None):
     state = ds_config.heterogeneous
     plan = state.plan
     state.reference_plan = plan
-    if plan is None or model is None or state.settings.config.load_balancing_strategy != "compute_aware":
+    if plan is None or model is None or not state.settings.config.strategy.adapts:
         return plan
     capacities = memory_capacities(state)
     if capacities is None:

@@ -75,7 +75,10 @@ def test_unknown_keys_are_named_with_the_allowed_ones(config, expected):
 
 @pytest.mark.parametrize("config, expected", [
     ({"heterogeneous_config": {"load_balancing_strategy": "fastest"}},
-     "heterogeneous_config.load_balancing_strategy: Input should be 'uniform', 'compute_aware' or 'manual'"),
+     "heterogeneous_config.load_balancing_strategy: 'fastest' is not a registered load-balancing strategy; "
+     "registered: 'compute_aware', 'manual', 'uniform'"),
+    ({"heterogeneous_config": {"load_balancing_strategy": 3}},
+     "heterogeneous_config.load_balancing_strategy: 3 is not a registered load-balancing strategy"),
     ({"heterogeneous_config": {"mixed_precision_support": "int8"}}, "'config', 'adaptive', 'bf16', 'fp16' or 'fp32'"),
     ({"heterogeneous_config": {"profile_steps": -1}}, "heterogeneous_config.profile_steps"),
     ({"heterogeneous_config": {"scheduler": {"imbalance_threshold": 1.5}}},
@@ -95,7 +98,8 @@ def test_unknown_keys_are_named_with_the_allowed_ones(config, expected):
     ({"heterogeneous_config": {"load_balancing_strategy": "uniform", "scheduler": {"type": "compute_aware"}}},
      "scheduler.type 'compute_aware' contradicts load_balancing_strategy 'uniform'"),
     ({"heterogeneous_config": {"load_balancing_strategy": "uniform", "scheduler": {"dynamic_rebalancing": True}}},
-     "dynamic_rebalancing needs load_balancing_strategy 'compute_aware'"),
+     "dynamic_rebalancing needs a load_balancing_strategy that adapts to measured speeds ('compute_aware'; got "
+     "'uniform')"),
     ({"heterogeneous_memory": {"cpu_memory_limit": "lots"}}, "heterogeneous_memory.cpu_memory_limit: 'lots' is not"),
     ({"zero_optimization": {"heterogeneous_offload": {"nvme_offload": True}}}, "nvme_offload needs nvme_path"),
     ({"heterogeneous_config": [1, 2]}, "heterogeneous_config must be a JSON object"),

@@ -65,8 +65,8 @@ def test_the_engines_scheduling_api_returns_hand_computed_values():
         assert result["normalized"] == pytest.approx([0.624, 0.25, 0.126])
         # 12 samples per micro-step: 12 * (0.5, 0.25, 0.25) = 6, 3, 3 exactly.
         assert result["even_split"] == [6, 3, 3]
-        # 12 * (0.6, 0.4) = 7.2, 4.8: floors 7 + 4 = 11, and the one sample left goes to the larger
-        # remainder (0.8, rank 1): 7, 5.
+        # 12 samples at times per sample 1/0.6 and 1/0.4: [7, 5] takes max(11.7, 12.5) = 12.5, the
+        # least of any split ([8, 4]: 13.3; [6, 6]: 15).
         assert result["remainder_split"] == [7, 5]
         # Time per micro-step = mbs / score. Splitting 12 between 312 and 125 TFLOP/s:
         #   [8, 4]: 8/312 = 0.0256, 4/125 = 0.0320 -> 0.0320

@@ -278,8 +278,10 @@ def test_manual_errors(manual, names, message):
      "gradient_accumulation_steps 4"),
     (dict(train_batch_size=2), "2 samples per micro-step cannot give each of the 3"),
     (dict(train_batch_size=0), "train_batch_size = 0 must be a positive integer"),
-    (dict(train_batch_size=30, strategy="fastest"), "unknown strategy 'fastest'"),
-    (dict(train_batch_size=30, manual=[10, 10, 10]), "used only by strategy 'manual'"),
+    (dict(train_batch_size=30, strategy="fastest"), "'fastest' is not a registered load-balancing strategy; "
+     "registered: 'compute_aware', 'manual', 'uniform'"),
+    (dict(train_batch_size=30, manual=[10, 10, 10]), "not read by strategy 'compute_aware'; strategies that read "
+     "them: manual"),
     (dict(train_batch_size=30, max_micro_batch=[1, 2]), "max_micro_batch has 2 entries for 3"),
     (dict(train_batch_size=30, device_names=["a"]), "device_names has 1 entries for 3"),
 ])
@@ -324,11 +326,13 @@ def test_device_score_accepts_descriptions_dicts_and_names():
         device_score("Mystery Accelerator 9000")
 
 
-def test_distribute_workload_largest_remainder():
+def test_distribute_workload_is_the_compute_aware_split_of_the_scores():
     assert distribute_workload([0.5, 0.3, 0.2], 100) == [50, 30, 20]
-    assert distribute_workload([1, 1, 1], 20) == [7, 7, 6]
-    assert distribute_workload([2.0, 1.0], 64, 2) == [21, 11]
-    # Minimum of one sample per rank, taken back from the largest share.
+    assert distribute_workload([1, 1, 1], 20) == [7, 7, 6]  # ties go to the lower ranks
+    # 32 per micro-step at times per sample 1/2 and 1: [22, 10] and [21, 11] both take 11; the
+    # lower rank gets the tie.
+    assert distribute_workload([2.0, 1.0], 64, 2) == [22, 10]
+    # At least one sample per rank, however slow.
     assert distribute_workload([0.97, 0.01, 0.01, 0.01], 6) == [3, 1, 1, 1]
     rng = random.Random(3)
     for _ in range(200):

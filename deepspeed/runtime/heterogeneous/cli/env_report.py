@@ -36,6 +36,7 @@ from ..memory.placement import engine_placement
 from ..memory.pool import HeterogeneousMemoryPool, ModelStateSpec, known_speeds
 from ..measure.native import native_op_status
 from ..planning.precision import choose_precision_for_config
+from ..planning.strategies import UNIFORM, get_strategy
 from ..planning.stages import StagePartition, relative_rank_speeds, replica_sample_times, stage_speeds
 
 try:
@@ -44,7 +45,6 @@ try:
 except ImportError:
     _config_parser = json
 
-STRATEGY_LABELS = {"uniform": "Uniform", "compute_aware": "Compute-Aware", "manual": "Manual"}
 
 
 def communication_optimization_active(settings, topology=None):
@@ -202,7 +202,7 @@ def heterogeneous_report(config_path=None, file=None, model_parameters=None, pip
         load_heterogeneous_settings(pristine, world_size=grid.replicas, process_count=grid.processes)
         pipeline = pipeline_lines(settings, grid)
     precision = _precision_line(settings, param_dict, [device for device, _, _ in rows])
-    strategy = settings.config.load_balancing_strategy if settings.enabled else "uniform"
+    strategy = settings.config.strategy if settings.enabled else get_strategy(UNIFORM)
 
     file = sys.stdout if file is None else file
 
@@ -224,7 +224,7 @@ def heterogeneous_report(config_path=None, file=None, model_parameters=None, pip
         emit(f"note: heterogeneous training is off ({how}); to enable it, add \"heterogeneous_config\": "
              f"{{\"enabled\": true}} to the ds_config and pass it with --config, or set DS_HETEROGENEOUS_ENV=1")
     emit(f"Mixed GPU Support: {_mixed_gpu_support(rows)}")
-    emit(f"Load Balancing Strategy: {STRATEGY_LABELS[strategy]}")
+    emit(f"Load Balancing Strategy: {strategy.label or strategy.name}")
     emit(f"Communication Optimization: {'Active' if communication_optimization_active(settings) else 'Inactive'}")
     if settings.enabled:
         emit(f"  {'; '.join(communication_status(settings, None, param_dict)[1])}")
@@ -435,8 +435,9 @@ def pipeline_lines(settings, grid):
     times = replica_sample_times(balanced, per_stage, speeds, coords, grid.replicas)
     fastest = min(times)
     relative = [fastest / time for time in times]
-    strategy = settings.config.load_balancing_strategy if settings.enabled else "uniform"
-    share = ("; compute_aware gives each replica a micro-batch in proportion" if strategy == "compute_aware" else "")
+    name = settings.config.load_balancing_strategy
+    share = (f"; {name} gives each replica a micro-batch in proportion" if settings.enabled and
+             settings.config.strategy.adapts else "")
     lines.append(f"Replica Speeds: {[round(speed, 4) for speed in relative]} (1: the fastest replica, once the cut "
                  f"balances the stages{share})")
     for replica in range(grid.replicas):

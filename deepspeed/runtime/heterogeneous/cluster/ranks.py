@@ -71,7 +71,7 @@ def gather_devices(dp_rank, world_size, memory_bytes=None):
 
 def _needs_devices(settings):
     config = settings.config
-    return (config.load_balancing_strategy == "compute_aware" or isinstance(config.micro_batch_sizes, dict)
+    return (config.strategy.adapts or isinstance(config.micro_batch_sizes, dict)
             or _emulated_memory_gb(settings) is not None or config.mixed_precision_support != "config"
             or settings.memory.enabled)  # the memory pool places by each rank's capacity
 

@@ -11,8 +11,18 @@ from pydantic import (AfterValidator, BeforeValidator, Field, PositiveFloat, Pos
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 
-STRATEGIES = ("uniform", "compute_aware", "manual")
-Strategy = Literal["uniform", "compute_aware", "manual"]
+from .strategies import get_strategy, strategy_names, unknown_strategy_message
+
+
+def _registered_strategy(name):
+    if not isinstance(name, str) or name not in strategy_names():
+        raise ValueError(unknown_strategy_message(name))
+    return name
+
+
+Strategy = Annotated[str, BeforeValidator(_registered_strategy),
+                     WithJsonSchema({"type": "string", "description": "a registered load-balancing strategy"})]
+"""The name of a registered load-balancing strategy (``strategies.py``)."""
 
 class SchedulerConfig(DeepSpeedConfigModel):
     """``heterogeneous_config.scheduler``: how and when the work split is revised."""
@@ -197,23 +207,36 @@ class HeterogeneousConfig(DeepSpeedConfigModel):
     """A loss that is a mean over valid items rather than rows (None: over rows, the default): see
     ``LossItemsConfig``."""
 
+    @property
+    def strategy(self):
+        """The registered ``BalancingStrategy`` that ``load_balancing_strategy`` names."""
+        return get_strategy(self.load_balancing_strategy)
+
     @model_validator(mode="after")
     def _consistent(self):
-        if self.load_balancing_strategy == "manual" and not self.micro_batch_sizes:
-            raise ValueError("load_balancing_strategy 'manual' needs micro_batch_sizes (a list with one size per "
-                             "data-parallel rank, or a map from device name to size)")
-        if self.micro_batch_sizes and self.load_balancing_strategy != "manual":
-            raise ValueError(f"micro_batch_sizes is only used by load_balancing_strategy 'manual' (got "
-                             f"'{self.load_balancing_strategy}'): set the strategy to 'manual' or remove the sizes")
         if self.scheduler.type is not None and self.scheduler.type != self.load_balancing_strategy:
             if "load_balancing_strategy" in self.model_fields_set:
                 raise ValueError(f"scheduler.type '{self.scheduler.type}' contradicts load_balancing_strategy "
                                  f"'{self.load_balancing_strategy}': keep one of them")
             self.load_balancing_strategy = self.scheduler.type
-        if self.scheduler.dynamic_rebalancing and self.load_balancing_strategy != "compute_aware":
-            raise ValueError(f"scheduler.dynamic_rebalancing needs load_balancing_strategy 'compute_aware' (got "
-                             f"'{self.load_balancing_strategy}')")
+        strategy, name = self.strategy, self.load_balancing_strategy
+        taking = [n for n in strategy_names() if get_strategy(n).takes_sizes]
+        adapting = [n for n in strategy_names() if get_strategy(n).adapts]
+        if strategy.takes_sizes and not self.micro_batch_sizes:
+            raise ValueError(f"load_balancing_strategy '{name}' needs micro_batch_sizes (a list with one size per "
+                             "data-parallel rank, or a map from device name to size)")
+        if self.micro_batch_sizes and not strategy.takes_sizes:
+            raise ValueError(f"micro_batch_sizes is only read by load_balancing_strategy {_either(taking)} (got "
+                             f"'{name}'): set the strategy to {_either(taking)} or remove the sizes")
+        if self.scheduler.dynamic_rebalancing and not strategy.adapts:
+            raise ValueError(f"scheduler.dynamic_rebalancing needs a load_balancing_strategy that adapts to measured "
+                             f"speeds ({_either(adapting)}; got '{name}')")
         return self
+
+
+def _either(names):
+    quoted = [f"'{n}'" for n in names]
+    return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " or " + quoted[-1]
 
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,

@@ -23,9 +23,10 @@ from pydantic import ValidationError
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 
-from .blocks import (STRATEGIES, CommunicationConfig, EmulationConfig, HeterogeneousConfig,
+from .blocks import (CommunicationConfig, EmulationConfig, HeterogeneousConfig,
                      HeterogeneousMemoryConfig, HeterogeneousOffloadConfig, SchedulerConfig, SpeedChange, Strategy,
                      parse_bytes)
+from .strategies import strategy_names
 
 HETEROGENEOUS_CONFIG = "heterogeneous_config"
 HETEROGENEOUS_MEMORY = "heterogeneous_memory"
@@ -226,7 +227,7 @@ def load_heterogeneous_settings(param_dict, world_size=None, environ=None, proce
     raw = dict(raw) if isinstance(raw, dict) else raw
 
     alias = param_dict.get(LR_SCHEDULER)
-    if isinstance(alias, dict) and alias.get("type") in STRATEGIES:
+    if isinstance(alias, dict) and alias.get("type") in strategy_names():
         param_dict.pop(LR_SCHEDULER)
         if isinstance(raw, dict) and "scheduler" in raw:
             raise HeterogeneousConfigError("invalid DeepSpeed config: both the top-level 'scheduler' (type "
@@ -246,12 +247,12 @@ def load_heterogeneous_settings(param_dict, world_size=None, environ=None, proce
 
     config = _build(HeterogeneousConfig, HETEROGENEOUS_CONFIG, raw)
     if env_flag(ENV_ADAPTIVE_SCHEDULING, environ):
-        if config.enabled and config.load_balancing_strategy == "compute_aware":
+        if config.enabled and config.strategy.adapts:
             config.scheduler.dynamic_rebalancing = True
             notes.append(f"{ENV_ADAPTIVE_SCHEDULING}=true: dynamic rebalancing on")
         else:
-            notes.append(f"{ENV_ADAPTIVE_SCHEDULING} ignored: it needs heterogeneous_config enabled with the "
-                         "compute_aware strategy")
+            notes.append(f"{ENV_ADAPTIVE_SCHEDULING} ignored: it needs heterogeneous_config enabled with a strategy "
+                         f"that adapts to measured speeds (got '{config.load_balancing_strategy}')")
 
     memory = _build(HeterogeneousMemoryConfig, HETEROGENEOUS_MEMORY, param_dict.get(HETEROGENEOUS_MEMORY))
     zero = param_dict.get(ZERO_OPTIMIZATION)

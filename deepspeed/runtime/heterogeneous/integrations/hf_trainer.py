@@ -29,7 +29,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from deepspeed.utils import logger
 
-from ..config.settings import STRATEGIES, load_heterogeneous_settings
+from ..config.settings import load_heterogeneous_settings
+from ..config.strategies import strategy_names
 from ..data.fed_batch import leading_batch_size
 from ..data.loss_items import count_items, items_weight
 from ..data.sampler import HeterogeneousBatchSampler
@@ -45,7 +46,7 @@ def heterogeneous_enabled(ds_config):
     switches included). A top-level ``"scheduler"`` of a load-balancing type is refused: with the
     Trainer that key is the learning-rate scheduler's, and Accelerate would build one for it."""
     scheduler = ds_config.get("scheduler")
-    if isinstance(scheduler, dict) and scheduler.get("type") in STRATEGIES:
+    if isinstance(scheduler, dict) and scheduler.get("type") in strategy_names():
         raise ValueError(f"DeepSpeed config: the top-level 'scheduler' of type {scheduler.get('type')!r} is the "
                          "learning-rate scheduler's key to transformers.Trainer; move it to "
                          "heterogeneous_config.scheduler")

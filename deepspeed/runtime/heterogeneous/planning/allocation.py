@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The allocation rules of ``plan_micro_batches``: uniform, manual and compute_aware.
+"""The allocation rules behind the built-in strategies (``strategies.py``): uniform, manual and
+compute_aware.
 
 uniform and manual fix the sizes and only note where a rank exceeds its memory limit;
 compute_aware takes the exact integer min-max split (``integer_split.py``) within the limits,
@@ -35,17 +36,11 @@ def memory_caps(max_micro_batch, world, names):
     return caps
 
 
-def uniform_plan(models, batch, gas, caps):
+def uniform_sizes(batch, gas, world):
     """Equal micro-batches: ``batch / gas / world`` samples per rank and micro-step."""
-    world = len(models)
     if (batch // gas) % world:
         raise ValueError(_uniform_error(batch, gas, world))
-    return _fixed_plan(models, [batch // gas // world] * world, gas, batch, "uniform", caps)
-
-
-def manual_plan(models, manual, names, batch, gas, caps):
-    """The user's sizes: a list per rank or a map device name -> size (``names`` needed then)."""
-    return _fixed_plan(models, _manual_sizes(manual, len(models), names, batch, gas), gas, batch, "manual", caps)
+    return [batch // gas // world] * world
 
 
 def _uniform_error(batch, gas, world):
@@ -58,7 +53,8 @@ def _uniform_error(batch, gas, world):
             f"strategy 'compute_aware' or 'manual'")
 
 
-def _manual_sizes(manual, world, names, batch, gas):
+def manual_sizes(manual, world, names, batch, gas):
+    """The user's sizes: a list per rank or a map device name -> size (``names`` needed then)."""
     if manual is None:
         raise ValueError("strategy 'manual' needs micro_batch_sizes (a list per data-parallel rank or a map from "
                          "device name to size)")
@@ -89,13 +85,14 @@ def _manual_sizes(manual, world, names, batch, gas):
     return [int(size) for size in sizes]
 
 
-def _fixed_plan(models, sizes, gas, batch, strategy, caps):
+def fixed_plan(models, sizes, gas, batch, strategy, caps):
+    """A plan of given sizes at ``gas``, noting each rank whose size exceeds its memory cap."""
     notes = tuple(f"rank {rank}: micro-batch {size} exceeds its predicted memory limit of {cap} samples"
                   for rank, (size, cap) in enumerate(zip(sizes, caps)) if cap is not None and size > cap)
     return _plan(models, batch, gas, sizes, [1] * len(sizes), strategy, notes)
 
 
-def _plan(models, batch, gas, sizes, multiples, strategy="compute_aware", notes=()):
+def _plan(models, batch, gas, sizes, multiples, strategy, notes=()):
     """Rank i runs ``gas * multiples[i]`` micro-steps of ``sizes[i]`` samples."""
     times = [gas * k * model.micro_step_time(m) for model, k, m in zip(models, multiples, sizes)]
     return Plan(sizes, [gas * k for k in multiples], batch, strategy, times, notes)
@@ -111,7 +108,7 @@ def _capacity_error(batch, gas, world, caps):
     return message + "; or lower train_batch_size, or free memory (offload)"
 
 
-def compute_aware_plan(models, batch, gas, caps, allow_per_rank_gas):
+def compute_aware_plan(models, batch, gas, caps, allow_per_rank_gas, strategy):
     """The exact min-max split of ``batch / gas`` samples per micro-step within ``caps``; with
     ``allow_per_rank_gas``, the faster of that and the per-rank-gas candidates (or those alone when
     no equal-gas split fits in memory)."""
@@ -119,10 +116,10 @@ def compute_aware_plan(models, batch, gas, caps, allow_per_rank_gas):
     bounded = [units if cap is None else min(cap, units) for cap in caps]
     equal = None
     if sum(bounded) >= units:
-        equal = _plan(models, batch, gas, balance(models, units, bounded, [1] * world), [1] * world)
+        equal = _plan(models, batch, gas, balance(models, units, bounded, [1] * world), [1] * world, strategy)
     splits = per_rank_gas_splits(models, units, bounded) if allow_per_rank_gas else []
     if splits:
-        best = min((_plan(models, batch, gas, sizes, multiples) for sizes, multiples in splits),
+        best = min((_plan(models, batch, gas, sizes, multiples, strategy) for sizes, multiples in splits),
                    key=lambda plan: plan.predicted_step_time)
         if equal is None or best.predicted_step_time < equal.predicted_step_time * (1 - 1e-9):
             more = [rank for rank, steps in enumerate(best.gradient_accumulation_steps) if steps > gas]

@@ -13,20 +13,16 @@ The pieces live apart, one concern each, and are re-exported here for the rest o
 
 - ``plan.py``: the ``Plan`` type, its JSON form and its printed table;
 - ``time_model.py``: ``TimeModel``, fitting, the plausibility guard and priors from scores;
-- ``allocation.py``: the uniform, manual and compute_aware rules;
+- ``strategies.py``: the registered strategies (uniform, manual, compute_aware, one's own);
+- ``allocation.py``: the rules of the built-in ones;
 - ``integer_split.py``: the exact integer min-max split the compute_aware rule uses.
 """
 
-import heapq
-import math
-
-from .allocation import compute_aware_plan, manual_plan, memory_caps, uniform_plan
+from .allocation import memory_caps
 from ..measure.devices import DeviceDescription, find_spec, normalize_scores, spec_score
 from .plan import Plan, positive_int
+from .strategies import COMPUTE_AWARE, PlanRequest, get_strategy, strategy_names
 from .time_model import FIXED_SHARE_LIMIT, TimeModel, fit_time_model, plausible_time_model, time_models_from_scores
-
-# The strategies this module plans by; the config's Literal lists the same (tests/unit/heterogeneous/test_layout.py).
-STRATEGIES = ("uniform", "compute_aware", "manual")
 
 __all__ = [
     "FIXED_SHARE_LIMIT",
@@ -45,7 +41,7 @@ __all__ = [
 def plan_micro_batches(time_models,
                        train_batch_size,
                        gradient_accumulation_steps=1,
-                       strategy="compute_aware",
+                       strategy=COMPUTE_AWARE,
                        max_micro_batch=None,
                        manual=None,
                        device_names=None,
@@ -57,12 +53,14 @@ def plan_micro_batches(time_models,
         train_batch_size: the global batch (samples per optimizer step over all ranks).
         gradient_accumulation_steps: micro-steps per optimizer step (default 1); must divide
             train_batch_size.
-        strategy: "uniform" (equal split), "compute_aware" (minimise the slowest rank's predicted
-            time; default) or "manual" (sizes from ``manual``).
+        strategy: the name of a registered strategy (``strategies.py``): "uniform" (equal split),
+            "compute_aware" (minimise the slowest rank's predicted time; default), "manual" (sizes
+            from ``manual``) or one of one's own.
         max_micro_batch: per-rank memory limits in samples per micro-step (None entries: no limit).
             Default None: no limits. compute_aware respects them; a fixed (uniform/manual) plan
             that exceeds one gets a note.
-        manual: for "manual", a list of sizes per rank or a map device name -> size.
+        manual: for a strategy that takes sizes ("manual"), a list of sizes per rank or a map
+            device name -> size.
         device_names: one device name per rank; needed by a manual map, used in messages.
         allow_per_rank_gas: let compute_aware give ranks different gas (ZeRO-0/1 only; the caller
             decides). Default False: every rank runs ``gradient_accumulation_steps``.
@@ -92,20 +90,34 @@ def plan_micro_batches(time_models,
     if per_micro_step < world:
         raise ValueError(f"train_batch_size {batch} / gradient_accumulation_steps {gas} = {per_micro_step} samples "
                          f"per micro-step cannot give each of the {world} data-parallel ranks at least one sample")
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
-    if manual is not None and strategy != "manual":
-        raise ValueError(f"manual micro-batch sizes are used only by strategy 'manual' (got '{strategy}')")
+    rule = get_strategy(strategy)
+    if manual is not None and not rule.takes_sizes:
+        raise ValueError(f"micro-batch sizes are not read by strategy '{strategy}'; strategies that read them: "
+                         f"{', '.join(_taking_sizes())}")
     names = None if device_names is None else [str(name) for name in device_names]
     if names is not None and len(names) != world:
         raise ValueError(f"device_names has {len(names)} entries for {world} data-parallel ranks")
     caps = memory_caps(max_micro_batch, world, names)
 
-    if strategy == "uniform":
-        return uniform_plan(models, batch, gas, caps)
-    if strategy == "manual":
-        return manual_plan(models, manual, names, batch, gas, caps)
-    return compute_aware_plan(models, batch, gas, caps, allow_per_rank_gas)
+    plan = rule.plan(PlanRequest(models, batch, gas, caps, names, manual, bool(allow_per_rank_gas), strategy))
+    _check_plan(plan, strategy, world, batch)
+    return plan
+
+
+def _taking_sizes():
+    return [name for name in strategy_names() if get_strategy(name).takes_sizes]
+
+
+def _check_plan(plan, strategy, world, batch):
+    """A strategy's plan must cover every rank and the whole global batch: the engine's loader,
+    the loss weights and the collectives rely on it."""
+    if not isinstance(plan, Plan):
+        raise TypeError(f"strategy '{strategy}' returned {type(plan).__name__}, not a Plan (use request.fixed_plan)")
+    if plan.world_size != world or plan.train_batch_size != batch or \
+            sum(m * g for m, g in zip(plan.micro_batch_sizes, plan.gradient_accumulation_steps)) != batch:
+        raise ValueError(f"strategy '{strategy}' planned {list(plan.micro_batch_sizes)} x gas "
+                         f"{list(plan.gradient_accumulation_steps)} for {world} ranks, which is not train_batch_size "
+                         f"{batch} over {world} ranks")
 
 
 def device_score(device):
@@ -136,34 +148,16 @@ def device_score(device):
 
 
 def distribute_workload(normalized_scores, train_batch_size, gradient_accumulation_steps=1):
-    """Micro-batch sizes proportional to the scores (behind ``engine._distribute_workload``).
-
-    Largest-remainder rounding of ``(train_batch_size / gas) * score_i``, each size at least 1,
-    summing exactly to ``train_batch_size / gas``. Scores need not sum to 1 (they are normalised).
-    """
+    """Micro-batch sizes for ranks of the given relative speeds (behind ``engine._distribute_workload``):
+    the compute_aware split of ``train_batch_size / gas`` samples per micro-step with a rank's time
+    per sample ``1 / score``, each rank at least one sample. Scores need not sum to 1."""
     shares = normalize_scores(normalized_scores)
     batch = positive_int(train_batch_size, "train_batch_size")
     gas = positive_int(gradient_accumulation_steps, "gradient_accumulation_steps")
     if batch % gas or batch // gas < len(shares):
         raise ValueError(f"train_batch_size {batch} / gradient_accumulation_steps {gas} must be a whole number of "
                          f"samples per micro-step, at least one per rank ({len(shares)} ranks)")
-    units = batch // gas
-    quotas = [units * share for share in shares]
-    sizes = [max(1, math.floor(quota)) for quota in quotas]
-    missing = units - sum(sizes)
-    # Floors lose less than one sample per rank, so one pass of the largest remainders fills them.
-    for rank in sorted(range(len(sizes)), key=lambda rank: (sizes[rank] - quotas[rank], rank))[:max(missing, 0)]:
-        sizes[rank] += 1
-    # Sizes raised to the minimum of 1 can push the sum over instead: take samples back from the
-    # ranks furthest above their quota.
-    above = [(quotas[rank] - sizes[rank], rank) for rank in range(len(sizes)) if sizes[rank] > 1]
-    heapq.heapify(above)
-    for _ in range(max(-missing, 0)):
-        _, rank = heapq.heappop(above)
-        sizes[rank] -= 1
-        if sizes[rank] > 1:
-            heapq.heappush(above, (quotas[rank] - sizes[rank], rank))
-    return sizes
+    return list(plan_micro_batches(time_models_from_scores(shares), batch, gas, COMPUTE_AWARE).micro_batch_sizes)
 
 
 def schedule_heterogeneous_tasks(devices, train_batch_size, gradient_accumulation_steps=1):
@@ -182,7 +176,7 @@ def schedule_heterogeneous_tasks(devices, train_batch_size, gradient_accumulatio
     if unknown:
         scores = [1.0] * len(devices)
     plan = plan_micro_batches(time_models_from_scores(scores), train_batch_size, gradient_accumulation_steps,
-                              "compute_aware", device_names=names).with_prior_times()
+                              COMPUTE_AWARE, device_names=names).with_prior_times()
     if unknown:
         plan = Plan(**{**plan.to_dict(), "notes": [f"ranks {unknown} have no known speed: equal shares until "
                                                    f"profiling measures them"]})

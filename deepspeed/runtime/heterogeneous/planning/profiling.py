@@ -19,6 +19,7 @@ from typing import Optional
 
 from ..memory.model_state import RankCannotFitError, fit_activation_model, max_micro_batch
 from .planner import Plan, TimeModel, fit_time_model, plan_micro_batches, plausible_time_model
+from .strategies import COMPUTE_AWARE, MANUAL
 from .time_model import least_squares_line, relative_standard_error
 
 NOISE_STANDARD_ERRORS = 2.0
@@ -196,7 +197,8 @@ class ProfilingDecision:
     """The measured best plan before the gate and the guard (profiling spreads sizes toward it)."""
 
 
-def trusted_plan(history, startup_plan, gradient_accumulation_steps, limits, allow_per_rank_gas):
+def trusted_plan(history, startup_plan, gradient_accumulation_steps, limits, allow_per_rank_gas,
+                 strategy=COMPUTE_AWARE):
     """The measured best plan when the measurements support it, else a safer one.
 
     - Noise gate: when no two ranks' predicted times under the start-up plan differ beyond the
@@ -208,7 +210,8 @@ def trusted_plan(history, startup_plan, gradient_accumulation_steps, limits, all
       ratio: the fitted fixed costs, extrapolated, may not overrule the measured speeds by that
       much.
 
-    Returns a ``ProfilingDecision``.
+    ``strategy`` names the registered strategy whose plan for the measured time models is the
+    measured best. Returns a ``ProfilingDecision``.
     """
     models, fits = measured_time_models(history, gradient_accumulation_steps)
     rates = measured_rates(history)
@@ -216,7 +219,7 @@ def trusted_plan(history, startup_plan, gradient_accumulation_steps, limits, all
 
     def best_for(time_models):
         return plan_micro_batches(time_models, train_batch_size=startup_plan.train_batch_size,
-                                  gradient_accumulation_steps=gradient_accumulation_steps, strategy="compute_aware",
+                                  gradient_accumulation_steps=gradient_accumulation_steps, strategy=strategy,
                                   max_micro_batch=limits, allow_per_rank_gas=allow_per_rank_gas)
 
     best = best_for(models)
@@ -398,7 +401,7 @@ def spread_profiling_sizes(sizes, seen, caps=None, toward=None):
 
 
 def plan_after_profiling_step(history, plan, gradient_accumulation_steps, limits, allow_per_rank_gas,
-                              steps_left, startup_plan=None):
+                              steps_left, startup_plan=None, strategy=COMPUTE_AWARE):
     """The plan for the next step after a profiling step (a ``ProfilingDecision``).
 
     Args:
@@ -409,6 +412,7 @@ def plan_after_profiling_step(history, plan, gradient_accumulation_steps, limits
         allow_per_rank_gas: whether ranks may run different gas (ZeRO-0/1 without host optimizer).
         steps_left: profiling steps still to run after this one (0: this decision is final).
         startup_plan: the plan in force at start-up (default ``plan``).
+        strategy: the registered strategy that adapts the plan to the measured time models.
 
     The schedule: the first step (warm-up, left out of the fits) runs the start-up plan; the
     middle ones run the trusted plan so far (``trusted_plan``) with each rank's sizes spread
@@ -421,7 +425,7 @@ def plan_after_profiling_step(history, plan, gradient_accumulation_steps, limits
     if steps_left == 1 and not exceeds_limits(startup_plan, limits):
         return ProfilingDecision(startup_plan, None, "the last profiling step runs the start-up plan: the reference "
                                  "the plan chosen after profiling is checked against")
-    decision = trusted_plan(history, startup_plan, gradient_accumulation_steps, limits, allow_per_rank_gas)
+    decision = trusted_plan(history, startup_plan, gradient_accumulation_steps, limits, allow_per_rank_gas, strategy)
     chosen = decision.plan
     if limits is not None:
         shown = ["-" if cap is None else cap for cap in limits]
@@ -436,7 +440,7 @@ def plan_after_profiling_step(history, plan, gradient_accumulation_steps, limits
         return decision
     models = decision.models or [TimeModel(0.0, rate) for rate in measured_rates(history)]
     spread = plan_micro_batches(models, train_batch_size=plan.train_batch_size,
-                                gradient_accumulation_steps=gradient_accumulation_steps, strategy="manual",
+                                gradient_accumulation_steps=gradient_accumulation_steps, strategy=MANUAL,
                                 manual=sizes)
     # Shown under the run's own strategy: the sizes are a probe of it, not a user's manual plan.
     spread = Plan(**{**spread.to_dict(), "strategy": chosen.strategy, "notes": list(spread.notes) + [
