@@ -50,7 +50,7 @@ FORMAT_PATCH_ARGS = ("--zero-commit", "--full-index", "--no-signature", "--no-st
                      "--no-color", "--stdout")
 REQUIRED_TRAILERS = ("Origin", "Forwarded")
 STACK_TRAILER = "Stacked-files"
-# Thin patches (STYLE.md): the most changed lines one patch may have, and the most the median may be.
+# Thin patches (docs/contributing.md): the most changed lines one patch may have, and the most the median may be.
 MAX_CHANGED_LINES = 60
 MAX_MEDIAN_CHANGED_LINES = 20
 

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The heterogeneous profiler's metrics (docs/architecture.md §4.7): pure functions over plain records.
+"""The heterogeneous profiler's metrics (docs/profiler.md): pure functions over plain records.
 
 ``HeterogeneousProfiler`` (``heterogeneous_profiler.py``) gathers the records; everything here is
 computed the same on every rank from them, without processes or a device.

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Where each data-parallel rank's step time goes on a heterogeneous cluster (docs/architecture.md §4.7).
+"""Where each data-parallel rank's step time goes on a heterogeneous cluster (docs/profiler.md).
 
     profiler = HeterogeneousProfiler(engine)    # or the module deepspeed.initialize wrapped
     profiler.start_heterogeneous_profile()      # every rank, at the same step

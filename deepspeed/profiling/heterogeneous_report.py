@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The heterogeneous profiler's output (docs/architecture.md §4.7): the printable report, the JSON
+"""The heterogeneous profiler's output (docs/profiler.md): the printable report, the JSON
 file and the PNG timeline, from the metrics ``heterogeneous_metrics.compute_metrics`` returns.
 
 ``draw_timeline`` needs matplotlib (``pip install matplotlib``), imported only there; the rest does

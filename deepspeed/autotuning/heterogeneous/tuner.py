@@ -79,6 +79,16 @@ def _master_port(argv, user_script):
     return None
 
 
+def _resources_in_use(active_resources, num_nodes, num_gpus):
+    """The hosts and slots each experiment's launch uses: the first ``num_nodes`` hosts (all when
+    not positive) and slots ``0 .. num_gpus - 1`` on each (their own slots when not positive), as
+    the launcher trims them after the tuner hands it the flags."""
+    hosts = list(active_resources.items())
+    if num_nodes > 0:
+        hosts = hosts[:num_nodes]
+    return {host: list(range(num_gpus)) if num_gpus > 0 else list(slots) for host, slots in hosts}
+
+
 class HeterogeneousAutotuner(TuningSearch, TuningOutputs):
 
     def __init__(self, args, active_resources, argv):
@@ -102,9 +112,8 @@ class HeterogeneousAutotuner(TuningSearch, TuningOutputs):
             if value == 0 or value < -1:
                 raise AutotuningConfigError(f"{flag} {value}: give a positive number, or leave it out to use every "
                                             f"node / device found")
-        from deepspeed.launcher.runner import apply_num_nodes_and_gpus
-        resources = apply_num_nodes_and_gpus(active_resources, args.num_nodes, args.num_gpus)
-        self.world_size = sum(len(slots) for slots in resources.values())
+        self.world_size = sum(len(slots) for slots in _resources_in_use(active_resources, args.num_nodes,
+                                                                          args.num_gpus).values())
         mp = (self.user_config.get("autotuning") or {}).get("mp_size", 1)
         self.dp_world = max(1, self.world_size // max(1, int(mp)))
         self._check_heterogeneous_blocks()

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Adaptive fp16 loss scaling (deepspeed-hetero, docs/architecture.md §4.5).
+"""Adaptive fp16 loss scaling (deepspeed-hetero, docs/precision.md, "Adaptive loss scaling").
 
 Upstream's dynamic scaler doubles the scale every ``loss_scale_window`` clean steps whatever the
 gradients look like, so it keeps climbing into overflows, skipping a step and halving each

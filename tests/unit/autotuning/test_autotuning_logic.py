@@ -485,3 +485,16 @@ def test_a_pipeline_experiment_reports_its_replicas_plan_and_the_summary_its_deg
     assert rows[1:] == [["z1", "3", "100", "pp1_z1_gas4_tmbspg2"], ["pp1", "1", "100", "pp1_z1_gas4_tmbspg2"],
                         ["pp2 balanced", "1", "80", "pp2bal_z1_gas4_tmbspg4"], ["pp2 parameters", "1", "-", "-"],
                         ["global", "3", "100", "pp1_z1_gas4_tmbspg2"]]
+
+
+def test_the_tuner_counts_the_ranks_a_launch_with_its_flags_uses():
+    """The tuner sizes its experiments by the hosts and slots the launcher keeps for --num_nodes
+    and --num_gpus, without importing the launcher (which imports the tuner)."""
+    import collections
+    from deepspeed.autotuning.heterogeneous.tuner import _resources_in_use
+    from deepspeed.launcher.runner import apply_num_nodes_and_gpus
+    resources = collections.OrderedDict([("node-a", [0, 1, 2, 3]), ("node-b", [0, 1])])
+    for num_nodes in (-1, 1, 2, 3):
+        for num_gpus in (-1, 1, 2, 5):
+            assert _resources_in_use(resources, num_nodes, num_gpus) == dict(
+                apply_num_nodes_and_gpus(resources, num_nodes, num_gpus)), (num_nodes, num_gpus)

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Every rank issues the same collectives (docs/architecture.md §5), whatever its own micro-batch.
+"""Every rank issues the same collectives (docs/architecture.md, "Invariants"), whatever its own micro-batch.
 
 Each rank records its sequence of ``deepspeed.comm`` collectives (``measure/collective_log.py``) from
 ``deepspeed.initialize`` to the last step; the parent compares the ranks' sequences op by op:

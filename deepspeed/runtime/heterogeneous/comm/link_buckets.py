@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """``heterogeneous_config.communication.link_aware_buckets``: ZeRO's gradient bucket size from the
-slowest measured link between hosts (docs/architecture.md §4.6). Pure: no processes.
+slowest measured link between hosts (docs/multihost.md, "Link-aware buckets"). Pure: no processes.
 
 Upstream gives every cluster the same bucket (``reduce_bucket_size`` and ``allgather_bucket_size``,
 5e8 elements: 2 GB in fp32), whatever joins its hosts. A bucket is the unit the gradient

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The batch a rank was actually fed, checked against the plan in force (docs/architecture.md §4.3).
+"""The batch a rank was actually fed, checked against the plan in force (docs/balancing.md, "Data loaders").
 
 Each rank's loss is weighted by its *planned* share of the global batch; a loader that feeds any
 other size (a user's ``DistributedSampler`` loader of equal batches, a Trainer's loader, the last

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Uneven data-parallel sampling: rank r takes mbs_r of every sum(mbs) samples (docs/architecture.md §4.3).
+"""Uneven data-parallel sampling: rank r takes mbs_r of every sum(mbs) samples (docs/balancing.md, "Data loaders").
 
 An epoch is a permutation of the dataset (seeded with seed + epoch, as torch's
 DistributedSampler does) consumed in *rounds*. In each round every rank takes a contiguous slice

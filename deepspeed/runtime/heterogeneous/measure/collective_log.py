@@ -2,7 +2,7 @@
 """This process's sequence of collectives, recorded so that the ranks' sequences can be compared.
 
 Every rank must issue the same collectives in the same order with the same shapes
-(docs/architecture.md §5): a rank that runs one more micro-step's reduction, another bucket size
+(docs/architecture.md, "Invariants"): a rank that runs one more micro-step's reduction, another bucket size
 or a scaler that reduces one more value pairs its collectives with the wrong ones of its peers,
 which ends in a hang or, worse, in silently wrong sums. Nothing at run time sees that, so the
 tests record each rank's sequence while it trains and compare them op by op.

@@ -2,7 +2,7 @@
 """A short benchmark that scores a device the datasheet table does not know (the CPU included).
 
 The score is in TFLOP/s, like the table's rates, so that measured and datasheet scores can sit
-side by side in one plan; profiling on the real model replaces both later (docs/architecture.md §4.1).
+side by side in one plan; profiling on the real model replaces both later (docs/balancing.md, "The start-up plan").
 """
 
 import statistics

@@ -4,7 +4,7 @@
 A built-in table of datasheet rates gives known accelerators a prior score; an unknown device
 (the CPU included) gets a short benchmark instead (``device_benchmark.py``), reported in the same
 unit (TFLOP/s) so that the two kinds of score can sit side by side in one plan. Profiling on the
-real model replaces both later (docs/architecture.md §4.1).
+real model replaces both later (docs/balancing.md, "The start-up plan").
 
 The runtime (``cluster/ranks.gather_devices``) and ``ds_report --heterogeneous`` both describe a
 rank's device with ``describe_local_device`` at ``local_device_index`` / ``local_device_count``,

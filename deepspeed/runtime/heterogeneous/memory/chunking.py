@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """``heterogeneous_memory.adaptive_chunking``: ZeRO's bucket and prefetch sizes from the smallest
-rank's memory (docs/architecture.md §4.4). Pure: no processes.
+rank's memory (docs/memory.md, "Adaptive chunking"). Pure: no processes.
 
 Upstream sizes its communication buckets (``reduce_bucket_size``, ``allgather_bucket_size``) and
 ZeRO-3's prefetch and live-parameter budgets (``stage3_prefetch_bucket_size``,

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Per-rank memory limits for the planner (docs/architecture.md §4.4), as samples per micro-step.
+"""Per-rank memory limits for the planner (docs/memory.md, "The prediction"), as samples per micro-step.
 
 A rank's predicted peak is the model state its ZeRO shard holds plus the activations of its
 micro-batch:

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``HeterogeneousMemoryPool``: where each rank's model state lives (docs/architecture.md §4.4).
+"""``HeterogeneousMemoryPool``: where each rank's model state lives (docs/memory.md, "The memory pool").
 
 On a cluster that mixes 80 GB and 24 GB devices the question "does it fit?" has a different
 answer per rank, and host RAM is a second, shared budget: the ranks of one node offload into the

@@ -28,7 +28,7 @@ full copy on every rank). The prefetch bucket and the live-parameter budget stay
 adaptive chunking's, from the smallest rank's memory): they already hold a bucket of the model.
 
 The value is a constant of the config, so it is the same on every rank without a collective
-(anything that shapes a collective must be, docs/architecture.md §5). A value the user sets,
+(anything that shapes a collective must be, docs/architecture.md, "Invariants"). A value the user sets,
 under either name, is kept, and so is upstream's where the user set a budget for persistent
 parameters (``stage3_model_persistence_threshold``) or offloads parameters (``offload_param``).
 """

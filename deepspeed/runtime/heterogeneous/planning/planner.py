@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Who computes how many samples: per-rank micro-batch sizes from per-rank speed (docs/architecture.md §4.1).
+"""Who computes how many samples: per-rank micro-batch sizes from per-rank speed (docs/balancing.md, "Strategies").
 
 Rank i's micro-step is modelled as ``a_i + b_i * mbs`` (a fixed cost per micro-step plus a cost
 per sample), fitted from profiling steps or derived from a prior score. The planner splits the

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""From the profiling steps to a plan (docs/architecture.md §4.1, 4.4): pure functions, no processes.
+"""From the profiling steps to a plan
+(docs/balancing.md, "Profiling" and "Plans you can trust"): pure functions, no processes.
 
 A profiling step's measurements, pooled over the ranks (``cluster/agreement.merge_replicas``), are
 one entry per data-parallel rank: ``{"samples": [(mbs, seconds, activation bytes or None), ...],

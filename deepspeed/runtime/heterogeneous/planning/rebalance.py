@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""When to rebalance during training (docs/architecture.md §4.7): pure decision logic, no processes.
+"""When to rebalance during training (docs/balancing.md, "Dynamic rebalancing"): pure decision logic, no processes.
 
 Every ``check_interval`` steps the runtime fits each rank's time model to the steps since the
 last check and asks ``RebalancePolicy.check`` whether the best plan for those models beats the

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Robust statistics of measured step times (docs/architecture.md §4.7): pure, no processes.
+"""Robust statistics of measured step times (docs/balancing.md, "Dynamic rebalancing"): pure, no processes.
 
 Rebalancing compares intervals of a handful of steps on machines where one step in a few is an
 outlier (a scheduler hiccup, a collection); these estimates use medians and median absolute

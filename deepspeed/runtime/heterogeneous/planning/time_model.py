@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""How long a rank takes for a micro-step of ``mbs`` samples: ``a + b * mbs`` (docs/architecture.md §4.1).
+"""How long a rank takes for a micro-step of ``mbs`` samples: ``a + b * mbs`` (docs/balancing.md, "Profiling").
 
 The planner balances ranks on these models. They are fitted from profiling steps, derived from a
 prior speed score before anything was measured, and guarded against fits that noise made flat.
