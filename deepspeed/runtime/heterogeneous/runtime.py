@@ -817,14 +817,19 @@ class HeterogeneousRuntime:
         """The controller's state as plain values (a checkpoint holds no class of the fork): its
         phase, the profiling steps' measurements, the fitted models, the rebalancer (the models and
         baseline of the plan in force, the switch awaiting its check, the reverted plans, the
-        start-up plan) and the plan changes. The same on every rank; only rank 0's rebalancer
-        decides. Each rank's steps since the last check are ``window_state``."""
+        start-up plan), the plan changes, and what re-splitting a stock loader's batches costs (the
+        latest pooled exchange estimate and the sizes the loader fed), which decides whether a
+        re-plan is worth its exchange. Rank 0's record is the one a checkpoint keeps; only rank 0's
+        rebalancer decides. Each rank's steps since the last check are ``window_state``."""
+        seconds, received = self._exchange_estimate
         return {
             "phase": self.phase.value,
             "history": copy.deepcopy(self.history),
             "base_models": None if self.base_models is None else [[m.a, m.b] for m in self.base_models],
             "rebalancer": self.rebalancer.state_dict(),
             "events": [asdict(event) for event in self.events],
+            "exchange": {"seconds": seconds, "bytes": received,
+                         "fed_sizes": None if self.fed_sizes is None else [int(n) for n in self.fed_sizes]},
         }
 
     def window_state(self):
@@ -845,6 +850,10 @@ class HeterogeneousRuntime:
             self.events = [RebalanceEvent(**{**event, "old_sizes": tuple(event["old_sizes"]),
                                              "new_sizes": tuple(event["new_sizes"])}) for event in state["events"]]
             self._window = [StepTiming(**timing) for timing in window or []]
+            exchange = state.get("exchange") or {}  # absent from records written before it was kept
+            self._exchange_estimate = (exchange.get("seconds"), exchange.get("bytes"))
+            fed = exchange.get("fed_sizes")
+            self.fed_sizes = None if fed is None else tuple(fed)
             self._enter(self._resumed_phase(state))
         # DeepSpeed does not save the engine's micro-step count: accumulation boundaries are counted
         # from here (a checkpoint is taken at an optimizer step's end).

@@ -191,6 +191,60 @@ def test_resume_in_a_verify_window_and_after_a_revert(tmp_path):
     assert plans[-1] == [8, 8] and end["reverted"] == [(profiled, 10)], end
 
 
+def _exchange_resumed(rank, world_size, directory):
+    """A stock loader's equal batches (8 + 8) re-split to the profiled plan: rank 0 has measured
+    what the exchange costs. Saved after profiling; a new engine loads it. What decides whether a
+    later re-plan is worth its exchange (rank 0's estimate, the sizes the loader fed, the verdict
+    on a candidate) must be what the uninterrupted engine holds."""
+    import deepspeed
+    generator = torch.Generator().manual_seed(1)
+    inputs, targets = torch.randn(16 * STEPS, WIDTH, generator=generator), torch.randn(16 * STEPS, WIDTH,
+                                                                                        generator=generator)
+    device = VirtualDevice(SECONDS_PER_SAMPLE)
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(WIDTH, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, WIDTH),
+                                    device.layer())
+        config = {"train_batch_size": 16, "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+                  "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "compute_aware",
+                                           "profile_steps": PROFILE}}
+        return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
+
+    def decisions(runtime):
+        candidate = _plan([12, 4])
+        runtime._worth_resplitting(candidate, runtime.base_models)
+        return {"estimate": list(runtime._exchange_estimate), "note": runtime._exchange_note,
+                "fed": None if runtime.fed_sizes is None else list(runtime.fed_sizes),
+                "models": None if runtime.base_models is None else [[m.a, m.b] for m in runtime.base_models]}
+
+    engine = build()
+    with device.installed():
+        for step in range(PROFILE + 1):
+            device.speed = PROFILING_SPEEDS[rank]
+            rows = slice(step * 16 + rank * 8, step * 16 + rank * 8 + 8)  # equal batches, whatever the plan
+            engine.backward(torch.nn.functional.mse_loss(engine(inputs[rows]), targets[rows]))
+            engine.step()
+    engine.save_checkpoint(directory, tag="profiled")
+    saved = decisions(engine._heterogeneous_runtime())
+    fresh = decisions(build()._heterogeneous_runtime())
+    resumed_engine = build()
+    resumed_engine.load_checkpoint(directory, tag="profiled")
+    return {"saved": saved, "resumed": decisions(resumed_engine._heterogeneous_runtime()), "fresh": fresh,
+            "plan": list(engine.heterogeneous_plan.micro_batch_sizes)}
+
+
+@pytest.mark.multiprocess
+def test_a_resumed_run_weighs_a_re_split_as_the_uninterrupted_one(tmp_path):
+    fast, slow = run_subcases(_exchange_resumed, [dict(directory=str(tmp_path / "ckpt"))], world_size=2,
+                              timeout=900)[0]
+    assert fast["plan"] == [13, 3], fast["plan"]  # profiled: the loader's 8 + 8 are re-split
+    saved = fast["saved"]  # rank 0: the one that decides
+    assert saved["estimate"][0] is not None and saved["estimate"][1] > 0 and saved["fed"] == [8, 8], saved
+    assert fast["resumed"] == saved, (fast["resumed"], saved)
+    assert fast["fresh"]["estimate"] == [None, None], fast["fresh"]  # what a resume without it would hold
+
+
 def _clock_by_phase(rank, world_size, strategy, dynamic):
     import deepspeed
     from deepspeed.runtime.heterogeneous.measure import comm_clock
