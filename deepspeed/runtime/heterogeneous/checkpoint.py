@@ -153,7 +153,7 @@ def check_pipeline_checkpoint(engine, checkpoint):
 
 def _check_pipeline_parts(engine, saved_parts):
     """Upstream's pipeline checkpoint holds each stage's optimizer state for its layers: it resumes
-    only into the same stages, unless the stages' layer states move (pipeline_checkpoint.py)."""
+    only into the same stages, unless the stages' layer states move (pipeline/checkpoint.py)."""
     layout = engine._config.heterogeneous.pipeline
     if saved_parts is None or list(saved_parts) == list(layout.partition.parts):
         return

@@ -224,7 +224,7 @@ class HeterogeneousState:
         deferred to now (``pipeline.build_stages``) with its replicas' plan, and keep the start-up
         plan within memory now that the model is known (``startup.cap_startup_plan``). Nothing when
         the fork is off, except refusing a deferred PipelineModule, which only the fork can build."""
-        from .pipeline import PARTITION_METHOD, is_deferred
+        from .pipeline.build import PARTITION_METHOD, is_deferred
         if not self.enabled:
             if is_deferred(model):
                 raise ValueError(f"PipelineModule(partition_method='{PARTITION_METHOD}') needs heterogeneous_config."
@@ -234,9 +234,9 @@ class HeterogeneousState:
             return
         from .emulation.emulator import start_memory_limit
         start_memory_limit(self.settings.config.emulation, self.emulated_rank)  # before the engine allocates
-        from .pipeline import is_pipeline
+        from .pipeline.build import is_pipeline
         if is_pipeline(model):
-            from .pipeline import build_stages, check_pipeline_settings, replica_plan
+            from .pipeline.build import build_stages, check_pipeline_settings, replica_plan
             from .startup import apply_plan
             check_pipeline_settings(self)
             self.pipeline = build_stages(self, model, model_parameters, getattr(engine, "training_data", None))

@@ -436,7 +436,7 @@ def _load_agreement(rank, world_size, save_dir):
     rank 1's neither. A stand-in engine of one stage, [0, 2, 4] here and [0, 3, 4] when saved."""
     import os
     from types import SimpleNamespace
-    from deepspeed.runtime.heterogeneous import pipeline_checkpoint as checkpoint
+    from deepspeed.runtime.heterogeneous.pipeline import checkpoint
 
     def fails_on_rank_1():
         if rank == 1:

@@ -163,7 +163,7 @@ class PipelineConfig(DeepSpeedConfigModel):
     trainable parameters, as upstream's 'parameters' method weighs it."""
     save_layer_states: bool = True
     """Each stage also saves its layers' optimizer state by layer, so that a checkpoint loads into
-    another cut of the layers (pipeline_checkpoint.py); false: a checkpoint resumes into its own
+    another cut of the layers (pipeline/checkpoint.py); false: a checkpoint resumes into its own
     cut only, and takes no more disk than upstream's."""
     partition: Literal["balanced", "parameters", "uniform"] = "balanced"
     """balanced: the cut where the slowest stage's cost / speed is least, within each stage's

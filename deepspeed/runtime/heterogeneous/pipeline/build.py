@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
-from .cluster.agreement import Agreement
-from .measure.devices import describe_local_device, local_device_index
-from .planning.stages import (ADAM_BYTES_PER_PARAMETER, StagePartition, given_partition, manual_partition,
+from ..cluster.agreement import Agreement
+from ..measure.devices import describe_local_device, local_device_index
+from ..planning.stages import (ADAM_BYTES_PER_PARAMETER, StagePartition, given_partition, manual_partition,
                               partition_stages, relative_rank_speeds, replica_sample_times,
                               stage_speeds)
 
@@ -382,7 +382,7 @@ def replica_plan(state, layout):
     config = state.settings.config
     if not config.strategy.adapts or layout.replicas < 2:
         return None
-    from .planning.planner import TimeModel, plan_micro_batches
+    from ..planning.planner import TimeModel, plan_micro_batches
     models = [TimeModel(0.0, t) for t in layout.replica_times]
     return plan_micro_batches(models, train_batch_size=state.plan.train_batch_size,
                               gradient_accumulation_steps=state.base_gas or 1,
