@@ -88,7 +88,7 @@ class HeterogeneousState:
     (``zero_optimization.heterogeneous_offload``); the same on every rank; empty when no rank
     offloads. ``offloaded_ranks``, ``nvme_ranks`` and ``offload_ratios`` read it."""
     autotuning_window: Optional[object] = field(default=None, repr=False)
-    """The autotuning metric window's progress (``autotuning.heterogeneous.experiments``), also
+    """The autotuning metric window's progress (``autotuning_window``), also
     with the fork off; None until the first step of an autotuning experiment."""
     link_bucket_sizes: Optional[dict] = None
     """The ZeRO bucket sizes the slowest inter-host link chose (``link_buckets.py``; already the

@@ -10,7 +10,7 @@ import pytest
 
 from deepspeed.autotuning.heterogeneous import results as R
 from deepspeed.autotuning.heterogeneous.costmodel import ClusterProfile
-from deepspeed.autotuning.heterogeneous.experiments import rank_memory_capacity
+from deepspeed.runtime.heterogeneous.measure.devices import rank_memory_capacity
 from deepspeed.autotuning.heterogeneous.runner import (experiment_args, extension_roots, find_config_path,
                                                        orphaned_build_locks, remove_build_locks)
 from deepspeed.autotuning.heterogeneous.search import TuningSearch

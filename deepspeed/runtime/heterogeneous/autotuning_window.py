@@ -1,6 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Engine side of an autotuning experiment: measure, gather from every rank, write, exit.
 
+The engine calls ``step_end`` after every step while ``autotuning.enabled`` (the
+engine-autotuning-window patch); the tuner (``deepspeed/autotuning/heterogeneous``) only reads the
+file written here, so the runtime imports nothing of the tool.
+
 Upstream takes its metric from the timers of the last optimizer step (they are reset at every
 step) on rank 0 only. Here every rank times a window of whole optimizer steps, wall clock from
 one step's end to the next (the user's data loading included: it is part of what training
