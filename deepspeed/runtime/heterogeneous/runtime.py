@@ -46,8 +46,8 @@ from deepspeed import comm as dist
 from deepspeed.utils import logger
 
 from .config.errors import one_line_config_errors
-from .cluster.agreement import (Agreement, PlanAgreementError, decision_failure, merge_replicas,
-                                raise_decision_failure, slowest, slowest_micro_step)
+from .cluster.agreement import (Agreement, PlanAgreementError, PlanDecision, merge_replicas, slowest,
+                                slowest_micro_step)
 from .startup import apply_plan, rank_memory_meter
 from .memory.pool import memory_capacities
 from .data.fed_batch import fed_size, judge_feeding, leading_batch_size, raised_on_every_rank
@@ -530,24 +530,23 @@ class HeterogeneousRuntime:
         self._record_measured_peaks(*self._memory_of(self.history[-1]))
         last = len(self.history) >= self.settings.profile_steps
         decision = self._decide_after_profiling(last) if dist.get_rank() == 0 else None
-        box = self.agreement.broadcast_from_rank0(decision, "the new plan")
-        if "error" in box:
-            raise_decision_failure(box, f"no plan fits after profiling step {self.steps}")
-        new_plan = Plan.from_dict(box["plan"])
+        decision = self.agreement.broadcast_from_rank0(decision, "the new plan")
+        decision.raise_failure(f"no plan fits after profiling step {self.steps}")
+        new_plan = Plan.from_dict(decision.plan)
         if (new_plan.micro_batch_sizes, new_plan.gradient_accumulation_steps) != (
                 self.plan.micro_batch_sizes, self.plan.gradient_accumulation_steps):
             self.switch_to(new_plan, f"plan after profiling step {self.steps}")
-        if last and box.get("note"):
-            self._log_decision(f"after profiling (step {self.steps}): {box['note']}")
+        if last and decision.note:
+            self._log_decision(f"after profiling (step {self.steps}): {decision.note}")
         if last:
             self._window = []
             # The switch is judged one check interval later (the first check with dynamic
             # rebalancing; without it, this one check and no collective in between).
-            self._enter(self._after_switch(bool(box.get("verify"))))
+            self._enter(self._after_switch(decision.verify))
         self._agreement_s = time.perf_counter() - began
 
     def _decide_after_profiling(self, last):
-        """Rank 0's plan, or the reason there is none (sent to every rank, which all stop).
+        """Rank 0's ``PlanDecision``: the plan for the next step, or the failure every rank raises.
 
         Any exception is sent too: raised here alone, it would leave the other ranks waiting in
         the broadcast until the process group's time-out."""
@@ -563,7 +562,7 @@ class HeterogeneousRuntime:
                                                  strategy=self.settings.load_balancing_strategy)
             plan = decision.plan
             if not last:
-                return {"plan": plan.to_dict()}
+                return PlanDecision(plan=plan.to_dict())
             _, self.base_models = measured_time_models(self.history, self.state.base_gas)
             self._update_exchange_estimate(self.history[-1])
             kept_fed = self._worth_resplitting(plan, decision.models)
@@ -586,9 +585,9 @@ class HeterogeneousRuntime:
                                                 "switch after profiling")
                 verify = unchecked is None
                 note = "; ".join(filter(None, [note, unchecked]))
-            return {"plan": plan.to_dict(), "note": note, "verify": verify}
+            return PlanDecision(plan=plan.to_dict(), note=note, verify=verify)
         except Exception as exc:  # noqa: BLE001 -- every failure must reach every rank
-            return decision_failure(exc)
+            return PlanDecision.failed(exc)
 
     def _log_decision(self, text):
         """One line on global rank 0 (printed, like ``log_plan``): why a plan was kept or reverted."""
@@ -670,37 +669,37 @@ class HeterogeneousRuntime:
                 **self._exchange_since(reset=True)}
         began = time.perf_counter()
         gathered = self.agreement.gather_to_rank0(mine, f"the measurements of step {self.steps} to agree on a plan")
-        box = None
+        decision = None
         if gathered is not None:  # rank 0: whatever fails here must reach every rank in the broadcast
             try:
                 everyone = merge_replicas(gathered, self.plan.world_size, self._SEQUENCES, error=PlanAgreementError)
-                box = self._decide_rebalance(everyone, forced_models, on_demand)
-                box["peaks"], box["activations"] = self._memory_of(everyone)
+                decision = self._decide_rebalance(everyone, forced_models, on_demand)
+                decision.peaks, decision.activations = self._memory_of(everyone)
             except Exception as exc:  # noqa: BLE001 -- every failure must reach every rank
-                box = decision_failure(exc)
-        box = self.agreement.broadcast_from_rank0(box, "the rebalancing decision")
-        if "error" in box:
-            raise_decision_failure(box, f"rebalancing at step {self.steps} failed")
-        self._record_measured_peaks(box["peaks"], box["activations"])
+                decision = PlanDecision.failed(exc)
+        decision = self.agreement.broadcast_from_rank0(decision, "the rebalancing decision")
+        decision.raise_failure(f"rebalancing at step {self.steps} failed")
+        self._record_measured_peaks(decision.peaks, decision.activations)
         # Without dynamic rebalancing a switch is checked once (the window served that check); an
         # on-demand re-plan during profiling leaves profiling to go on.
         if self.phase is not Phase.PROFILING:
-            self._enter(self._after_switch(bool(box.get("verify"))))
-        if box.get("note"):
-            self._log_decision(f"step {self.steps}: {box['note']}")
-        if "plan" in box:
-            new_plan, old = Plan.from_dict(box["plan"]), self.plan
-            kind = "revert" if box.get("revert") else "rebalance"
-            self.switch_to(new_plan, f"{kind} at step {self.steps} ({box['reason']})")
+            self._enter(self._after_switch(decision.verify))
+        if decision.note:
+            self._log_decision(f"step {self.steps}: {decision.note}")
+        if decision.plan is not None:
+            new_plan, old = Plan.from_dict(decision.plan), self.plan
+            kind = "revert" if decision.revert else "rebalance"
+            self.switch_to(new_plan, f"{kind} at step {self.steps} ({decision.reason})")
             self.events.append(RebalanceEvent(self.steps, tuple(old.micro_batch_sizes),
-                                              tuple(new_plan.micro_batch_sizes), box["gain"], box["wall"], kind=kind))
+                                              tuple(new_plan.micro_batch_sizes), decision.gain, decision.wall,
+                                              kind=kind))
         self._agreement_s = time.perf_counter() - began
         return self.plan
 
     def _decide_rebalance(self, everyone, forced_models, on_demand):
-        """Rank 0: first judge the last switch on the steps since (revert it if it made the step
-        slower), then, with dynamic rebalancing or on demand, the check itself. Any exception is
-        returned as ``{"error": ...}`` for every rank to raise."""
+        """Rank 0's ``PlanDecision``: first judge the last switch on the steps since (revert it if
+        it made the step slower), then, with dynamic rebalancing or on demand, the check itself.
+        Any exception is returned as the decision's failure, for every rank to raise."""
         try:
             walls = [max(step) for step in zip(*(entry["walls"] for entry in everyone))]
             wall = statistics.median(walls) if walls else max(entry["wall"] for entry in everyone)
@@ -709,8 +708,8 @@ class HeterogeneousRuntime:
             if judged is not None and judged.revert:
                 # A comparison's first half leaves the switch pending: its second half is judged
                 # one interval later, with or without dynamic rebalancing.
-                return {"plan": judged.plan.to_dict(), "reason": judged.reason, "gain": judged.predicted_gain,
-                        "wall": wall, "revert": True, "verify": self.rebalancer.pending is not None}
+                return PlanDecision(plan=judged.plan.to_dict(), reason=judged.reason, gain=judged.predicted_gain,
+                                    wall=wall, revert=True, verify=self.rebalancer.pending is not None)
             note = None if judged is None else judged.reason
             if on_demand:
                 models = forced_models or window_models([e["samples"] for e in everyone], self.base_models,
@@ -720,20 +719,20 @@ class HeterogeneousRuntime:
             elif self.dynamic:
                 decision = self.rebalancer.check(self.plan, [e["step_times"] for e in everyone], self._best_plan_for)
             else:  # the check of a switch without dynamic rebalancing (again while too few steps)
-                return {"keep": note or "nothing to check", "gain": 0.0, "note": note,
-                        "verify": self.rebalancer.pending is not None}
+                return PlanDecision(reason=note or "nothing to check", note=note,
+                                    verify=self.rebalancer.pending is not None)
             if not decision.rebalance:
-                return {"keep": decision.reason, "gain": decision.predicted_gain,
-                        "note": "; ".join(filter(None, [note, self._exchange_note])) or None,
-                        "verify": self.rebalancer.pending is not None}
+                return PlanDecision(reason=decision.reason, gain=decision.predicted_gain,
+                                    note="; ".join(filter(None, [note, self._exchange_note])) or None,
+                                    verify=self.rebalancer.pending is not None)
             old = self.plan
             unchecked = self.rebalancer.switched(old, decision.plan, walls, self.rebalancer.previous_models,
                                                  f"rebalance at step {self.steps}")
-            return {"plan": decision.plan.to_dict(), "reason": decision.reason, "gain": decision.predicted_gain,
-                    "wall": wall, "verify": unchecked is None,
-                    "note": "; ".join(filter(None, [note, self._exchange_note, unchecked]))}
+            return PlanDecision(plan=decision.plan.to_dict(), reason=decision.reason, gain=decision.predicted_gain,
+                                wall=wall, verify=unchecked is None,
+                                note="; ".join(filter(None, [note, self._exchange_note, unchecked])))
         except Exception as exc:  # noqa: BLE001 -- every failure must reach every rank
-            return decision_failure(exc)
+            return PlanDecision.failed(exc)
 
     def _observe_last_event(self, walls):
         """Judge the last switch on ``walls`` (per-step wall seconds, the slowest rank's, at the plan

@@ -27,7 +27,9 @@ instead of a hang, and a mismatch in an error naming the setting.
 import json
 import pickle
 import time
+from dataclasses import dataclass
 from datetime import timedelta
+from typing import Optional
 
 from deepspeed import comm as dist
 from deepspeed.utils import logger
@@ -348,6 +350,42 @@ def decision_failure(exc):
 
 class PlanDecisionError(RuntimeError):
     """Rank 0 failed while deciding a plan; raised on every rank, with rank 0's exception."""
+
+
+@dataclass
+class PlanDecision:
+    """What rank 0 decided at an agreement point (after a profiling step, at a check), broadcast
+    so that every rank acts on it alike. Plain values only: the plan travels as its dict."""
+
+    plan: Optional[dict] = None
+    """The plan to run from the next step (``Plan.to_dict()``); None: the plan in force stays."""
+    reason: str = ""
+    """Why (a re-plan's or a revert's reason, or why the plan stays)."""
+    revert: bool = False
+    """The plan undoes the last switch, which made the step slower."""
+    gain: float = 0.0
+    """The predicted step-time gain of ``plan``."""
+    wall: Optional[float] = None
+    """The median step wall time (s) that led to a re-plan."""
+    note: Optional[str] = None
+    """A line for the log (what was judged, why a plan was kept)."""
+    verify: bool = False
+    """A switch awaits its check: the controller measures until it is judged."""
+    peaks: Optional[list] = None
+    """Per data-parallel rank, its measured peak bytes in the interval (checks only)."""
+    activations: Optional[list] = None
+    """Per data-parallel rank, its measured activation bytes per sample (checks only)."""
+    failure: Optional[dict] = None
+    """Rank 0's exception (``decision_failure``): every rank raises it."""
+
+    @classmethod
+    def failed(cls, exc):
+        return cls(failure=decision_failure(exc))
+
+    def raise_failure(self, what):
+        """On every rank: raise rank 0's failure, if it failed (``raise_decision_failure``)."""
+        if self.failure is not None:
+            raise_decision_failure(self.failure, what)
 
 
 def raise_decision_failure(box, what):
