@@ -53,8 +53,8 @@ from .memory.pool import memory_capacities
 from .data.fed_batch import fed_size, judge_feeding, leading_batch_size, raised_on_every_rank
 from .data.loss_items import count_items, items_weight, select_input
 from .integrations.loss_normalization import LossFunctionWatch, agreed_verdict, names_num_items
-from .data.resplit import ExchangeClock, agree, resplit_inputs, return_outputs
-from .planning.exchange import exchange_verdict, least_exchange_seconds
+from .data.exchange_account import ExchangeAccount
+from .data.resplit import agree, resplit_inputs, return_outputs
 from .emulation.limits import EmulatedLimits, EmulatedOutOfMemoryError, emulation_note
 from .measure import comm_clock
 from .memory.model_state import ActivationMeter, engine_model_state_bytes
@@ -118,17 +118,8 @@ class HeterogeneousRuntime:
         self._count_given = False  # some rank's forward was given num_items_in_batch (agreed at the forward)
         self._given_count = None  # this rank's num_items_in_batch at the last forward that counted
         self._data_parallel_world = dist.get_world_size() if dist.is_initialized() else 1
-        self.resplit_input_bytes = 0  # input bytes other ranks sent this rank by re-splitting, in all
-        self.resplit_output_bytes = 0  # output bytes returned to this rank from the ranks that computed them
         self._recorded_bytes = (0, 0)  # the two counters at the last profiler record
-        self._resplit_mark = (0, 0, 0)  # the two counters and the step at the last plan change
-        self.exchange_clock = ExchangeClock()  # time spent re-splitting (planning/exchange.py)
-        self.fed_sizes = None  # what the loader fed the ranks at the last re-split forward (all ranks)
-        self._exchange_mark = 0  # the moved micro-steps (exchange_clock.per_micro_step) at the last pooling
-        self._exchange_began = 0.0  # the exchange clock at this micro-step's start
-        self._micro_step_received = 0  # bytes this micro-step's re-split brought to this rank
-        self._exchange_estimate = (None, None)  # rank 0: the latest pooled (seconds, bytes) per moved micro-step
-        self._exchange_note = None  # rank 0: why the last planning kept the loader's split
+        self.exchange = ExchangeAccount()  # what re-splitting costs (data/exchange_account.py)
         self.gas_origin = 0  # the engine's micro-step count when this rank's current gas took effect
         scheduler = self.settings.scheduler
         self.dynamic = scheduler.dynamic_rebalancing and self.settings.strategy.adapts
@@ -262,7 +253,7 @@ class HeterogeneousRuntime:
         if self._watching:  # a forward that raised after the watch began (and was caught)
             self._loss_watch.stop()
         self._watching = self._caller_counts = self._count_given = False
-        self._exchange_began = self.exchange_clock.seconds
+        self.exchange.begin_micro_step()
         if self.state.pipeline is not None or self.plan.per_rank_gas:
             # No collective here where the ranks do not run their forwards together: a pipeline's
             # stages run them at different times, and per-rank gas gives the ranks different
@@ -276,13 +267,9 @@ class HeterogeneousRuntime:
         if self._resplit:
             planned = self.plan.micro_batch_sizes
             inputs, kwargs, self._split = resplit_inputs(tuple(inputs), dict(kwargs or {}), planned, self.rank,
-                                                         pad_token_id=self._pad_token_id(), clock=self.exchange_clock)
-            self.fed_sizes = self.exchange_clock.fed
+                                                         pad_token_id=self._pad_token_id(), clock=self.exchange.clock)
             self._fed = planned[self.rank]
-            if self._split is not None:
-                received = self._split.received_bytes((inputs, kwargs))
-                self.resplit_input_bytes += received
-                self._micro_step_received = received
+            self.exchange.resplit(None if self._split is None else self._split.received_bytes((inputs, kwargs)))
         if self._count_given:
             # Some rank was given a caller's count of the items its loss may divide by (the Trainer's
             # num_items_in_batch, counted over what was fed, passed through unchanged): whether the
@@ -322,10 +309,8 @@ class HeterogeneousRuntime:
         if split is None or not self.settings.return_outputs:
             return outputs
         scale = 1.0 if self._caller_counts else split.fed[split.rank] / split.planned[split.rank]
-        returned = return_outputs(outputs, split, scale, clock=self.exchange_clock)
-        received = split.received_bytes(returned, outputs=True)
-        self.resplit_output_bytes += received
-        self._micro_step_received += received
+        returned = return_outputs(outputs, split, scale, clock=self.exchange.clock)
+        self.exchange.returned(split.received_bytes(returned, outputs=True))
         return returned
 
     def _pad_token_id(self):
@@ -395,9 +380,7 @@ class HeterogeneousRuntime:
 
     def micro_step_end(self):
         self.state.weight_override = None
-        if self._split is not None:  # this micro-step moved samples: its exchange, backward included
-            self.exchange_clock.per_micro_step.append(
-                (self.exchange_clock.seconds - self._exchange_began, self._micro_step_received))
+        self.exchange.end_micro_step(moved=self._split is not None)
         self._split = None
         activations = self.meter.stop() if self.meter.active else None
         # The size that was fed (checked against the plan at forward), else the planned one.
@@ -524,7 +507,7 @@ class HeterogeneousRuntime:
         mine = {"dp_rank": self.rank, "samples": timing.samples, "step_overhead": timing.step_overhead,
                 "state_bytes": self.model_state_bytes() if self.capacities else 0,
                 "peak_bytes": peak, "capacity_peak_bytes": peak if self.state.memory_meter.measures_capacity else None,
-                "wall": max(timing.wall - self._agreement_s, 0.0), **self._exchange_since(reset=False)}
+                "wall": max(timing.wall - self._agreement_s, 0.0), **self.exchange.since_last_pooling(reset=False)}
         began = time.perf_counter()
         self.history.append(self._pooled(mine, f"the measurements of step {self.steps} to agree on a plan"))
         self._record_measured_peaks(*self._memory_of(self.history[-1]))
@@ -564,11 +547,11 @@ class HeterogeneousRuntime:
             if not last:
                 return PlanDecision(plan=plan.to_dict())
             _, self.base_models = measured_time_models(self.history, self.state.base_gas)
-            self._update_exchange_estimate(self.history[-1])
+            self.exchange.update_estimate(self.history[-1])
             kept_fed = self._worth_resplitting(plan, decision.models)
             if kept_fed is not plan:
                 plan, decision = kept_fed, replace(decision, plan=kept_fed,
-                                                   note="; ".join(filter(None, [decision.note, self._exchange_note])))
+                                                   note="; ".join(filter(None, [decision.note, self.exchange.note])))
             # What dynamic rebalancing scales. A start-up plan kept within the noise has no models:
             # with dynamic rebalancing the first check fits per-sample models from its own interval
             # (so a plan kept for noise alone is corrected once the checks measure a difference);
@@ -621,39 +604,23 @@ class HeterogeneousRuntime:
                                   max_micro_batch=self.memory_limits(), allow_per_rank_gas=self.per_rank_gas_allowed)
         return self._worth_resplitting(best, models)
 
-    # -- the cost of re-splitting a stock loader's batches (planning/exchange.py) ---------------
+    @property
+    def resplit_input_bytes(self):
+        """Input bytes other ranks sent this rank by re-splitting, in all."""
+        return self.exchange.input_bytes
 
-    def _exchange_since(self, reset):
-        """This rank's ``exchange_s`` and ``exchange_bytes``: the least seconds, and the mean bytes
-        received, of the micro-steps that moved anything since the last reset (None when none did).
-        The least: an exchange on a busy host now and then takes a hundred times its usual 2 ms
-        (one-off set-ups, a descheduled peer), and a plan is kept from moving only when even the
-        cheapest exchange seen costs more than it saves; the switch check judges the rest on the
-        observed step time. Pooled with the step's measurements."""
-        moved = self.exchange_clock.per_micro_step[self._exchange_mark:]
-        if reset:
-            self._exchange_mark = len(self.exchange_clock.per_micro_step)
-        if not moved:
-            return {"exchange_s": None, "exchange_bytes": None}
-        return {"exchange_s": min(seconds for seconds, _ in moved),
-                "exchange_bytes": sum(received for _, received in moved) / len(moved)}
-
-    def _update_exchange_estimate(self, entries):
-        """Rank 0: keep the latest pooled exchange cost (an interval that moved nothing keeps the last)."""
-        seconds, received = least_exchange_seconds(entries)
-        if seconds is not None:
-            self._exchange_estimate = (seconds, received)
+    @property
+    def resplit_output_bytes(self):
+        """Output bytes returned to this rank from the ranks that computed them, in all."""
+        return self.exchange.output_bytes
 
     def _worth_resplitting(self, plan, models):
         """Rank 0: ``plan``, or the loader's split when re-splitting to ``plan`` costs more than it
-        saves (``self._exchange_note`` says why)."""
-        self._exchange_note = None
+        saves (``self.exchange.note`` says why)."""
+        self.exchange.note = None
         if not self.resplits or models is None:
             return plan
-        seconds, received = self._exchange_estimate
-        verdict = exchange_verdict(plan, self.fed_sizes, models, seconds, received)
-        self._exchange_note = verdict.note
-        return verdict.plan
+        return self.exchange.worth_resplitting(plan, models)
 
     def _check_rebalance(self, forced_models=None, on_demand=False):
         """Every rank: pool the interval's measurements, let rank 0 decide, switch together."""
@@ -666,7 +633,7 @@ class HeterogeneousRuntime:
                 "step_times": [step.time_per_micro_step for step in steps if step.time_per_micro_step is not None],
                 "step_overhead": sum(step.step_overhead for step in steps) / count,
                 "wall": sum(walls) / count, "walls": walls, "peak_bytes": self.measured_peak_bytes(),
-                **self._exchange_since(reset=True)}
+                **self.exchange.since_last_pooling(reset=True)}
         began = time.perf_counter()
         gathered = self.agreement.gather_to_rank0(mine, f"the measurements of step {self.steps} to agree on a plan")
         decision = None
@@ -703,7 +670,7 @@ class HeterogeneousRuntime:
         try:
             walls = [max(step) for step in zip(*(entry["walls"] for entry in everyone))]
             wall = statistics.median(walls) if walls else max(entry["wall"] for entry in everyone)
-            self._update_exchange_estimate(everyone)
+            self.exchange.update_estimate(everyone)
             judged = self._observe_last_event(walls)
             if judged is not None and judged.revert:
                 # A comparison's first half leaves the switch pending: its second half is judged
@@ -723,14 +690,14 @@ class HeterogeneousRuntime:
                                     verify=self.rebalancer.pending is not None)
             if not decision.rebalance:
                 return PlanDecision(reason=decision.reason, gain=decision.predicted_gain,
-                                    note="; ".join(filter(None, [note, self._exchange_note])) or None,
+                                    note="; ".join(filter(None, [note, self.exchange.note])) or None,
                                     verify=self.rebalancer.pending is not None)
             old = self.plan
             unchecked = self.rebalancer.switched(old, decision.plan, walls, self.rebalancer.previous_models,
                                                  f"rebalance at step {self.steps}")
             return PlanDecision(plan=decision.plan.to_dict(), reason=decision.reason, gain=decision.predicted_gain,
                                 wall=wall, verify=unchecked is None,
-                                note="; ".join(filter(None, [note, self._exchange_note, unchecked])))
+                                note="; ".join(filter(None, [note, self.exchange.note, unchecked])))
         except Exception as exc:  # noqa: BLE001 -- every failure must reach every rank
             return PlanDecision.failed(exc)
 
@@ -794,21 +761,8 @@ class HeterogeneousRuntime:
         change = (f"micro-batches {list(old.micro_batch_sizes)} -> {list(plan.micro_batch_sizes)}, gas "
                   f"{list(old.gradient_accumulation_steps)} -> {list(plan.gradient_accumulation_steps)}, predicted step "
                   f"time {old.format_step_time()} -> {plan.format_step_time()}")
-        moved = self._resplit_since_last_plan()
+        moved = self.exchange.moved_since_last_plan(self.steps)
         self.log_plan(reason, plan, change=change + (f"\n  {moved}" if moved else ""))
-
-    def _resplit_since_last_plan(self):
-        """A line on what re-splitting a stock loader's batches moved to this rank under the plan
-        that ends now (None when nothing moved), for the plan's log."""
-        steps = max(self.steps - self._resplit_mark[2], 1)
-        inputs = (self.resplit_input_bytes - self._resplit_mark[0]) / steps
-        outputs = (self.resplit_output_bytes - self._resplit_mark[1]) / steps
-        self._resplit_mark = (self.resplit_input_bytes, self.resplit_output_bytes, self.steps)
-        if not inputs and not outputs:
-            return None
-        return (f"re-split under the previous plan: this rank received {inputs:,.0f} B of inputs and "
-                f"{outputs:,.0f} B of returned outputs per step (resplit_fed_batches; the engine's loader or "
-                f"sampler moves nothing)")
 
     # -- checkpoints (checkpoint.py) ----------------------------------------------------------
 
@@ -820,15 +774,13 @@ class HeterogeneousRuntime:
         latest pooled exchange estimate and the sizes the loader fed), which decides whether a
         re-plan is worth its exchange. Rank 0's record is the one a checkpoint keeps; only rank 0's
         rebalancer decides. Each rank's steps since the last check are ``window_state``."""
-        seconds, received = self._exchange_estimate
         return {
             "phase": self.phase.value,
             "history": copy.deepcopy(self.history),
             "base_models": None if self.base_models is None else [[m.a, m.b] for m in self.base_models],
             "rebalancer": self.rebalancer.state_dict(),
             "events": [asdict(event) for event in self.events],
-            "exchange": {"seconds": seconds, "bytes": received,
-                         "fed_sizes": None if self.fed_sizes is None else [int(n) for n in self.fed_sizes]},
+            "exchange": self.exchange.state_dict(),
         }
 
     def window_state(self):
@@ -849,10 +801,7 @@ class HeterogeneousRuntime:
             self.events = [RebalanceEvent(**{**event, "old_sizes": tuple(event["old_sizes"]),
                                              "new_sizes": tuple(event["new_sizes"])}) for event in state["events"]]
             self._window = [StepTiming(**timing) for timing in window or []]
-            exchange = state.get("exchange") or {}  # absent from records written before it was kept
-            self._exchange_estimate = (exchange.get("seconds"), exchange.get("bytes"))
-            fed = exchange.get("fed_sizes")
-            self.fed_sizes = None if fed is None else tuple(fed)
+            self.exchange.load_state_dict(state.get("exchange"))
             self._enter(self._resumed_phase(state))
         # DeepSpeed does not save the engine's micro-step count: accumulation boundaries are counted
         # from here (a checkpoint is taken at an optimizer step's end).

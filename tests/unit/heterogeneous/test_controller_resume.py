@@ -214,8 +214,8 @@ def _exchange_resumed(rank, world_size, directory):
     def decisions(runtime):
         candidate = _plan([12, 4])
         runtime._worth_resplitting(candidate, runtime.base_models)
-        return {"estimate": list(runtime._exchange_estimate), "note": runtime._exchange_note,
-                "fed": None if runtime.fed_sizes is None else list(runtime.fed_sizes),
+        return {"estimate": list(runtime.exchange.estimate), "note": runtime.exchange.note,
+                "fed": None if runtime.exchange.fed_sizes is None else list(runtime.exchange.fed_sizes),
                 "models": None if runtime.base_models is None else [[m.a, m.b] for m in runtime.base_models]}
 
     engine = build()

@@ -7,6 +7,7 @@ import types
 import pytest
 
 from deepspeed.runtime.heterogeneous import runtime as runtime_module
+from deepspeed.runtime.heterogeneous.data.exchange_account import ExchangeAccount
 from deepspeed.runtime.heterogeneous.planning.planner import Plan
 from deepspeed.runtime.heterogeneous.runtime import HeterogeneousRuntime
 from deepspeed.runtime.heterogeneous.state import HeterogeneousState
@@ -27,8 +28,7 @@ def runtime_on_rank(monkeypatch, rank):
     runtime.config = types.SimpleNamespace(heterogeneous=runtime.state)
     runtime.engine = types.SimpleNamespace(micro_steps=0, global_steps=0)
     runtime.rank, runtime.samplers, runtime.gas_origin = rank % 2, [], 0
-    runtime.resplit_input_bytes = runtime.resplit_output_bytes = 0  # no stock loader re-split here
-    runtime._resplit_mark = (0, 0, 0)
+    runtime.exchange = ExchangeAccount()  # no stock loader re-split here
     # apply_plan writes the engine's batch fields; here only the plan in force matters.
     monkeypatch.setattr(runtime_module, "apply_plan", lambda config, plan: setattr(config.heterogeneous, "plan", plan))
     return runtime

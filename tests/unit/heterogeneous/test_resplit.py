@@ -370,8 +370,8 @@ def _costly_outputs_loop(rank, world_size):
         engine.step()
         plans.append(list(engine.heterogeneous_plan.micro_batch_sizes))
     runtime = engine._heterogeneous_runtime()
-    return {"plans": plans, "note": runtime._exchange_note, "estimate": runtime._exchange_estimate,
-            "probed": runtime.exchange_clock.micro_steps}
+    return {"plans": plans, "note": runtime.exchange.note, "estimate": runtime.exchange.estimate,
+            "probed": runtime.exchange.clock.micro_steps}
 
 
 @pytest.mark.multiprocess
