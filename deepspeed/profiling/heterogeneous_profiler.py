@@ -130,7 +130,7 @@ class HeterogeneousProfiler:
         if self._measures_device_memory:
             return int(get_accelerator().max_memory_allocated())
         activations = [r["activation_bytes"] for r in records if r["activation_bytes"] is not None]
-        return int(self.runtime.model_state_bytes() + (max(activations) if activations else 0))
+        return int(self.runtime.memory.model_state_bytes() + (max(activations) if activations else 0))
 
     def get_metrics(self):
         """The metrics of the last profile as a dict (see ``heterogeneous_metrics`` for the definitions)."""

@@ -57,7 +57,8 @@ from .data.exchange_account import ExchangeAccount
 from .data.resplit import agree, resplit_inputs, return_outputs
 from .emulation.limits import EmulatedLimits, EmulatedOutOfMemoryError, emulation_note
 from .measure import comm_clock
-from .memory.model_state import ActivationMeter, engine_model_state_bytes
+from .memory.model_state import ActivationMeter
+from .memory.rank_memory import RankMemory
 from .planning.planner import Plan, TimeModel, plan_micro_batches
 from .planning.profiling import measured_time_models, memory_limits, plan_after_profiling_step, reference_walls
 from .planning.rebalance import (RebalanceEvent, RebalancePolicy, Rebalancer, balanced_models,
@@ -101,7 +102,7 @@ class HeterogeneousRuntime:
                                      self.capacities[self.rank] if self.capacities else None)
         self.timer = StepTimer()
         self.meter = ActivationMeter()
-        self._state_bytes = None
+        self.memory = RankMemory(self.state, self.rank, engine, rank_memory_meter)
         self._activations_size = None  # the micro-batch size whose activations the memory pool holds
         self.history = []  # per profiling step: every data-parallel rank's pooled measurements
         self.base_models = None  # the profiled fits alone: what an on-demand re-plan scales
@@ -387,7 +388,7 @@ class HeterogeneousRuntime:
         size = self._fed if self._fed is not None else self.config.train_micro_batch_size_per_gpu
         # The profiling steps measure what the plan must fit; the plan is enforced after.
         if activations is not None and not self.profiling:
-            self.limits.check_memory(size, self.model_state_bytes(), activations)
+            self.limits.check_memory(size, self.memory.model_state_bytes(), activations)
         if activations is not None and self.state.memory_pool is not None and size != self._activations_size:
             # The predicted peak follows the micro-batch in force (measured again after a switch).
             self.state.memory_pool.record_activations(self.rank, activations)
@@ -396,7 +397,7 @@ class HeterogeneousRuntime:
 
     def step_end(self):
         timing = self.timer.end_step()
-        self._report_memory()
+        self.memory.report_own_peak()
         if self.recording:
             self._record(timing)
         self.limits.apply_speed_schedule(self.steps + 1)
@@ -408,55 +409,6 @@ class HeterogeneousRuntime:
             # window restarts at the end of profiling and at every check).
             if len(self._window) >= self.settings.scheduler.check_interval:
                 self._check_rebalance()
-
-    def model_state_bytes(self):
-        """This rank's predicted model-state bytes (its ZeRO shard), computed once."""
-        if self._state_bytes is None:
-            # The pool's predicted peak without activations (what was in use at the start and
-            # DeepSpeed's buffers included) when it placed this engine; activations are counted apart.
-            pool = self.state.memory_pool
-            peak = pool.predicted_peak(self.rank) if pool is not None else None
-            self._state_bytes = (peak.peak_bytes if peak is not None else
-                                 engine_model_state_bytes(self.engine, self.plan.world_size))
-        return self._state_bytes
-
-    def measured_peak_bytes(self):
-        """This rank's measured memory peak (``memory_meter``), None where it cannot be read."""
-        meter = self.state.memory_meter
-        if meter is None:
-            meter = self.state.memory_meter = rank_memory_meter(self.state)
-        return meter.peak_bytes()
-
-    def _report_memory(self):
-        """This rank's row of the memory pool's report, kept current without a collective: its
-        measured peak (its activations, measured at its first micro-step, are in its predicted peak
-        from then on). The other ranks' rows follow at every agreement that gathers them
-        (profiling, rebalancing)."""
-        pool = self.state.memory_pool
-        if pool is None:
-            return
-        pool.record_measured_peaks([self.measured_peak_bytes() if r == self.rank else None
-                                    for r in range(pool.world_size)])
-
-    @staticmethod
-    def _memory_of(entries):
-        """Every rank's measured peak and its last measured activations (None: not measured), from
-        a gathered round: what every rank's pool report shows."""
-        peaks = [entry.get("peak_bytes") for entry in entries]
-        activations = []
-        for entry in entries:
-            measured = [sample[2] for sample in entry.get("samples", ()) if len(sample) > 2 and sample[2] is not None]
-            activations.append(measured[-1] if measured else None)
-        return peaks, activations
-
-    def _record_measured_peaks(self, peaks, activations):
-        pool = self.state.memory_pool
-        if pool is None:
-            return
-        pool.record_measured_peaks(peaks)
-        for rank, measured in enumerate(activations):
-            if measured is not None and rank != self.rank:
-                pool.record_activations(rank, measured)
 
     # -- the heterogeneous profiler -----------------------------------------------------------
 
@@ -503,14 +455,14 @@ class HeterogeneousRuntime:
         return merge_replicas(gathered, self.plan.world_size, self._SEQUENCES, error=PlanAgreementError)
 
     def _profiling_step(self, timing):
-        peak = self.measured_peak_bytes()
+        peak = self.memory.measured_peak_bytes()
         mine = {"dp_rank": self.rank, "samples": timing.samples, "step_overhead": timing.step_overhead,
-                "state_bytes": self.model_state_bytes() if self.capacities else 0,
-                "peak_bytes": peak, "capacity_peak_bytes": peak if self.state.memory_meter.measures_capacity else None,
+                "state_bytes": self.memory.model_state_bytes() if self.capacities else 0,
+                "peak_bytes": peak, "capacity_peak_bytes": peak if self.memory.meter.measures_capacity else None,
                 "wall": max(timing.wall - self._agreement_s, 0.0), **self.exchange.since_last_pooling(reset=False)}
         began = time.perf_counter()
         self.history.append(self._pooled(mine, f"the measurements of step {self.steps} to agree on a plan"))
-        self._record_measured_peaks(*self._memory_of(self.history[-1]))
+        self.memory.record_gathered(*RankMemory.of_gathered(self.history[-1]))
         last = len(self.history) >= self.settings.profile_steps
         decision = self._decide_after_profiling(last) if dist.get_rank() == 0 else None
         decision = self.agreement.broadcast_from_rank0(decision, "the new plan")
@@ -632,7 +584,7 @@ class HeterogeneousRuntime:
         mine = {"dp_rank": self.rank, "samples": [s for step in steps for s in step.samples],
                 "step_times": [step.time_per_micro_step for step in steps if step.time_per_micro_step is not None],
                 "step_overhead": sum(step.step_overhead for step in steps) / count,
-                "wall": sum(walls) / count, "walls": walls, "peak_bytes": self.measured_peak_bytes(),
+                "wall": sum(walls) / count, "walls": walls, "peak_bytes": self.memory.measured_peak_bytes(),
                 **self.exchange.since_last_pooling(reset=True)}
         began = time.perf_counter()
         gathered = self.agreement.gather_to_rank0(mine, f"the measurements of step {self.steps} to agree on a plan")
@@ -641,12 +593,12 @@ class HeterogeneousRuntime:
             try:
                 everyone = merge_replicas(gathered, self.plan.world_size, self._SEQUENCES, error=PlanAgreementError)
                 decision = self._decide_rebalance(everyone, forced_models, on_demand)
-                decision.peaks, decision.activations = self._memory_of(everyone)
+                decision.peaks, decision.activations = RankMemory.of_gathered(everyone)
             except Exception as exc:  # noqa: BLE001 -- every failure must reach every rank
                 decision = PlanDecision.failed(exc)
         decision = self.agreement.broadcast_from_rank0(decision, "the rebalancing decision")
         decision.raise_failure(f"rebalancing at step {self.steps} failed")
-        self._record_measured_peaks(decision.peaks, decision.activations)
+        self.memory.record_gathered(decision.peaks, decision.activations)
         # Without dynamic rebalancing a switch is checked once (the window served that check); an
         # on-demand re-plan during profiling leaves profiling to go on.
         if self.phase is not Phase.PROFILING:

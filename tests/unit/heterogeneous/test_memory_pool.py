@@ -402,7 +402,7 @@ def _engine_with_pool(rank, world_size):
     return {"shares": state.partition_shares, "pool_shares": state.memory_pool.placement.partition_shares,
             "partition": int(engine.optimizer.single_partition_of_fp32_groups[0].numel()),
             "placed_bytes": state.memory_pool.predicted_peak(state.dp_rank).peak_bytes,
-            "runtime_state_bytes": engine._heterogeneous_runtime().model_state_bytes(),
+            "runtime_state_bytes": engine._heterogeneous_runtime().memory.model_state_bytes(),
             "memory_balance": profiler.get_metrics()["memory_balance"]}
 
 
