@@ -3,19 +3,21 @@
 
 The fork's own code, by concern (lowest layer first; a subpackage imports only those before it):
 
-- ``config``: the ``heterogeneous_config`` blocks and their loading;
+- ``config``: the ``heterogeneous_config`` blocks and their loading, the strategy registry;
 - ``measure``: timers, the comm clock, device description and score, the native op;
 - ``cluster``: the collective edge (``Agreement``), topology, rank derivation, the device gather;
 - ``emulation``: emulated speeds and memory, the cgroups behind them;
 - ``memory``: model-state bytes, peak prediction and measurement, the memory pool and placement;
-- ``planning``: plans, time models, profiling and rebalancing decisions, precision choice;
-- ``data``: samplers, the engine's loader, the fed-batch check;
+- ``planning``: plans, strategies, time models, profiling and rebalancing decisions, precision choice;
+- ``data``: samplers, the engine's loader, the fed-batch check, the re-split and its account;
 - ``comm``: hierarchical reduction, host groups, link-aware buckets;
-- ``integrations``: the Hugging Face Trainer;
+- ``pipeline``: heterogeneous pipeline stages and their checkpoints;
+- ``integrations``: the Hugging Face Trainer, the weighting of losses normalised over items;
 - ``cli``: the env report, the launcher's checks, process exit.
 
 At the top: ``state`` (what a ``DeepSpeedConfig`` carries), ``startup`` (the start-up flow),
-``engine`` (the engine's hooks), ``runtime`` (the runtime controller), ``checkpoint``. Upstream
+``engine`` (the engine's hooks), ``runtime`` (the runtime controller), ``checkpoint``,
+``autotuning_window`` (the engine side of an autotuning experiment). Upstream
 files reach these through thin patches (see patches/series). This module loads nothing until a
 public name is used, so ``import deepspeed.comm`` (which imports the comm clock) stays light.
 """

@@ -52,8 +52,9 @@ class HeterogeneousEngineMixin:
         return normalize_scores(scores)
 
     def _distribute_workload(self, normalized_scores):
-        """Per-rank micro-batch sizes proportional to ``normalized_scores`` for this engine's
-        global batch and gradient accumulation; exact integer sum."""
+        """Per-rank micro-batch sizes for ranks of relative speeds ``normalized_scores``, for this
+        engine's global batch and gradient accumulation: the compute_aware split (the slowest
+        rank's time per micro-step least, a tie to the lower rank); exact integer sum."""
         return distribute_workload(normalized_scores, self.train_batch_size(), self._plan_gas())
 
     def schedule_heterogeneous_tasks(self, devices):

@@ -51,8 +51,7 @@ from .cluster.agreement import (Agreement, PlanAgreementError, PlanDecision, mer
 from .startup import apply_plan, rank_memory_meter
 from .memory.pool import memory_capacities
 from .data.fed_batch import fed_size, judge_feeding, leading_batch_size, raised_on_every_rank
-from .data.loss_items import count_items, items_weight, select_input
-from .integrations.loss_normalization import LossFunctionWatch, agreed_verdict, names_num_items
+from .integrations.loss_normalization import LossWeighting
 from .data.exchange_account import ExchangeAccount
 from .data.resplit import agree, resplit_inputs, return_outputs
 from .emulation.limits import EmulatedLimits, EmulatedOutOfMemoryError, emulation_note
@@ -113,12 +112,8 @@ class HeterogeneousRuntime:
         self._fed = None  # the size of the micro-batch this rank computes (None: not known)
         self._split = None  # this micro-step's re-split (data.resplit.Split), None when nothing moved
         self._resplit = False  # the last training forward re-split what the ranks were fed (agreed by all)
-        self._caller_counts = False  # the loss divided by the caller's num_items_in_batch: a loss over the fed rows
-        self._loss_watch = LossFunctionWatch()  # whether a transformers model's loss divides by that count
-        self._watching = False
-        self._count_given = False  # some rank's forward was given num_items_in_batch (agreed at the forward)
-        self._given_count = None  # this rank's num_items_in_batch at the last forward that counted
         self._data_parallel_world = dist.get_world_size() if dist.is_initialized() else 1
+        self.loss_weighting = LossWeighting(self.state, self.rank, self._data_parallel_world)
         self._recorded_bytes = (0, 0)  # the two counters at the last profiler record
         self.exchange = ExchangeAccount()  # what re-splitting costs (data/exchange_account.py)
         self.gas_origin = 0  # the engine's micro-step count when this rank's current gas took effect
@@ -242,7 +237,7 @@ class HeterogeneousRuntime:
         everyone = agree(self.rank, int(self.feeds_plan), -1 if fed is None else fed, int(count_given))
         # Whether some rank's loss may divide by a caller's count: the forward's end then agrees on it.
         # Not where the plan's own sampler feeds the ranks: HeterogeneousTrainer weighs those itself.
-        self._count_given = any(row[3] for row in everyone) and not any(row[1] for row in everyone)
+        self.loss_weighting.count_given = any(row[3] for row in everyone) and not any(row[1] for row in everyone)
         return judge_feeding(self.plan, [row[:3] for row in everyone], self.settings.resplit_fed_batches,
                              self.check_fed_batch, self._data_parallel_world == self.plan.world_size)
 
@@ -250,10 +245,7 @@ class HeterogeneousRuntime:
         """A training forward begins: returns the ``(inputs, kwargs)`` the model computes (this
         rank's planned share when the ranks were fed otherwise and re-splitting is on)."""
         self._split = None
-        self.state.weight_override = None
-        if self._watching:  # a forward that raised after the watch began (and was caught)
-            self._loss_watch.stop()
-        self._watching = self._caller_counts = self._count_given = False
+        self.loss_weighting.begin_forward()
         self.exchange.begin_micro_step()
         if self.state.pipeline is not None or self.plan.per_rank_gas:
             # No collective here where the ranks do not run their forwards together: a pipeline's
@@ -271,16 +263,13 @@ class HeterogeneousRuntime:
                                                          pad_token_id=self._pad_token_id(), clock=self.exchange.clock)
             self._fed = planned[self.rank]
             self.exchange.resplit(None if self._split is None else self._split.received_bytes((inputs, kwargs)))
-        if self._count_given:
-            # Some rank was given a caller's count of the items its loss may divide by (the Trainer's
-            # num_items_in_batch, counted over what was fed, passed through unchanged): whether the
-            # loss really divides by it is seen as the model computes it, and the weight follows
-            # at the forward's end (``_weigh_by_caller_counts``), re-split or not.
-            self._given_count = (kwargs or {}).get("num_items_in_batch")
-            self._loss_watch.start(self.engine.module)
-            self._watching = True
+        # Some rank was given a caller's count of the items its loss may divide by (the Trainer's
+        # num_items_in_batch, counted over what was fed, passed through unchanged): whether the loss
+        # really divides by it is seen as the model computes it, and the weight follows at the
+        # forward's end, re-split or not.
+        self.loss_weighting.watch(self.engine.module, kwargs)
         if self.settings.loss_items is not None:
-            self.state.weight_override = self._items_weight(inputs, kwargs)
+            self.loss_weighting.weigh_items(self.settings.loss_items, inputs, kwargs)
         if self.measuring_memory:
             self.meter.start()
         if self.times_each_micro_step or self.dynamic:
@@ -298,18 +287,13 @@ class HeterogeneousRuntime:
         was fed, and the exchange's backward rescales their gradient by fed / computed rows, so it
         counts as such (whatever arithmetic or backward style follows). A forward given
         ``num_items_in_batch`` (the Trainer's count of the fed items) whose loss divides by it is
-        weighted by the count's share of the ranks' sum (``_weigh_by_caller_counts``), and the
-        returned rows' gradient is not rescaled."""
-        if self._watching:  # a forward that some rank gave a count (agreed: every rank is here)
-            self._watching = False
-            seen = self._loss_watch.stop()
-            if not self._loss_watch.watches(self.engine.module):
-                seen = names_num_items(self.engine.module)  # not a transformers model: its signature says
-            self._weigh_by_caller_counts(seen)
+        weighted by the count's share of the ranks' sum (``LossWeighting``), and the returned rows'
+        gradient is not rescaled."""
+        self.loss_weighting.end_forward(self.engine.module, items_weighted=self.settings.loss_items is not None)
         split = self._split
         if split is None or not self.settings.return_outputs:
             return outputs
-        scale = 1.0 if self._caller_counts else split.fed[split.rank] / split.planned[split.rank]
+        scale = 1.0 if self.loss_weighting.caller_counts else split.fed[split.rank] / split.planned[split.rank]
         returned = return_outputs(outputs, split, scale, clock=self.exchange.clock)
         self.exchange.returned(split.received_bytes(returned, outputs=True))
         return returned
@@ -321,56 +305,9 @@ class HeterogeneousRuntime:
         value = getattr(config, "pad_token_id", None)
         return value if isinstance(value, int) else None
 
-    def _items_weight(self, inputs, kwargs):
-        """This micro-step's weight when the loss is a mean over the items of one input
-        (``heterogeneous_config.loss_items``): the input's items on this rank, summed over every rank
-        (a collective at every training forward, on every rank)."""
-        spec = self.settings.loss_items
-        value = select_input(inputs, kwargs, spec.input)
-        items, missing = 0, 0.0
-        if not isinstance(value, torch.Tensor):
-            missing = 1.0  # counted in the collective, so that every rank raises below, none alone
-        else:
-            items = count_items(value, spec.ignore_index, spec.shift)
-        total, absent = self.sum_over_ranks([float(items), missing])
-        if absent:
-            where = f"argument {spec.input}" if isinstance(spec.input, int) else f"keyword argument {spec.input!r}"
-            raise raised_on_every_rank(ValueError(
-                f"heterogeneous_config.loss_items.input: the training forward of {int(absent)} rank(s) had no tensor "
-                f"{where}; name the forward argument whose items the loss averages (a keyword's name or a "
-                f"positional index)"))
-        return items_weight(self.process_count, items, total, self.plan.loss_weights[self.rank])
-
-    def sum_over_ranks(self, values):
-        """``values`` (numbers) summed over every rank: a collective that every rank must call at the
-        same point. Used for the counts that a loss is normalised by."""
-        from deepspeed.accelerator import get_accelerator
-        tensor = torch.tensor(values, dtype=torch.float64, device=get_accelerator().current_device_name())
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(tensor)
-        return tensor.tolist()
-
-    def _weigh_by_caller_counts(self, seen):
-        """After a forward given ``num_items_in_batch``: agree (one small all-reduce) on whether
-        the loss divided by it (``seen``: what this rank's watch saw) and on the counts. A loss that
-        divides by its rank's count, taken over the rows it was fed, is weighted by that count's
-        share of their sum: the global mean whether the count is the rank's own or already global
-        (then every weight is 1). A loss that ignores it is a mean over the rows the rank computed:
-        the plan's weight, as for any other loss."""
-        given = self._given_count
-        count = float(given) if given is not None else 0.0
-        total = self.sum_over_ranks([count, float(given is not None), float(seen is True), float(seen is not None)])
-        verdict = agreed_verdict(total[2], total[3])
-        self._loss_watch.settle(verdict)
-        # Told nothing anywhere (zero losses): the Trainer's own belief that the loss divides.
-        self._caller_counts = total[1] > 0 and verdict is not False
-        if self._caller_counts and self.settings.loss_items is None:
-            self.state.weight_override = items_weight(self.process_count, count, total[0],
-                                                      self.plan.loss_weights[self.rank])
-
     @property
     def process_count(self):
-        """The processes ``sum_over_ranks`` sums over (the whole world)."""
+        """The processes the loss counts are summed over (the whole world)."""
         return self._data_parallel_world
 
     def backward_begin(self, loss=None):

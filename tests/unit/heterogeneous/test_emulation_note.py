@@ -113,7 +113,7 @@ def test_dilation_is_measured_and_a_miss_is_said_at_start_up():
         assert not check.holds
         line = emulation_note(limits.emulation, "dilation", "none", check)
         assert "time dilation measured at start-up [1.00, 0.50]" in line
-        assert "warning: time dilation does not deliver the asked speeds either" in line
+        assert "warning: time dilation does not deliver the asked speeds (beyond 15%)" in line
     finally:
         limits.close()
     # No rank slowed: nothing runs after the first gather.

@@ -10,7 +10,7 @@ import torch
 
 from deepspeed.runtime.heterogeneous.config.strategies import (BalancingStrategy, get_strategy, register_strategy,
                                                                strategy_names, unregister_strategy)
-from deepspeed.runtime.heterogeneous.planning.planner import TimeModel, plan_micro_batches
+from deepspeed.runtime.heterogeneous.planning.planner import Plan, TimeModel, plan_micro_batches
 from harness import REPO_ROOT, VirtualDevice, run_subcases
 
 STRATEGIES_DIR = str(REPO_ROOT / "examples" / "strategies")
@@ -22,8 +22,20 @@ SPEEDS = (1.0, 0.25)
 def _proportional():
     if STRATEGIES_DIR not in sys.path:
         sys.path.insert(0, STRATEGIES_DIR)
-    import proportional  # noqa: F401  (registers "proportional")
+    import proportional  # registers "proportional" when first imported
+    if "proportional" not in strategy_names():
+        register_strategy(proportional.Proportional())  # a test before unregistered it
     return get_strategy("proportional")
+
+
+@pytest.fixture(autouse=True)
+def _registry_as_found():
+    """The pytest process's registry is left as each test found it: other tests list the
+    registered names."""
+    before = strategy_names()
+    yield
+    for name in set(strategy_names()) - set(before):
+        unregister_strategy(name)
 
 
 def test_the_example_strategy_plans_in_proportion_to_speed():
@@ -50,6 +62,13 @@ class _Unfinished(BalancingStrategy):
     name = "unfinished"
 
 
+class _UnevenGas(BalancingStrategy):
+    name = "uneven_gas"
+
+    def plan(self, request):
+        return Plan([4, 8], [2, 1], request.train_batch_size, self.name, [1.0, 1.0])
+
+
 def test_registration_refuses_what_would_break_a_run():
     _proportional()
     with pytest.raises(ValueError, match="'proportional' is already registered"):
@@ -61,11 +80,15 @@ def test_registration_refuses_what_would_break_a_run():
     with pytest.raises(TypeError, match="BalancingStrategy instance"):
         register_strategy("proportional")
     register_strategy(_Broken())
-    try:
-        with pytest.raises(ValueError, match="differs from train_batch_size 8"):
-            plan_micro_batches([TimeModel(0.0, 1.0)] * 2, 8, strategy="broken")
-    finally:
-        unregister_strategy("broken")
+    with pytest.raises(ValueError, match="differs from train_batch_size 8"):  # the Plan itself refuses
+        plan_micro_batches([TimeModel(0.0, 1.0)] * 2, 8, strategy="broken")
+    # Ranks running different numbers of micro-steps, where every micro-step reduces (ZeRO-2/3).
+    register_strategy(_UnevenGas())
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps \[2, 1\]; allowed: 1 on every rank"):
+        plan_micro_batches([TimeModel(0.0, 1.0)] * 2, 16, strategy="uneven_gas")
+    assert plan_micro_batches([TimeModel(0.0, 1.0)] * 2, 16, strategy="uneven_gas",
+                              allow_per_rank_gas=True).per_rank_gas
+    unregister_strategy("broken")
     assert "broken" not in strategy_names()
 
 

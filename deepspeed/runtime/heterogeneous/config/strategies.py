@@ -109,11 +109,16 @@ def unknown_strategy_message(name):
 
 
 def _load_builtins():
+    """Import the built-in strategies once (they register themselves). A failed import leaves the
+    registry as it was, so that the next read retries and raises the same error, not a duplicate."""
     global _builtins_loaded
     if not _builtins_loaded:
         _builtins_loaded = True
+        before = dict(_registry)
         try:
             importlib.import_module(BUILTIN_MODULE)
         except BaseException:
             _builtins_loaded = False
+            _registry.clear()
+            _registry.update(before)
             raise

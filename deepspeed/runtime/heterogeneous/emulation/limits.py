@@ -217,7 +217,7 @@ def emulation_note(emulation, mode, memory_mode="none", check=None):
         if check is not None and check.dilated is not None:
             source += f"; time dilation measured at start-up {_speeds(check.dilated)}"
             if not check.holds:
-                warning = (f"warning: time dilation does not deliver the asked speeds either (beyond "
+                warning = (f"warning: time dilation does not deliver the asked speeds{' either' * measured} (beyond "
                            f"{SPEED_TOLERANCE:.0%}): other work on the machine slows the unthrottled ranks too, so the "
                            "emulated cluster is less uneven than asked; the plans follow the speeds the ranks measure "
                            "in training")

@@ -34,7 +34,7 @@ from ..config.strategies import strategy_names
 from ..data.fed_batch import leading_batch_size
 from ..data.loss_items import count_items, items_weight
 from ..data.sampler import HeterogeneousBatchSampler
-from .loss_normalization import LossFunctionWatch, agreed_verdict, names_num_items
+from .loss_normalization import LossFunctionWatch, agreed_verdict, names_num_items, sum_over_ranks
 
 # HeterogeneousTrainer is left out: a star import must not need transformers.
 __all__ = ["HeterogeneousTrainerMixin", "HeterogeneousTrainerLoader", "provisional_micro_batch_sizes",
@@ -213,7 +213,7 @@ class HeterogeneousTrainerMixin:
         mine = [float(items), num_items, float(honours is True), float(honours is not None)]
         # Every rank, every training micro-step: one collective whatever this rank found.
         runtime = engine._heterogeneous_runtime()
-        total = runtime.sum_over_ranks(mine)
+        total = sum_over_ranks(mine)
         self._loss_watch.settle(agreed_verdict(total[2], total[3]))
         state = engine.heterogeneous_state
         fallback = state.plan.loss_weights[state.dp_rank]

@@ -27,7 +27,8 @@ import math
 
 import torch
 
-__all__ = ["LossFunctionWatch", "loss_function_owner", "honours_num_items", "names_num_items", "agreed_verdict"]
+__all__ = ["LossFunctionWatch", "LossWeighting", "loss_function_owner", "honours_num_items", "names_num_items",
+           "agreed_verdict", "sum_over_ranks"]
 
 
 def loss_function_owner(module):
@@ -159,3 +160,98 @@ class LossFunctionWatch:
         if not calls or any(call is False for call in calls):
             return False
         return True if any(call is True for call in calls) else None
+
+
+def sum_over_ranks(values):
+    """``values`` (numbers) summed over every process: a collective that every rank must call at
+    the same point. Used for the counts that a loss is normalised by."""
+    from deepspeed import comm as dist
+    from deepspeed.accelerator import get_accelerator
+    tensor = torch.tensor(values, dtype=torch.float64, device=get_accelerator().current_device_name())
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+class LossWeighting:
+    """This rank's loss weight where the loss is not a mean over the rows it computed, decided
+    alike on every rank at each training forward (the runtime controller keeps one):
+
+    - a loss that is a mean over the items of one input (``heterogeneous_config.loss_items``): the
+      rank's items over every rank's (``items_weight``, one all-reduce per forward);
+    - a forward given the caller's ``num_items_in_batch`` (the Trainer's count of the items it fed):
+      whether the loss divides by it is watched as the model computes it (``LossFunctionWatch``),
+      the ranks agree on it at the forward's end (one all-reduce), and a loss that divides by a
+      count taken over the fed rows is weighted by that count's share of their sum.
+
+    ``state``: the fork's state, whose ``weight_override`` the engine's loss scaling reads;
+    ``process_count``: the processes ``sum_over_ranks`` sums over."""
+
+    def __init__(self, state, rank, process_count):
+        self._state, self._rank, self.process_count = state, rank, process_count
+        self._watch = LossFunctionWatch()
+        self._watching = False
+        self.count_given = False
+        """Some rank's forward was given ``num_items_in_batch`` (agreed as the forward began)."""
+        self.caller_counts = False
+        """The loss divided by the caller's count: a loss over the fed rows, not the computed ones."""
+        self._given = None
+
+    def begin_forward(self):
+        """A training forward begins: nothing carried over (a forward that raised after the watch
+        began, and was caught, leaves the model's own loss function in place)."""
+        self._state.weight_override = None
+        if self._watching:
+            self._watch.stop()
+        self._watching = self.caller_counts = self.count_given = False
+
+    def watch(self, module, kwargs):
+        """With a caller's count on some rank, watch whether ``module``'s loss divides by it."""
+        if self.count_given:
+            self._given = (kwargs or {}).get("num_items_in_batch")
+            self._watch.start(module)
+            self._watching = True
+
+    def weigh_items(self, spec, inputs, kwargs):
+        """``heterogeneous_config.loss_items`` (``spec``): this forward's weight from the items of the
+        named input, summed over every rank (every rank raises alike where one has no such tensor)."""
+        from ..data.fed_batch import raised_on_every_rank
+        from ..data.loss_items import count_items, items_weight, select_input
+        value = select_input(inputs, kwargs, spec.input)
+        items, missing = 0, 0.0
+        if not isinstance(value, torch.Tensor):
+            missing = 1.0  # counted in the collective, so that every rank raises below, none alone
+        else:
+            items = count_items(value, spec.ignore_index, spec.shift)
+        total, absent = sum_over_ranks([float(items), missing])
+        if absent:
+            where = f"argument {spec.input}" if isinstance(spec.input, int) else f"keyword argument {spec.input!r}"
+            raise raised_on_every_rank(ValueError(
+                f"heterogeneous_config.loss_items.input: the training forward of {int(absent)} rank(s) had no tensor "
+                f"{where}; name the forward argument whose items the loss averages (a keyword's name or a "
+                f"positional index)"))
+        self._state.weight_override = items_weight(self.process_count, items, total, self._plan_weight())
+
+    def end_forward(self, module, items_weighted):
+        """The forward ended: where a count was given on some rank (every rank is here alike), agree
+        on whether the loss divided by it and on the counts (one small all-reduce); with
+        ``items_weighted`` the items' weight stays."""
+        if not self._watching:
+            return
+        self._watching = False
+        seen = self._watch.stop()
+        if not self._watch.watches(module):
+            seen = names_num_items(module)  # not a transformers model: its signature says
+        from ..data.loss_items import items_weight
+        given = self._given
+        count = float(given) if given is not None else 0.0
+        total = sum_over_ranks([count, float(given is not None), float(seen is True), float(seen is not None)])
+        verdict = agreed_verdict(total[2], total[3])
+        self._watch.settle(verdict)
+        # Told nothing anywhere (zero losses): the Trainer's own belief that the loss divides.
+        self.caller_counts = total[1] > 0 and verdict is not False
+        if self.caller_counts and not items_weighted:
+            self._state.weight_override = items_weight(self.process_count, count, total[0], self._plan_weight())
+
+    def _plan_weight(self):
+        return self._state.plan.loss_weights[self._rank]

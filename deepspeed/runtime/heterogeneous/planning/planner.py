@@ -100,7 +100,7 @@ def plan_micro_batches(time_models,
     caps = memory_caps(max_micro_batch, world, names)
 
     plan = rule.plan(PlanRequest(models, batch, gas, caps, names, manual, bool(allow_per_rank_gas), strategy))
-    _check_plan(plan, strategy, world, batch)
+    _check_plan(plan, strategy, world, gas, bool(allow_per_rank_gas))
     return plan
 
 
@@ -108,16 +108,21 @@ def _taking_sizes():
     return [name for name in strategy_names() if get_strategy(name).takes_sizes]
 
 
-def _check_plan(plan, strategy, world, batch):
-    """A strategy's plan must cover every rank and the whole global batch: the engine's loader,
-    the loss weights and the collectives rely on it."""
+def _check_plan(plan, strategy, world, gas, allow_per_rank_gas):
+    """A strategy's plan must cover every rank (a ``Plan`` already sums to its global batch), and
+    may give ranks different gas only where allowed: with ZeRO-2/3 every micro-step reduces, so
+    ranks running different numbers of them would wait in each other's collectives."""
     if not isinstance(plan, Plan):
         raise TypeError(f"strategy '{strategy}' returned {type(plan).__name__}, not a Plan (use request.fixed_plan)")
-    if plan.world_size != world or plan.train_batch_size != batch or \
-            sum(m * g for m, g in zip(plan.micro_batch_sizes, plan.gradient_accumulation_steps)) != batch:
-        raise ValueError(f"strategy '{strategy}' planned {list(plan.micro_batch_sizes)} x gas "
-                         f"{list(plan.gradient_accumulation_steps)} for {world} ranks, which is not train_batch_size "
-                         f"{batch} over {world} ranks")
+    if plan.world_size != world:
+        raise ValueError(f"strategy '{strategy}' planned {plan.world_size} ranks' micro-batches "
+                         f"{list(plan.micro_batch_sizes)} for {world} data-parallel ranks")
+    steps = set(plan.gradient_accumulation_steps)
+    if steps != {gas} and not (allow_per_rank_gas and all(g % gas == 0 for g in steps)):
+        allowed = (f"multiples of {gas} per rank (per-rank gas is allowed here)" if allow_per_rank_gas else
+                   f"{gas} on every rank (per-rank gas is allowed only with ZeRO-0/1)")
+        raise ValueError(f"strategy '{strategy}' planned gradient_accumulation_steps "
+                         f"{list(plan.gradient_accumulation_steps)}; allowed: {allowed}")
 
 
 def device_score(device):
