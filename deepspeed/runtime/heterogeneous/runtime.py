@@ -364,23 +364,10 @@ class HeterogeneousRuntime:
         return list(self.records)
 
     def _record(self, timing):
-        activations = [b for _, _, b in timing.samples if b is not None]
-        self.records.append({
-            "step": self.steps,
-            "micro_batch_size": self.config.train_micro_batch_size_per_gpu,
-            "samples": sum(m for m, _, _ in timing.samples),
-            "compute_s": sum(t for _, t, _ in timing.samples),
-            "forward_s": sum(f for f, _ in timing.split),
-            "backward_s": sum(b for _, b in timing.split),
-            "optimizer_s": timing.step_overhead,
-            "collective_s": timing.in_collectives,
-            "wall_s": timing.wall,
-            "activation_bytes": max(activations) if activations else None,
-            # Bytes of re-split inputs and returned outputs this rank received during the step.
-            "resplit_input_bytes": self.resplit_input_bytes - self._recorded_bytes[0],
-            "resplit_output_bytes": self.resplit_output_bytes - self._recorded_bytes[1],
-        })
-        self._recorded_bytes = (self.resplit_input_bytes, self.resplit_output_bytes)
+        received = (self.resplit_input_bytes, self.resplit_output_bytes)
+        self.records.append(timing.record(self.steps, self.config.train_micro_batch_size_per_gpu,
+                                          received[0] - self._recorded_bytes[0], received[1] - self._recorded_bytes[1]))
+        self._recorded_bytes = received
 
     # -- profiling ----------------------------------------------------------------------------
 

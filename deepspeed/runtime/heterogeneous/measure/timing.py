@@ -61,6 +61,25 @@ class StepTiming:
             return None
         return (sum(timed) + self.step_overhead) / len(timed)
 
+    def record(self, step, micro_batch_size, resplit_input_bytes=0, resplit_output_bytes=0):
+        """The heterogeneous profiler's record of this step (plain values): where its time went,
+        and the bytes of re-split inputs and returned outputs this rank received during it."""
+        activations = [b for _, _, b in self.samples if b is not None]
+        return {
+            "step": step,
+            "micro_batch_size": micro_batch_size,
+            "samples": sum(m for m, _, _ in self.samples),
+            "compute_s": sum(t for _, t, _ in self.samples),
+            "forward_s": sum(f for f, _ in self.split),
+            "backward_s": sum(b for _, b in self.split),
+            "optimizer_s": self.step_overhead,
+            "collective_s": self.in_collectives,
+            "wall_s": self.wall,
+            "activation_bytes": max(activations) if activations else None,
+            "resplit_input_bytes": resplit_input_bytes,
+            "resplit_output_bytes": resplit_output_bytes,
+        }
+
 
 class StepTimer:
     """Marks taken by the engine's hooks; ``end_step`` returns the step's ``StepTiming``."""
