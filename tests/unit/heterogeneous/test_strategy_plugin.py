@@ -12,6 +12,7 @@ from deepspeed.runtime.heterogeneous.config.strategies import (BalancingStrategy
                                                                strategy_names, unregister_strategy)
 from deepspeed.runtime.heterogeneous.planning.planner import Plan, TimeModel, plan_micro_batches
 from harness import REPO_ROOT, VirtualDevice, run_subcases
+from references import adam_mse_reference
 
 STRATEGIES_DIR = str(REPO_ROOT / "examples" / "strategies")
 WIDTH, DATASET, BATCH, LR = 16, 96, 16, 0.1
@@ -127,14 +128,8 @@ def _train_with_the_example(rank, world_size, stage):
 
 def _reference(step_indices):
     """One process, SGD on the mean squared error of each step's samples (the ranks' together)."""
-    model = _model()
     _, inputs, targets = _data().tensors
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    for indices in step_indices:
-        optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(inputs[indices]), targets[indices]).backward()
-        optimizer.step()
-    return list(model.parameters())
+    return adam_mse_reference(_model(), inputs, targets, step_indices, LR, optimizer_class=torch.optim.SGD)
 
 
 @pytest.mark.multiprocess
