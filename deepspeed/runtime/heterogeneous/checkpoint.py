@@ -157,7 +157,7 @@ def _check_pipeline_parts(engine, saved_parts):
     layout = engine._config.heterogeneous.pipeline
     if saved_parts is None or list(saved_parts) == list(layout.partition.parts):
         return
-    if list(saved_parts) == getattr(engine, "_heterogeneous_saved_parts", None):
+    if list(saved_parts) == engine._config.heterogeneous.loading_pipeline_parts:
         return
     saved = [b - a for a, b in zip(saved_parts, saved_parts[1:])]
     raise ValueError(f"deepspeed-hetero: the checkpoint was saved by pipeline stages of {saved} layers, and this run "

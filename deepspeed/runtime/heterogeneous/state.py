@@ -51,7 +51,10 @@ class HeterogeneousState:
     """This process's entry in the emulation's lists: its global rank with pipeline parallelism
     (each process is a device), else None (its data-parallel rank)."""
     pipeline: Optional[object] = field(default=None, repr=False)
-    """The ``pipeline.PipelineLayout`` of a heterogeneous PipelineModule (None otherwise)."""
+    """The ``pipeline.build.PipelineLayout`` of a heterogeneous PipelineModule (None otherwise)."""
+    loading_pipeline_parts: Optional[list] = None
+    """While a pipeline checkpoint of another cut loads (``pipeline/checkpoint.py``), the saved cut,
+    which the fork's record check then accepts: its layers' optimizer states move after the load."""
     devices: Optional[List[DeviceDescription]] = None
     """Every data-parallel rank's device, in rank order (None when no decision needs them)."""
     precision: Optional[PrecisionChoice] = None

@@ -218,12 +218,13 @@ def load_checkpoint(engine, load, load_dir, *args, **kwargs):
                          f"and this run cut {current_layers}; its optimizer state was saved by stage only "
                          f"({manifest['reason']}), so it resumes only into its own cut: set "
                          f"heterogeneous_config.pipeline.stage_layers to {saved_layers}")
-    engine._heterogeneous_saved_parts = saved  # the fork's record and the module load accept the other cut
+    state = engine._config.heterogeneous
+    state.loading_pipeline_parts = saved  # the fork's record and the module load accept the other cut
     options["load_optimizer_states"] = False
     try:
         result = load(**options)
     finally:
-        engine._heterogeneous_saved_parts = None
+        state.loading_pipeline_parts = None
     if wants_optimizer:  # on every rank, also one whose stage file was missing: _agreed is a collective
         moved = _agreed(lambda: restore_layer_states(engine, os.path.join(load_dir, tag), loaded=result[0]),
                         "moving the layers' optimizer state")[0]
