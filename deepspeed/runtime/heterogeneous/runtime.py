@@ -54,12 +54,13 @@ from .data.fed_batch import fed_size, judge_feeding, leading_batch_size, raised_
 from .integrations.loss_normalization import LossWeighting
 from .data.exchange_account import ExchangeAccount
 from .data.resplit import agree, resplit_inputs, return_outputs
-from .emulation.limits import EmulatedLimits, EmulatedOutOfMemoryError, emulation_note
+from .emulation.limits import EmulatedLimits, EmulatedOutOfMemoryError, emulation_note, profiled_speeds_note
 from .measure import comm_clock
 from .memory.model_state import ActivationMeter
 from .memory.rank_memory import RankMemory
 from .planning.planner import Plan, TimeModel, plan_micro_batches
-from .planning.profiling import measured_time_models, memory_limits, plan_after_profiling_step, reference_walls
+from .planning.profiling import (measured_rates, measured_time_models, memory_limits, plan_after_profiling_step,
+                                 reference_walls)
 from .planning.rebalance import (RebalanceEvent, RebalancePolicy, Rebalancer, balanced_models,
                                  models_from_utilization, window_models)
 from .measure.timing import StepTimer, StepTiming
@@ -436,7 +437,8 @@ class HeterogeneousRuntime:
                 rebalancer.plan_chosen(None)
             else:
                 rebalancer.plan_chosen(decision.models or balanced_models(plan))
-            note = decision.note
+            emulated = profiled_speeds_note(self.settings.emulation, measured_rates(self.history), self.steps)
+            note = "; ".join(filter(None, [decision.note, emulated])) or None
             verify = False
             if (plan.micro_batch_sizes, plan.gradient_accumulation_steps) != (
                     self.plan.micro_batch_sizes, self.plan.gradient_accumulation_steps):

@@ -53,47 +53,33 @@ class EmulatedLimits:
         return self.emulator.mode if self.emulator is not None else "none"
 
     def check_speeds(self, gather, workload=workload_seconds):
-        """Measure, on every rank at once, whether the emulation delivers the asked speeds
-        (``SpeedCheck``): under ``emulation.mode: auto`` the quota ranks move to dilation where the
-        CPU quotas do not deliver them, and whatever dilates is measured too.
+        """Measure, on every rank at once, whether the CPU quotas deliver the asked speeds, and under
+        ``emulation.mode: auto`` move the quota ranks to dilation where they do not (``SpeedCheck``).
 
         ``gather(entry, what)`` returns every process's entry (``Agreement.gather_from_every_rank``):
-        a collective, run by every process alike. The first gather tells which ranks hold a quota
-        or dilate (nothing more runs when none does); the workload then runs on every rank at once,
-        as training does, and its times are gathered: once under the quotas, once under dilation
-        (a dilating rank sleeps after it as it does after each micro-step's compute). Every rank
-        decides from the same gathered times."""
+        a collective, run by every process alike. The first gather tells whether any rank holds a
+        quota (else nothing more runs); the workload then runs on every rank at once, as training
+        does, and its times are gathered. Every rank decides from the same gathered times."""
         if self.emulation is None or not (self.emulation.speeds or self.emulation.speed_schedule):
             return None
         speed = self.emulator.speed if self.emulator is not None else 1.0
         modes = gather((self.rank, speed, self.mode), "the emulation modes of the ranks")
+        if not any(mode == "cgroup" for _, _, mode in modes):
+            self.speed_check = SpeedCheck(cluster_mode(modes), None, None, False)
+            return self.speed_check
+        seconds = gather((self.rank, workload()), "the emulation's speed check")
         ranks = sorted({rank for rank, _, _ in modes})
         asked = [max(s for r, s, _ in modes if r == rank) for rank in ranks]
-        achieved, fell_back, mode = None, False, cluster_mode(modes)
-        if any(m == "cgroup" for _, _, m in modes):
-            achieved = _achieved(asked, ranks, gather((self.rank, workload()), "the emulation's speed check"))
-            fell_back = not speeds_hold(asked, achieved) and self.emulation.mode == "auto"
-            if fell_back and self.emulator is not None:
-                self.emulator.use_dilation()
-            mode = "dilation" if fell_back else mode
-        dilated = None
-        if mode == "dilation":
-            dilated = _achieved(asked, ranks, gather((self.rank, self._dilated(workload)),
-                                                     "the time dilation's speed check"))
-        self.speed_check = SpeedCheck(mode, asked, achieved, fell_back, dilated)
+        # A replica's members (model parallelism) share an emulated rank: the slowest sets its pace.
+        took = [max(t for r, t in seconds if r == rank) for rank in ranks]
+        achieved = achieved_speeds(asked, took)
+        holds = speeds_hold(asked, achieved)
+        fell_back = not holds and self.emulation.mode == "auto"
+        if fell_back and self.emulator is not None:
+            self.emulator.use_dilation()
+        mode = "dilation" if fell_back else cluster_mode(modes)
+        self.speed_check = SpeedCheck(mode, asked, achieved, fell_back)
         return self.speed_check
-
-    def _dilated(self, workload):
-        """Seconds of ``workload`` as a dilating rank spends them: its compute (slowed by whatever
-        else the machine runs, as in training), then the sleep that stretches it to ``1 / speed``
-        of it. The sleep is real, so that the other ranks compute beside a sleeping rank as they do
-        in training; the result is computed (compute / speed), not timed, as a sleep's overshoot is
-        no property of the emulated device."""
-        seconds = workload()
-        if self.emulator is None or self.emulator.mode != "dilation":
-            return seconds
-        self.emulator.after_compute(seconds)
-        return seconds / self.emulator.speed
 
     @property
     def memory_mode(self):
@@ -148,28 +134,15 @@ class EmulatedLimits:
 
 class SpeedCheck:
     """What the start-up speed check found: the mode slowing the ranks ('cgroup', 'dilation' or
-    'none'), the asked speeds and the ones the CPU quotas achieved per emulated rank (None: no
-    quota in use), whether the quota ranks fell back to dilation, and the speeds time dilation
-    achieved (None: nothing dilates)."""
+    'none'), the asked and achieved speeds per emulated rank (None: not measured, no quota in
+    use), and whether the quota ranks fell back to dilation."""
 
-    def __init__(self, mode, asked, achieved, fell_back, dilated=None):
+    def __init__(self, mode, asked, achieved, fell_back):
         self.mode, self.asked, self.achieved, self.fell_back = mode, asked, achieved, fell_back
-        self.dilated = dilated
-
-    @property
-    def in_force(self):
-        """The speeds the mode in force achieved (None: not measured)."""
-        return self.dilated if self.mode == "dilation" else self.achieved
 
     @property
     def holds(self):
-        """Whether the mode in force delivers the asked speeds (within ``SPEED_TOLERANCE``)."""
-        return self.in_force is None or speeds_hold(self.asked, self.in_force)
-
-
-def _achieved(asked, ranks, seconds):
-    # A replica's members (model parallelism) share an emulated rank: the slowest sets its pace.
-    return achieved_speeds(asked, [max(t for r, t in seconds if r == rank) for rank in ranks])
+        return self.achieved is None or speeds_hold(self.asked, self.achieved)
 
 
 def cluster_mode(modes):
@@ -183,11 +156,9 @@ def _speeds(values):
 
 
 def emulation_note(emulation, mode, memory_mode="none", check=None):
-    """The start-up plan's emulation line: which mode slows the ranks, at what speeds asked and
-    measured at start-up (``check``: a ``SpeedCheck``), what emulates their memory; where the
-    quotas missed, what was done instead; a warning where the mode in force misses too (dilation on
-    a machine whose other work slows the unthrottled ranks) or, with ``mode: cgroup`` set by hand,
-    where the quotas miss.
+    """The start-up plan's emulation line: which mode slows the ranks, at what speeds asked and, for
+    CPU quotas, measured at start-up (``check``: a ``SpeedCheck``), what emulates their memory;
+    where the quotas missed, what was done instead or, with ``mode: cgroup`` set by hand, a warning.
     None without emulation. ``mode``: this rank's emulator's mode, used when nothing was checked."""
     if emulation is None or not (emulation.speeds or emulation.speed_schedule or emulation.memory_gb):
         return None
@@ -214,13 +185,6 @@ def emulation_note(emulation, mode, memory_mode="none", check=None):
                            "\"auto\" or \"dilation\" to emulate slower devices on a busy machine")
         else:
             source = f"emulation.mode {emulation.mode}"
-        if check is not None and check.dilated is not None:
-            source += f"; time dilation measured at start-up {_speeds(check.dilated)}"
-            if not check.holds:
-                warning = (f"warning: time dilation does not deliver the asked speeds{' either' * measured} (beyond "
-                           f"{SPEED_TOLERANCE:.0%}): other work on the machine slows the unthrottled ranks too, so the "
-                           "emulated cluster is less uneven than asked; the plans follow the speeds the ranks measure "
-                           "in training")
         parts.append(f"speeds {speeds} by {how} ({source})")
         if emulation.speed_schedule:
             parts.append("then " + ", ".join(f"{list(c.speeds)} from step {c.step}" for c in emulation.speed_schedule))
@@ -228,3 +192,28 @@ def emulation_note(emulation, mode, memory_mode="none", check=None):
         parts.append(f"memory_gb {list(emulation.memory_gb)} by {memory_mode}")
     line = "emulated: " + "; ".join(parts)
     return line + ("\n  " + warning if warning else "")
+
+
+def profiled_speeds_note(emulation, seconds_per_sample, step):
+    """What the profiling steps measured of the emulated speeds, where it misses the asked ones by
+    more than ``SPEED_TOLERANCE`` (None otherwise, or without emulated speeds). A CPU quota is
+    checked before training; time dilation, and a quota whose machine got busier, are measured
+    here, by the workload itself: ``seconds_per_sample`` per data-parallel rank
+    (``profiling.measured_rates``); ``step``: the last profiling step (a speed schedule's speeds in
+    force then). With lists per global rank (pipeline or model parallelism) nothing is compared."""
+    if emulation is None or not (emulation.speeds or emulation.speed_schedule):
+        return None
+    world = len(seconds_per_sample)
+    if (emulation.speeds and len(emulation.speeds) != world) or any(
+            len(change.speeds) != world for change in emulation.speed_schedule or []):
+        return None
+    asked = []
+    for rank in range(world):
+        speed = scheduled_speed(emulation, rank, step)
+        asked.append(speed if speed is not None else emulation.speeds[rank] if emulation.speeds else 1.0)
+    achieved = achieved_speeds(asked, seconds_per_sample)
+    if speeds_hold(asked, achieved):
+        return None
+    return (f"the profiling steps measured the emulated ranks at {_speeds(achieved)} where {_speeds(asked)} was "
+            f"asked (beyond {SPEED_TOLERANCE:.0%}: the machine's other work slows the ranks unevenly, or a step's "
+            "fixed costs do not scale with the emulated speed); the plan follows what was measured")
