@@ -40,8 +40,6 @@ import statistics
 import time
 from dataclasses import asdict, replace
 
-import torch
-
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
