@@ -211,6 +211,8 @@ def profiled_speeds_note(emulation, seconds_per_sample, step):
     for rank in range(world):
         speed = scheduled_speed(emulation, rank, step)
         asked.append(speed if speed is not None else emulation.speeds[rank] if emulation.speeds else 1.0)
+    if not all(seconds > 0 for seconds in seconds_per_sample):
+        return None  # nothing to compare (a note must never stop training)
     achieved = achieved_speeds(asked, seconds_per_sample)
     if speeds_hold(asked, achieved):
         return None
