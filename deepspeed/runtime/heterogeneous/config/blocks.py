@@ -235,7 +235,7 @@ class HeterogeneousConfig(DeepSpeedConfigModel):
 
 
 def _either(names):
-    quoted = [f"'{n}'" for n in names]
+    quoted = [f"'{n}'" for n in names] or ["(none registered)"]
     return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " or " + quoted[-1]
 
 
