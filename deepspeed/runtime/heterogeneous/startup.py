@@ -80,7 +80,11 @@ def configure_heterogeneous_batch(ds_config, state):
             logger.warning(f"deepspeed-hetero precision: {state.precision.overridden}")
     zero_stage = int(ds_config.zero_optimization_stage or 0)
     state.base_gas = gas
-    plan = initial_plan(state.settings, train_batch, gas, int(ds_config.world_size), zero_stage, state.devices)
+    key = (int(train_batch), int(gas), int(ds_config.world_size), zero_stage)
+    if key not in state.startup_plans:  # planned once per process and settings, however many configs
+        state.startup_plans[key] = initial_plan(state.settings, train_batch, gas, int(ds_config.world_size),
+                                                zero_stage, state.devices)
+    plan = state.startup_plans[key]
     apply_plan(ds_config, plan)
     return plan
 

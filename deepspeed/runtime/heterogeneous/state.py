@@ -93,6 +93,10 @@ class HeterogeneousState:
     autotuning_window: Optional[object] = field(default=None, repr=False)
     """The autotuning metric window's progress (``autotuning_window``), also
     with the fork off; None until the first step of an autotuning experiment."""
+    startup_plans: dict = field(default_factory=dict, repr=False)
+    """The start-up plans made from this process's cluster facts, by (train_batch_size, gas, world
+    size, ZeRO stage): a second ``DeepSpeedConfig`` of the same settings (``zero.Init``, activation
+    checkpointing, the engine's) takes its plan from here instead of planning again."""
     link_bucket_sizes: Optional[dict] = None
     """The ZeRO bucket sizes the slowest inter-host link chose (``link_buckets.py``; already the
     smaller of it and adaptive chunking's), in elements; None when the rule did not apply."""
@@ -205,8 +209,8 @@ class HeterogeneousState:
             if problem and _job_rank() == 0:
                 logger.warning(problem)
             devices = gather_local_devices(settings, state.dp_rank, int(world_size), state.emulated_rank)
-            _cluster_facts[key] = (devices, discover_topology(state.dp_rank, int(world_size)))
-        state.devices, state.topology = _cluster_facts[key]
+            _cluster_facts[key] = (devices, discover_topology(state.dp_rank, int(world_size)), {})
+        state.devices, state.topology, state.startup_plans = _cluster_facts[key]
         state.precision = choose_precision_for_config(settings.config.mixed_precision_support, state.devices,
                                                       param_dict)
         from .startup import configure_link_buckets
@@ -289,7 +293,8 @@ def quiet_repeated_warnings(environ=None):
 
 
 _cluster_facts = {}
-"""What the start-up collectives found, per process: ``_cluster_key`` -> (devices, topology)."""
+"""What the start-up collectives found, per process: ``_cluster_key`` -> (devices, topology, the
+start-up plans made from them, by batch settings)."""
 
 
 _default_group = (None, 0)

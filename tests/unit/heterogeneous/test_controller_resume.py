@@ -286,26 +286,39 @@ def test_the_comm_clock_runs_only_in_phases_that_read_it():
 def _one_more_config(rank, world_size):
     """Rank 0 alone builds one more DeepSpeedConfig with the fork on (as zero.Init or activation
     checkpointing would) before both build the engine: no start-up collective runs twice, so the
-    ranks' collectives stay paired and profiling agrees on a plan."""
+    ranks' collectives stay paired and profiling agrees on a plan; and the start-up plan is made
+    once per process, however many configs it builds (the planner's calls are counted until the
+    first step)."""
     import deepspeed
     from deepspeed.runtime.config import DeepSpeedConfig
-    config = {"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-              "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "compute_aware",
-                                       "profile_steps": 2}}
-    DeepSpeedConfig(dict(config))  # every rank: the start-up collectives run here, once
-    if rank == 0:
-        DeepSpeedConfig(dict(config))  # one more on rank 0 alone: no collective
-    torch.manual_seed(0)
-    model = torch.nn.Linear(8, 8)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    from deepspeed.runtime.heterogeneous import startup
+    calls = []
+    planner = startup.plan_micro_batches
+    startup.plan_micro_batches = lambda *args, **kwargs: calls.append(1) or planner(*args, **kwargs)
+    try:
+        config = {"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                  "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "compute_aware",
+                                           "profile_steps": 2}}
+        DeepSpeedConfig(dict(config))  # every rank: the start-up collectives run here, once
+        if rank == 0:
+            DeepSpeedConfig(dict(config))  # one more on rank 0 alone: no collective
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 8)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    finally:
+        startup.plan_micro_batches = planner
+    planned = len(calls)
     for _ in range(3):
         mbs = engine.train_micro_batch_size_per_gpu()
         engine.backward(engine(torch.randn(mbs, 8)).square().mean())
         engine.step()
-    return list(engine.heterogeneous_plan.micro_batch_sizes)
+    return {"plan": list(engine.heterogeneous_plan.micro_batch_sizes), "start_up_plans": planned}
 
 
 @pytest.mark.multiprocess
-def test_start_up_collectives_run_once_per_process_and_setting():
+def test_start_up_collectives_and_the_start_up_plan_run_once_per_process_and_setting():
     first, second = run_subcases(_one_more_config, [{}], world_size=2, timeout=300)[0]
-    assert first == second and sum(first) == 8, (first, second)
+    assert first["plan"] == second["plan"] and sum(first["plan"]) == 8, (first, second)
+    # Three DeepSpeedConfigs on rank 0, two on rank 1: one start-up plan each (no memory limit
+    # binds here; where one does, the plan capped within it is the second, by design).
+    assert first["start_up_plans"] == second["start_up_plans"] == 1, (first, second)
