@@ -27,6 +27,12 @@ import math
 
 import torch
 
+from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
+
+from ..data.fed_batch import raised_on_every_rank
+from ..data.loss_items import count_items, items_weight, select_input
+
 __all__ = ["LossFunctionWatch", "LossWeighting", "loss_function_owner", "honours_num_items", "names_num_items",
            "agreed_verdict", "sum_over_ranks"]
 
@@ -165,8 +171,6 @@ class LossFunctionWatch:
 def sum_over_ranks(values):
     """``values`` (numbers) summed over every process: a collective that every rank must call at
     the same point. Used for the counts that a loss is normalised by."""
-    from deepspeed import comm as dist
-    from deepspeed.accelerator import get_accelerator
     tensor = torch.tensor(values, dtype=torch.float64, device=get_accelerator().current_device_name())
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor)
@@ -215,8 +219,6 @@ class LossWeighting:
     def weigh_items(self, spec, inputs, kwargs):
         """``heterogeneous_config.loss_items`` (``spec``): this forward's weight from the items of the
         named input, summed over every rank (every rank raises alike where one has no such tensor)."""
-        from ..data.fed_batch import raised_on_every_rank
-        from ..data.loss_items import count_items, items_weight, select_input
         value = select_input(inputs, kwargs, spec.input)
         items, missing = 0, 0.0
         if not isinstance(value, torch.Tensor):
@@ -242,7 +244,6 @@ class LossWeighting:
         seen = self._watch.stop()
         if not self._watch.watches(module):
             seen = names_num_items(module)  # not a transformers model: its signature says
-        from ..data.loss_items import items_weight
         given = self._given
         count = float(given) if given is not None else 0.0
         total = sum_over_ranks([count, float(given is not None), float(seen is True), float(seen is not None)])
