@@ -160,7 +160,7 @@ def user_config(cluster, work, mode=None):
 
 
 def grid_experiments(cluster):
-    from deepspeed.autotuning.heterogeneous.space import Experiment
+    from deepspeed.autotuning.heterogeneous.experiment import Experiment
     spec = CLUSTERS[cluster]
     return [
         Experiment(stage=stage, gas=gas, micro_batch_sizes=tuple(sizes), heterogeneous=spec["heterogeneous"])
@@ -172,7 +172,7 @@ def run_grid(cluster, work):
     """Every grid point as the tuner runs an experiment; returns the rows and the wall time."""
     from deepspeed.autotuning.heterogeneous.results import OK, metric_value
     from deepspeed.autotuning.heterogeneous.runner import ExperimentRunner
-    from deepspeed.autotuning.heterogeneous.space import parse_settings
+    from deepspeed.autotuning.heterogeneous.settings import parse_settings
 
     os.makedirs(work, exist_ok=True)
     config = user_config(cluster, work)
@@ -281,7 +281,7 @@ def _cores(value):
 
 
 def _grid_name(chosen):
-    from deepspeed.autotuning.heterogeneous.space import Experiment
+    from deepspeed.autotuning.heterogeneous.experiment import Experiment
     sizes = tuple(chosen["micro_batch_sizes"])
     return Experiment(stage=chosen["stage"], gas=chosen["gas"], micro_batch_sizes=sizes).name
 

@@ -79,7 +79,8 @@ def test_example_configs_parse_as_the_fork_and_the_tuner_read_them():
     """Every example config (examples/**/*.json): valid JSON, the fork's blocks load for the ranks
     its emulation lists, and an autotuning block parses into settings and a tuning space (the
     README's autotuning command itself takes minutes; its config is checked here)."""
-    from deepspeed.autotuning.heterogeneous.space import parse_settings, parse_space
+    from deepspeed.autotuning.heterogeneous.settings import parse_settings
+    from deepspeed.autotuning.heterogeneous.space import parse_space
     from deepspeed.runtime.heterogeneous.config.settings import load_heterogeneous_settings
 
     paths = sorted(EXAMPLES.rglob("*.json"))

@@ -8,7 +8,7 @@ import shlex
 import time
 
 from .results import OK, OOM, PREDICTED_OOM, PROFILED, format_summary, lr_advice, select_best
-from .space import Experiment, optimal_ds_config
+from .experiment import Experiment, optimal_ds_config
 
 RESULT_FILES = ("summary.txt", "results.json", "ds_config_optimal.json", "cmd_optimal.txt")
 

@@ -21,7 +21,7 @@ import sys
 import time
 
 from .results import OK, classify
-from .space import BATCH, GAS, MBS, NUM_STAGES, AutotuningConfigError
+from .settings import BATCH, GAS, MBS, NUM_STAGES, AutotuningConfigError
 
 CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed")
 

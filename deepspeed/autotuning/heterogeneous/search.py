@@ -11,7 +11,7 @@ import os
 from .costmodel import ClusterProfile
 from .outputs import _say
 from .results import OK, OOM, PREDICTED_OOM, PROFILED, TIMEOUT, is_better, lower_is_better, select_best
-from .space import Experiment, interpolate
+from .experiment import Experiment, interpolate
 
 EXPLORATION = 0.2
 AUTO_MBS_LIMIT_WITHOUT_CAPACITY = 32

@@ -36,12 +36,14 @@ import time
 
 from deepspeed.utils import logger
 
+from .experiment import replica_micro_batches
 from .outputs import RESULT_FILES, TuningOutputs, _clock, _say
 from .results import FAILED, NO_METRICS, OK, PREDICTED_OOM, Outcome, metric_value, select_best
 from .runner import ExperimentRunner, find_config_path
 # EXPLORATION and choose_next are re-exported: the tests import them from this module.
 from .search import EXPLORATION, PROFILE_STEPS, TuningSearch, choose_next  # noqa: F401
-from .space import AutotuningConfigError, parse_settings, parse_space, replica_micro_batches
+from .settings import AutotuningConfigError, parse_settings
+from .space import parse_space
 
 
 class AutotuningError(RuntimeError):

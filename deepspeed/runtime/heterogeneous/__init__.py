@@ -39,7 +39,7 @@ _PUBLIC = {
     "normalize_scores": "measure.devices",
     "spec_score": "measure.devices",
     "HeterogeneousMemoryPool": "memory.pool",
-    "MemoryPlacementError": "memory.pool",
+    "MemoryPlacementError": "memory.rank_placement",
     "ModelStateSpec": "memory.pool",
 }
 

@@ -14,9 +14,10 @@ from deepspeed.runtime.heterogeneous.measure.devices import rank_memory_capacity
 from deepspeed.autotuning.heterogeneous.runner import (experiment_args, extension_roots, find_config_path,
                                                        orphaned_build_locks, remove_build_locks)
 from deepspeed.autotuning.heterogeneous.search import TuningSearch
-from deepspeed.autotuning.heterogeneous.space import (AutotuningConfigError, Experiment, interpolate,
-                                                      optimal_ds_config, parse_settings, parse_space,
-                                                      replica_micro_batches)
+from deepspeed.autotuning.heterogeneous.experiment import (Experiment, interpolate, optimal_ds_config,
+                                                           replica_micro_batches)
+from deepspeed.autotuning.heterogeneous.settings import AutotuningConfigError, parse_settings
+from deepspeed.autotuning.heterogeneous.space import parse_space
 from deepspeed.autotuning.heterogeneous.tuner import EXPLORATION, _launcher_args, _master_port, choose_next
 from deepspeed.runtime.heterogeneous.planning.planner import TimeModel
 

@@ -339,7 +339,8 @@ def test_a_metrics_file_left_by_an_earlier_run_is_never_read(tmp_path, monkeypat
     """Upstream's smaller-micro-batch loop re-read the previous experiment's metrics file."""
     from deepspeed.autotuning.heterogeneous.results import NO_METRICS
     from deepspeed.autotuning.heterogeneous.runner import ExperimentRunner
-    from deepspeed.autotuning.heterogeneous.space import Experiment, parse_settings
+    from deepspeed.autotuning.heterogeneous.experiment import Experiment
+    from deepspeed.autotuning.heterogeneous.settings import parse_settings
 
     script = tmp_path / "exits.py"
     script.write_text("import sys\nsys.exit(0)\n")

@@ -325,7 +325,8 @@ def test_pipeline_stages_beyond_this_hosts_devices_ask_for_the_world_size(capsys
 def test_rank_speeds_are_the_runtimes():
     """The report and the pipeline's start-up share one formula: the spec score relative to the
     fastest times the emulated speed; a device the table does not know (score 0) counts as 1."""
+    from deepspeed.runtime.heterogeneous.cli import pipeline_report
     from deepspeed.runtime.heterogeneous.planning.stages import relative_rank_speeds
-    assert env_report.relative_rank_speeds is relative_rank_speeds
+    assert pipeline_report.relative_rank_speeds is relative_rank_speeds
     assert relative_rank_speeds([312.0, 156.0], [1.0, 0.5]) == [1.0, 0.25]
     assert relative_rank_speeds([0.0, 0.0], [1.0, 0.5]) == [1.0, 0.5]

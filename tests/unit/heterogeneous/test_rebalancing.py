@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from deepspeed.runtime.heterogeneous.planning.planner import TimeModel, plan_micro_batches
-from deepspeed.runtime.heterogeneous.planning.profiling import (measured_time_models, spread_profiling_sizes,
-                                                                wanted_spread)
+from deepspeed.runtime.heterogeneous.planning.probe_sizes import spread_profiling_sizes, wanted_spread
+from deepspeed.runtime.heterogeneous.planning.profiling import measured_time_models
 from deepspeed.runtime.heterogeneous.planning.rebalance import Rebalancer, RebalancePolicy
 from deepspeed.runtime.heterogeneous.planning.statistics import interval_noise, interval_statistics
 from harness import run_ranks, run_subcases

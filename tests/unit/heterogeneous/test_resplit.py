@@ -12,7 +12,8 @@ from collections import namedtuple
 import pytest
 import torch
 
-from deepspeed.runtime.heterogeneous.data.resplit import Split, _walk, batch_first
+from deepspeed.runtime.heterogeneous.data.batch_structure import _walk, batch_first
+from deepspeed.runtime.heterogeneous.data.resplit import Split
 from harness import run_ranks, run_subcases
 
 BATCH, WIDTH, HIDDEN, STEPS, PROFILE, RESCHEDULE_AT = 16, 256, 2048, 9, 5, 7
@@ -174,7 +175,7 @@ def test_a_stock_distributed_sampler_loop_is_exact_and_follows_the_plan():
 
 
 def test_sequence_tensors_are_those_beside_an_attention_mask():
-    from deepspeed.runtime.heterogeneous.data.resplit import sequence_tensors
+    from deepspeed.runtime.heterogeneous.data.batch_structure import sequence_tensors
     batch = {"input_ids": torch.zeros(4, 7, dtype=torch.long), "attention_mask": torch.ones(4, 7),
              "labels": torch.zeros(4, 7, dtype=torch.long), "score": torch.zeros(4), "pixels": torch.zeros(4, 3, 7)}
     found, length = sequence_tensors(((), batch), 4, pad_token_id=50)

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Command-line entry points: ``deepspeed env_report --heterogeneous`` (``env_report``), the
+"""Command-line entry points: ``deepspeed env_report --heterogeneous`` (``env_report``; its
+pipeline section ``pipeline_report``, the text helpers they share ``report_text``), the
 launcher's checks and signal forwarding (``launcher``), and process exit after an error
 (``process_exit``).
 

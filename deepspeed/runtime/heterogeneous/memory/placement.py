@@ -5,7 +5,7 @@ the env report's for a ds_config (``cli/env_report.config_placement_lines``,
 ``parse_parameter_count`` for ``--model-parameters``). Both decide through ``engine_placement``, so
 the report shows what the engine would do."""
 
-from .pool import NVME
+from .rank_placement import NVME
 from .spec import zero3_offload_ratio
 
 
@@ -14,7 +14,7 @@ def refuse_unfit_peaks(pool, placement, offload_allowed):
     activations not yet counted) passes its budget whatever the pool chose: the profiling steps
     would find no plan either, and under a physical limit the rank would be killed. Every rank
     holds the same placement, so every rank raises the same error."""
-    from .pool import MemoryPlacementError
+    from .rank_placement import MemoryPlacementError
     unfit = [r for r in placement.ranks if r.predicted_peak_bytes is not None and not r.fits]
     if unfit:
         problems = [pool.rank_problem(r, pool.model_state, offload_allowed) for r in unfit]

@@ -37,7 +37,8 @@ The decision (``place``), in this order:
    NVMe when ``nvme_offload`` allows it, the largest first. A rank on NVMe has all of its optimizer
    state there.
 What cannot be placed is an error (``MemoryPlacementError``) naming the rank or node and the
-numbers; ``strict=False`` records it in ``placement.problems`` instead.
+numbers; ``strict=False`` records it in ``placement.problems`` instead. The decision's types are
+``rank_placement.py``'s.
 
 Parameters, gradients and activations always stay on the device. The pool decides and reports:
 it allocates nothing and runs no collective, so every rank reaches the same placement from the
@@ -48,13 +49,11 @@ when ``heterogeneous_memory.enabled`` (``startup.place_engine_state``, kept as
 (``cli/env_report.config_placement_lines``).
 """
 
-import math
-from dataclasses import dataclass, replace
-from typing import Optional, Tuple
+from dataclasses import replace
 
 from ..config.settings import HeterogeneousMemoryConfig, parse_bytes
 from ..measure.devices import DeviceDescription
-from .model_state import RankCannotFitError
+from .rank_placement import HOST, NVME, MemoryPlacement, MemoryPlacementError, RankPlacement
 from .report import DEVICE, MemoryReport
 from .report import format_size as _size
 from .spec import ModelStateSpec, offloaded_sub_groups, zero3_offload_fraction
@@ -62,95 +61,6 @@ from .partitions import check_shares, choose_partition_shares, is_even
 
 DEFAULT_UTILIZATION = HeterogeneousMemoryConfig.model_fields["hbm_utilization_threshold"].default
 OFFLOAD_KEY = "zero_optimization.heterogeneous_offload"
-HOST, NVME = "host", "nvme"
-
-
-class MemoryPlacementError(RankCannotFitError):
-    """A rank's state, or a node's offloaded state, fits none of the places allowed."""
-
-
-@dataclass(frozen=True)
-class RankPlacement:
-    """One rank's placement: bytes of each kind of state and where it lives."""
-
-    rank: int
-    host: int
-    name: str
-    capacity_bytes: Optional[int]
-    budget_bytes: Optional[float]
-    share: float
-    """The rank's fraction of the partitioned state (ZeRO-0: 1, the whole model)."""
-    parameter_bytes: float
-    gradient_bytes: float
-    optimizer_bytes: float
-    """Optimizer state and the fp32 master copy of the rank's share."""
-    activation_bytes: Optional[float] = None
-    optimizer_location: str = DEVICE
-    """"device", "host" or "nvme": where the offloaded part of the optimizer state lives."""
-    offload_fraction: float = 0.0
-    """Part of the optimizer state off the device: 0, 1, or a ZeRO-3 ratio."""
-    offload_sub_groups: Optional[int] = None
-    """ZeRO-3 with known sub-groups: how many of them (the last ones) are offloaded."""
-    slack_bytes: float = 0.0
-    """What rounding the shares to millionths may add over a budget they were cut to fit."""
-    baseline_bytes: float = 0.0
-    """In use on the device when the engine started (``meter.py``): the interpreter, the model."""
-    predicted_peak_bytes: Optional[int] = None
-    """The rank's predicted peak (``peak.py``): baseline, model state, activations and
-    DeepSpeed's buffers at the busiest phase; None where the allocations are unknown."""
-    peak_phase: Optional[str] = None
-    measured_peak_bytes: Optional[int] = None
-    """The peak the rank measured (``meter.py``), None until measured."""
-
-    @property
-    def offloaded_bytes(self):
-        return self.optimizer_bytes * self.offload_fraction
-
-    @property
-    def host_bytes(self):
-        return self.offloaded_bytes if self.optimizer_location == HOST else 0.0
-
-    @property
-    def buffer_bytes(self):
-        """What the predicted peak holds beyond the baseline, the kept model state and activations."""
-        if self.predicted_peak_bytes is None:
-            return 0.0
-        return max(0.0, self.predicted_peak_bytes - self.baseline_bytes - self.parameter_bytes - self.gradient_bytes -
-                   self.optimizer_bytes + self.offloaded_bytes - (self.activation_bytes or 0.0))
-
-    @property
-    def device_bytes(self):
-        if self.predicted_peak_bytes is not None:
-            return self.predicted_peak_bytes
-        return math.ceil(self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes - self.offloaded_bytes +
-                         (self.activation_bytes or 0.0))
-
-    @property
-    def room_bytes(self):
-        return None if self.budget_bytes is None else self.budget_bytes - self.device_bytes
-
-    @property
-    def fits(self):
-        return self.budget_bytes is None or self.device_bytes <= self.budget_bytes + self.slack_bytes
-
-
-@dataclass(frozen=True)
-class MemoryPlacement:
-    """The pool's decision for one model: every rank's placement and what could not be placed."""
-
-    zero_stage: int
-    ranks: Tuple[RankPlacement, ...]
-    partition_shares: Optional[Tuple[float, ...]]
-    """The ZeRO-1/2/3 shares for ``heterogeneous_memory.zero_partitions`` (None: upstream's 1/N)."""
-    host_budget_bytes: Optional[int]
-    problems: Tuple[str, ...] = ()
-
-    @property
-    def offloaded_ranks(self):
-        return [r.rank for r in self.ranks if r.offload_fraction > 0]
-
-    def host_bytes(self, host):
-        return sum(r.host_bytes for r in self.ranks if r.host == host)
 
 
 class HeterogeneousMemoryPool:
@@ -478,8 +388,7 @@ def known_speeds(devices):
     return known if known and all(s > 0 for s in known) else None
 
 
-__all__ = ["HeterogeneousMemoryPool", "MemoryPlacement", "MemoryPlacementError", "MemoryReport", "ModelStateSpec",
-           "RankPlacement", "known_speeds"]
+__all__ = ["HeterogeneousMemoryPool", "MemoryReport", "ModelStateSpec", "known_speeds"]
 
 
 def memory_capacities(state):
