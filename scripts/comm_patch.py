@@ -6,7 +6,7 @@ This module produces that file from the series (``make dist``) and verifies it (
 
 What "exactly the communication feature" means. The feature (hierarchical gradient reduction,
 link-aware buckets, inter-host compression) is configured by ``heterogeneous_config.communication``,
-measures its links in ``HeterogeneousState.from_config`` and acts only when
+measures its links as the config is coordinated (``coordinator.py``) and acts only when
 ``heterogeneous_config.enabled`` is true, which also gives every rank its own micro-batch, exact
 only through the engine's loss weight. Its upstream hooks sit in ``engine.py`` and
 ``stage_1_and_2.py`` next to the fork's other hooks, whose lines are their context. So the patch

@@ -110,7 +110,8 @@ class HeterogeneousProfiler:
         records = runtime.stop_recording()
         mine = {"dp_rank": runtime.rank, "records": records, "peak_bytes": self._peak_bytes(records),
                 # Only rank 0 fills in the observed gain of an event: every rank takes rank 0's.
-                "events": [_event_dict(e) for e in runtime.events if self.start_step < e.step <= runtime.steps]}
+                "events": [_event_dict(e) for e in runtime.decisions.events
+                           if self.start_step < e.step <= runtime.steps]}
         try:
             gathered = runtime.agreement.gather_from_every_rank(mine, "the other ranks' profiler records")
         except Exception as exc:

@@ -84,7 +84,7 @@ def _profile(rank, world_size, speeds, profile_steps):
     for _, (inputs, targets) in zip(range(profile_steps), loader):
         engine.backward(torch.nn.functional.mse_loss(engine(inputs), targets))
         engine.step()
-    return {"plan": list(engine.heterogeneous_plan.micro_batch_sizes), "history": runtime.history,
+    return {"plan": list(engine.heterogeneous_plan.micro_batch_sizes), "history": runtime.decisions.history,
             "startup": startup}
 
 
@@ -146,7 +146,7 @@ def _dynamic(rank, world_size, speeds, profile_steps, check_interval, checks):
             return decision
         return call
 
-    rebalancer = runtime.rebalancer
+    rebalancer = runtime.decisions.rebalancer
     rebalancer.check = recorded(rebalancer.check, "check")
     rebalancer.judge_switch = recorded(rebalancer.judge_switch, "switch check")
     tee = _Tee(sys.stdout)
@@ -160,12 +160,12 @@ def _dynamic(rank, world_size, speeds, profile_steps, check_interval, checks):
     events = [{"step": e.step, "kind": e.kind, "old": list(e.old_sizes), "new": list(e.new_sizes),
                "predicted_gain": round(e.predicted_gain, 4),
                "observed_gain": None if e.observed_gain is None else round(e.observed_gain, 4)}
-              for e in runtime.events]
+              for e in runtime.decisions.events]
     return {"startup": startup, "after_profiling": after_profiling, "kept": after_profiling == startup,
             "later_plans": plans[profile_steps:], "final": plans[-1], "events": events,
             "later_moved": bool(events), "checks": decisions,
             "log": [line for line in tee.lines if line.startswith("[deepspeed-hetero]")],
-            "history": runtime.history}
+            "history": runtime.decisions.history}
 
 
 def _dynamic_main(repeats, steps):

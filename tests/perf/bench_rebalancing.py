@@ -88,7 +88,8 @@ def _speed_change(rank, world_size, dynamic, steps):
     runtime = engine._heterogeneous_runtime()
     return {"step_times": times, "emulation": runtime.emulation_mode,
             "events": [{"step": e.step, "old": list(e.old_sizes), "new": list(e.new_sizes),
-                        "predicted_gain": e.predicted_gain, "observed_gain": e.observed_gain} for e in runtime.events]}
+                        "predicted_gain": e.predicted_gain, "observed_gain": e.observed_gain}
+                       for e in runtime.decisions.events]}
 
 
 def _solo(rank, world_size, speed, steps):

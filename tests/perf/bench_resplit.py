@@ -71,7 +71,7 @@ def _run(rank, world_size, mode, steps):
     for step, batch in enumerate(loader):
         if step == WARMUP:
             began = time.perf_counter()
-            inputs0, outputs0 = runtime.resplit_input_bytes, runtime.resplit_output_bytes
+            inputs0, outputs0 = runtime.exchange.input_bytes, runtime.exchange.output_bytes
         if step == WARMUP + steps:
             break
         x, y = split_batch(batch)
@@ -84,8 +84,8 @@ def _run(rank, world_size, mode, steps):
         engine.step()
     seconds = time.perf_counter() - began
     return {"seconds": seconds, "samples_per_s": BATCH * steps / seconds,
-            "input_bytes_per_step": (runtime.resplit_input_bytes - inputs0) / steps,
-            "output_bytes_per_step": (runtime.resplit_output_bytes - outputs0) / steps,
+            "input_bytes_per_step": (runtime.exchange.input_bytes - inputs0) / steps,
+            "output_bytes_per_step": (runtime.exchange.output_bytes - outputs0) / steps,
             "plan": list(engine.heterogeneous_plan.micro_batch_sizes)}
 
 
@@ -119,8 +119,8 @@ def _trainer_run(rank, world_size, mode, steps):
         def on_step_end(self, args, state, control, **kwargs):
             runtime = trainer.model_wrapped._heterogeneous_runtime()
             if state.global_step in (WARMUP, WARMUP + steps):
-                marks[state.global_step] = (clock.perf_counter(), runtime.resplit_input_bytes,
-                                            runtime.resplit_output_bytes)
+                marks[state.global_step] = (clock.perf_counter(), runtime.exchange.input_bytes,
+                                            runtime.exchange.output_bytes)
 
     ds_config = {"train_batch_size": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
                  "zero_optimization": {"stage": 1},

@@ -462,9 +462,9 @@ def _subcase_body(rank, world_size, fn, cases):
         # Each case is a job of its own, often on other (emulated) devices or hosts, which a real
         # process never sees change: the fork's per-process cache of its start-up collectives'
         # results does not carry over from the case before.
-        state = sys.modules.get("deepspeed.runtime.heterogeneous.state")
+        state = sys.modules.get("deepspeed.runtime.heterogeneous.coordinator")
         if state is not None:
-            state._cluster_facts.clear()
+            state.facts.clear()
         try:
             values.append(fn(rank, world_size, **case))
             _send(_report, ("case", index, None))

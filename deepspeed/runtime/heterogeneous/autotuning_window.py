@@ -72,13 +72,13 @@ def step_end(engine):
 
 def _rank_profile(engine):
     runtime = engine._heterogeneous_runtime() if hasattr(engine, "_heterogeneous_runtime") else None
-    if runtime is None or not runtime.history or not runtime.settings.strategy.adapts:
+    if runtime is None or not runtime.decisions.history or not runtime.settings.strategy.adapts:
         return None
     from deepspeed.runtime.heterogeneous.memory.model_state import engine_model_state_inputs, fit_activation_model
     rank = runtime.rank
-    measured = [(m, b) for step in runtime.history for m, _, b in step[rank]["samples"] if b is not None]
+    measured = [(m, b) for step in runtime.decisions.history for m, _, b in step[rank]["samples"] if b is not None]
     activations = fit_activation_model(measured) if measured else None
-    model = runtime.measured_time_models()[rank]
+    model = runtime.decisions.measured_time_models()[rank]
     return {
         "a": model.a,
         "b": model.b,

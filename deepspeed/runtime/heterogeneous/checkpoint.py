@@ -36,6 +36,7 @@ On load:
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
+from .data.sampler import resume_sampler
 from .planning.planner import Plan
 
 KEY = "deepspeed_hetero"
@@ -52,7 +53,7 @@ def save_state(engine, client_state):
         raise KeyError(f"client_state contains the key {KEY!r}, which deepspeed-hetero uses for its own state; "
                        f"rename that entry")
     runtime = engine._heterogeneous_runtime()
-    samplers = runtime.samplers  # the plan-following batch samplers, in registration order
+    samplers = runtime.feeding.samplers  # the plan-following batch samplers, in registration order
     mine = {
         "samplers": [sampler.state_dict() for sampler in samplers],
         "mid_round": [index for index, sampler in enumerate(samplers) if sampler.mid_round],
@@ -166,13 +167,13 @@ def _check_pipeline_parts(engine, saved_parts):
 
 
 def _restore_samplers(runtime, states):
-    samplers = runtime.samplers
+    samplers = runtime.feeding.samplers
     if not states:
         return
     if not samplers:
         # None registered yet (the Trainer registers its sampler when training begins, after it
         # loaded the checkpoint): each resumes when registered, in the saved order.
-        runtime.deferred_sampler_states = list(states)
+        runtime.feeding.deferred_sampler_states = list(states)
         return
     if len(samplers) != len(states):
         raise ValueError(f"deepspeed-hetero: the checkpoint holds the positions of {len(states)} heterogeneous "
@@ -181,15 +182,7 @@ def _restore_samplers(runtime, states):
                          f"{len(samplers)} are registered now. Create the same samplers, in the same order, before "
                          f"engine.load_checkpoint(), so that each resumes where it was")
     for index, (sampler, saved) in enumerate(zip(samplers, states)):
-        load_sampler(sampler, saved, index)
-
-
-def load_sampler(sampler, saved, index):
-    try:
-        sampler.load_state_dict(saved)
-    except ValueError as exc:
-        raise ValueError(f"deepspeed-hetero: heterogeneous sampler {index} cannot resume from the checkpoint: "
-                         f"{exc}") from exc
+        resume_sampler(sampler, saved, index)
 
 
 def check_positions_agree(positions):

@@ -152,7 +152,7 @@ class HeterogeneousEngineMixin:
         # In order for a pipeline, as upstream's pipeline engine reads its training data.
         shuffle = not getattr(self, "pipeline_parallelism", False)
         batch_sampler = self.heterogeneous_sampler(dataset, shuffle=shuffle, drop_last=self.dataloader_drop_last())
-        self._heterogeneous_runtime().engine_loader = True
+        self._heterogeneous_runtime().feeding.engine_loader = True
         return HeterogeneousDataLoader(dataset, batch_sampler, collate_fn=collate_fn, tput_timer=self.tput_timer,
                                        num_workers=num_workers or 0,
                                        pin_memory=pin_memory and get_accelerator().device_name() != "cpu",
@@ -200,11 +200,11 @@ class HeterogeneousEngineMixin:
                 tuple(plan.micro_batch_sizes), tuple(gas or [1] * plan.world_size)):
             sampler.set_micro_batch_sizes(list(plan.micro_batch_sizes), gradient_accumulation_steps=gas)
         runtime = self._heterogeneous_runtime()
-        if not any(s is sampler for s in runtime.samplers):
-            runtime.samplers.append(sampler)
+        if not any(s is sampler for s in runtime.feeding.samplers):
+            runtime.feeding.samplers.append(sampler)
             # A checkpoint loaded before this sampler existed (the Trainer loads it before training
             # begins): it resumes at the position saved for the sampler registered in its place.
-            runtime.restore_deferred_sampler(sampler, len(runtime.samplers) - 1)
+            runtime.feeding.restore_deferred_sampler(sampler, len(runtime.feeding.samplers) - 1)
         return sampler
 
     def _require_plan(self, method):

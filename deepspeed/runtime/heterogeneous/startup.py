@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Per-rank batch sizes at ``DeepSpeedConfig`` time.
+"""The start-up's steps: per-rank batch sizes, the memory placement, per-rank offload.
 
 Upstream asserts ``train_batch_size == micro_batch * gas * world_size`` on every rank. With
 heterogeneous training the global batch stays ``train_batch_size`` and rank i runs ``mbs_i``
@@ -13,7 +13,6 @@ finds them.
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
-from .emulation import emulator as emulation
 from .cluster.agreement import Agreement
 from .comm.status import status_line
 from .comm.link_buckets import apply_link_aware_buckets
@@ -24,11 +23,6 @@ from .memory.pool import HeterogeneousMemoryPool, ModelStateSpec, memory_capacit
 from .memory.zero3_shards import existing_shares
 from .memory.partitions import check_shares
 from .planning.planner import Plan, plan_micro_batches, time_models_from_scores
-
-
-def _emulated_memory(settings):
-    emulation = settings.config.emulation
-    return emulation.memory_gb if emulation is not None and emulation.memory_gb else None
 
 
 def initial_plan(settings, train_batch_size, gas, world_size, zero_stage, devices=None, max_micro_batch=None,
@@ -55,9 +49,10 @@ def initial_plan(settings, train_batch_size, gas, world_size, zero_stage, device
                               allow_per_rank_gas=allow_per_rank_gas).with_prior_times()
 
 
-def configure_heterogeneous_batch(ds_config, state):
-    """Set ``ds_config``'s batch fields for this rank from the start-up plan (``state`` is
-    ``ds_config.heterogeneous``).
+def provisional_batch(ds_config, state):
+    """The batch fields while the config is only parsed (``DeepSpeedConfig.__init__``, before
+    ``coordinator.coordinate``): ``train_batch_size`` as given and the even split, which upstream's
+    checks accept; the start-up plan replaces them. No plan yet (``state.plan`` is None).
 
     Requires ``train_batch_size`` (the global batch); ``gradient_accumulation_steps`` defaults to
     1. A ``train_micro_batch_size_per_gpu`` in the config is ignored with a warning: the plan
@@ -74,6 +69,17 @@ def configure_heterogeneous_batch(ds_config, state):
     if ds_config.train_micro_batch_size_per_gpu is not None:
         logger.warning("train_micro_batch_size_per_gpu is ignored with heterogeneous_config enabled: each rank's "
                        "micro-batch comes from the plan (train_batch_size stays the global batch)")
+    state.base_gas = gas
+    ds_config.gradient_accumulation_steps = gas
+    ds_config.train_micro_batch_size_per_gpu = max(1, int(train_batch) // (gas * int(ds_config.world_size)))
+
+
+def configure_heterogeneous_batch(ds_config, state):
+    """Set ``ds_config``'s batch fields for this rank from the start-up plan (``state`` is
+    ``ds_config.heterogeneous``, coordinated: ``coordinator.coordinate``), planned once per
+    process and settings."""
+    train_batch = ds_config.train_batch_size
+    gas = ds_config.gradient_accumulation_steps or 1
     if state.precision is not None and (not dist.is_initialized() or dist.get_rank() == 0):
         logger.info(f"deepspeed-hetero precision: {state.precision.dtype} ({state.precision.reason})")
         if state.precision.overridden:
@@ -239,7 +245,7 @@ def rank_memory_meter(state):
     otherwise the source that limits the rank (``measures_capacity`` only where the capacity is
     what limits it)."""
     emulated = state.settings.config.emulation is not None and bool(state.settings.config.emulation.memory_gb)
-    joined = emulation._memory_cgroup is not None and emulation._memory_cgroup.cgroup is not None
+    joined = state.memory_cgroup is not None and state.memory_cgroup.cgroup is not None
     meter = MemoryMeter(source=EMULATED if emulated and not joined else None)
     # The emulation cgroup's limit is memory_gb plus a host allowance: its peak is reported, and the
     # kernel enforces the limit, but it is not measured against the emulated capacity.
@@ -267,7 +273,7 @@ def check_nvme_ranks(nvme_ranks, dp_rank):
 
 
 def configure_link_buckets(state, param_dict, user_zero):
-    """``HeterogeneousState.from_config``'s step: apply the rule to ``param_dict`` from the state's
+    """The coordinator's step (``coordinator._settle_config``): apply the rule to ``param_dict`` from the state's
     settings, topology and adaptive chunking's sizes; log the choice once (data-parallel rank 0),
     and say why not when the user asked for it (``true``) and it cannot apply. Returns the sizes
     written (None when none)."""

@@ -6,24 +6,21 @@ present; ``enabled`` is False when the fork is off) and every other part of the 
 from there: the engine hooks (``engine._config.heterogeneous``), the runtime controller, the
 profiler, the autotuner's experiments.
 
-Life cycle (docs/architecture.md):
+Life cycle (docs/architecture.md, "Start-up"):
 
-1. ``HeterogeneousState.from_config`` runs in ``DeepSpeedConfig.__init__`` *before* upstream
-   validates the config: it parses the fork's blocks and writes the chosen precision, link-aware
-   bucket sizes and ZeRO-3 settings into the config dict, so upstream's pydantic models are built
-   from the final values. Its collectives (the settings agreement, the device gather, the
-   topology probe) run once per process and setting: a second ``DeepSpeedConfig`` with the same
-   settings (``zero.Init``, activation checkpointing, a second engine) reuses their results
-   (``_cluster_facts``), so a rank that builds one more config than its peers issues no extra
-   collective.
-2. ``engine_starting`` runs as the engine starts: the memory placement and per-rank offload
-   (``startup.place_engine_state``, ``startup.apply_rank_offload``), the first step's memory cap.
-3. ``configure`` runs where upstream would set the batch fields: it resolves the start-up plan.
+1. ``HeterogeneousState.from_config`` runs in ``DeepSpeedConfig.__init__``: it parses the fork's
+   blocks and records this process's data-parallel rank; no collective. ``configure`` then gives
+   the batch fields provisional values (the even split).
+2. ``coordinate`` (``coordinator.py``) runs once per config, as the engine starts
+   (``engine_starting``) or as ``zero.Init`` starts: the settings agreement, the device gather and
+   the topology probe (once per process and setting), then the precision, link-aware bucket sizes
+   and ZeRO-3 settings settled in a copy of the parsed dict, which upstream parses again, and the
+   start-up plan's batch fields (``configure``).
+3. ``engine_starting`` goes on with the memory placement and per-rank offload
+   (``startup.place_engine_state``, ``startup.apply_rank_offload``) and the first step's memory cap.
 4. The engine creates the runtime controller at its first hook (``runtime``); plans change
    through ``startup.apply_plan`` at step boundaries.
 """
-
-import json
 
 from dataclasses import dataclass, field
 from typing import List, Optional
@@ -31,8 +28,7 @@ from typing import List, Optional
 from deepspeed.utils import logger
 
 from .config.errors import one_line_config_errors
-from .config.settings import (HeterogeneousConfigError, HeterogeneousSettings, load_heterogeneous_settings,
-                              settings_summary)
+from .config.settings import HeterogeneousConfigError, HeterogeneousSettings, load_heterogeneous_settings
 from .measure.devices import DeviceDescription
 from .planning.planner import Plan
 from .planning.precision import PrecisionChoice
@@ -45,8 +41,15 @@ class HeterogeneousState:
 
     settings: HeterogeneousSettings
     """The fork's parsed blocks (heterogeneous_config, heterogeneous_memory, heterogeneous_offload)."""
+    param_dict: Optional[dict] = field(default=None, repr=False)
+    """The dict upstream parsed the config from (a shallow copy of the user's); the coordinator
+    settles a copy of it."""
+    coordinated: bool = False
+    """Whether ``coordinate`` has run for this config (the batch fields are the plan's, not
+    provisional)."""
     dp_rank: int = 0
-    """This process's data-parallel rank, derived once from the mpu / mesh at config time."""
+    """This process's data-parallel rank, derived once from the mpu / mesh at config time (no
+    collective: the mpu's, the mesh group's or the global rank)."""
     emulation_rank: Optional[int] = None
     """This process's entry in the emulation's lists: its global rank with pipeline parallelism
     (each process is a device), else None (its data-parallel rank)."""
@@ -77,11 +80,14 @@ class HeterogeneousState:
     """The ZeRO bucket and prefetch sizes adaptive chunking wrote into the config (elements)."""
     topology: Optional[Topology] = None
     """Which data-parallel ranks share a host and the measured links between host leaders
-    (``topology.discover_topology``, at config time); None when the fork is off."""
+    (``topology.discover_topology``, as the config is coordinated); None until then."""
     partition_shares: Optional[tuple] = None
     """Each data-parallel rank's share of the ZeRO-1/2 partitioned state (None: equal slices)."""
     memory_meter: Optional[object] = field(default=None, repr=False)
     """This rank's ``MemoryMeter``, started as the engine starts (``startup.gather_baselines``)."""
+    memory_cgroup: Optional[object] = field(default=None, repr=False)
+    """The emulation's ``MemoryLimitCgroup`` this process joined as the engine started (None: no
+    emulated memory, or enforced by accounting alone)."""
     memory_pool: Optional[object] = field(default=None, repr=False)
     """The ``HeterogeneousMemoryPool`` that placed this engine's state (``memory_pool.placement``;
     None unless heterogeneous_memory.enabled); the profiler and reports read it."""
@@ -95,8 +101,8 @@ class HeterogeneousState:
     with the fork off; None until the first step of an autotuning experiment."""
     startup_plans: dict = field(default_factory=dict, repr=False)
     """The start-up plans made from this process's cluster facts, by (train_batch_size, gas, world
-    size, ZeRO stage): a second ``DeepSpeedConfig`` of the same settings (``zero.Init``, activation
-    checkpointing, the engine's) takes its plan from here instead of planning again."""
+    size, ZeRO stage): a second config of the same settings coordinated on this process
+    (``zero.Init``'s, then the engine's) takes its plan from here instead of planning again."""
     link_bucket_sizes: Optional[dict] = None
     """The ZeRO bucket sizes the slowest inter-host link chose (``link_buckets.py``; already the
     smaller of it and adaptive chunking's), in elements; None when the rule did not apply."""
@@ -165,16 +171,10 @@ class HeterogeneousState:
     @classmethod
     def from_config(cls, param_dict, world_size, mpu=None, mesh_device=None):
         """Parse the fork's blocks of ``param_dict`` (a shallow copy of the user's config, which is
-        left unmodified) and, when enabled, gather the devices and apply the precision choice to
-        ``param_dict`` before upstream parses it. A seed-style workload "scheduler" is moved out of
-        the LR scheduler's key."""
-        from .cluster.agreement import check_settings_agree
-        from .cluster.ranks import (ACCELERATE_PROCESSES, accelerate_process_count, accelerate_world_problem,
-                                    data_parallel_rank, gather_local_devices)
-        from deepspeed.accelerator import get_accelerator
-        from .planning.precision import choose_precision_for_config
-        from .cluster.topology import discover_topology
-
+        left unmodified) and record this process's place: no collective, nothing gathered
+        (``coordinator.coordinate`` does that, as the engine or ``zero.Init`` starts). A seed-style
+        workload "scheduler" is moved out of the LR scheduler's key."""
+        from .cluster.ranks import data_parallel_rank
         try:
             settings = load_heterogeneous_settings(param_dict, world_size=world_size,
                                                    process_count=_pipeline_process_count(mpu, world_size))
@@ -186,44 +186,18 @@ class HeterogeneousState:
         state = cls(settings)
         if not settings.enabled:
             return state
-        quiet_repeated_warnings()
+        state.param_dict = param_dict
         state.dp_rank = data_parallel_rank(mpu, mesh_device, world_size, param_dict.get("sequence_parallel_size"))
         if _pipeline_process_count(mpu, world_size) is not None:
             from deepspeed import comm as dist
             state.emulation_rank = dist.get_rank()
-        summary = settings_summary(settings)
-        processes = accelerate_process_count()
-        if processes is not None:  # compared as a setting: every rank must have been set up alike
-            summary["settings"][ACCELERATE_PROCESSES] = processes
-        key = _cluster_key(summary, state.dp_rank, world_size)
-        if key not in _cluster_facts:
-            # Before the fork's first collective: a rank whose environment or config differs, or
-            # that runs without the fork, ends here with an error naming it rather than in a hang.
-            check_settings_agree(summary)
-            # Agreed above, so every rank raises alike.
-            error, problem = accelerate_world_problem(processes, _job_world_size(), get_accelerator().device_name(),
-                                                      param_dict)
-            if error:
-                one_line_config_errors()
-                raise HeterogeneousConfigError(problem)
-            if problem and _job_rank() == 0:
-                logger.warning(problem)
-            devices = gather_local_devices(settings, state.dp_rank, int(world_size), state.emulated_rank)
-            _cluster_facts[key] = (devices, discover_topology(state.dp_rank, int(world_size)), {})
-        state.devices, state.topology, state.startup_plans = _cluster_facts[key]
-        state.precision = choose_precision_for_config(settings.config.mixed_precision_support, state.devices,
-                                                      param_dict)
-        from .startup import configure_link_buckets
-        from .comm.link_buckets import keys_set_by_user
-        user_zero = keys_set_by_user(param_dict)  # before the fork writes sizes into the zero block
-        if settings.memory.enabled and settings.memory.adaptive_chunking:
-            from .memory.pool import memory_capacities
-            from .memory.chunking import apply_adaptive_chunking
-            state.chunk_sizes = apply_adaptive_chunking(param_dict, memory_capacities(state))
-        state.link_bucket_sizes = configure_link_buckets(state, param_dict, user_zero)
-        from .memory.zero3_settings import configure_zero3_settings
-        configure_zero3_settings(state, param_dict, user_zero)  # ZeRO-3: fewer collectives per step
         return state
+
+    def coordinate(self, ds_config):
+        """The fork's start-up for ``ds_config`` (whose state this is), on every rank: see
+        ``coordinator.coordinate``. Once; nothing when the fork is off."""
+        from .coordinator import coordinate
+        coordinate(ds_config)
 
     def engine_starting(self, ds_config, engine, model=None, optimizer=None, model_parameters=None):
         """The engine is about to be built from ``ds_config`` (``HeterogeneousEngineMixin.__init__``):
@@ -239,8 +213,10 @@ class HeterogeneousState:
                                  "fork describes); or use one of upstream's methods ('parameters', 'uniform', "
                                  "'type:...')")
             return
+        self.coordinate(ds_config)
         from .emulation.emulator import start_memory_limit
-        start_memory_limit(self.settings.config.emulation, self.emulated_rank)  # before the engine allocates
+        # Before the engine allocates.
+        self.memory_cgroup = start_memory_limit(self.settings.config.emulation, self.emulated_rank)
         from .pipeline.build import is_pipeline
         if is_pipeline(model):
             from .pipeline.build import build_stages, check_pipeline_settings, replica_plan
@@ -272,66 +248,17 @@ class HeterogeneousState:
             cap_startup_plan(ds_config, model, optimizer)
 
     def configure(self, ds_config):
-        """Upstream's batch arithmetic, replaced: set this rank's batch fields from the start-up plan.
-        Returns False (and does nothing) when the fork is off."""
+        """Upstream's batch arithmetic, replaced: set this rank's batch fields from the start-up plan
+        once the config is coordinated, and provisional ones (the even split) until then. Returns
+        False (and does nothing) when the fork is off."""
         if not self.enabled:
             return False
-        from .startup import configure_heterogeneous_batch
-        configure_heterogeneous_batch(ds_config, self)
+        from .startup import configure_heterogeneous_batch, provisional_batch
+        if self.coordinated:
+            configure_heterogeneous_batch(ds_config, self)
+        else:
+            provisional_batch(ds_config, self)
         return True
-
-
-def quiet_repeated_warnings(environ=None):
-    """Torch's deprecation warnings about the collectives upstream calls
-    (``torch.distributed.all_gather_into_tensor`` is deprecated ...) are shown by global rank 0
-    alone: every rank would print the same line, about code the user cannot change."""
-    import os
-    import warnings
-    environ = os.environ if environ is None else environ
-    if environ.get("RANK", "0") != "0":
-        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
-
-
-_cluster_facts = {}
-"""What the start-up collectives found, per process: ``_cluster_key`` -> (devices, topology, the
-start-up plans made from them, by batch settings)."""
-
-
-_default_group = (None, 0)
-"""The default process group ``_cluster_key`` saw last (a weak reference) and its generation."""
-
-
-def _cluster_key(summary, dp_rank, world_size):
-    """The start-up collectives' results depend on the settings, this process's place in the
-    process group and the group itself (a new group after ``destroy_process_group`` asks again).
-    Only what every rank has alike may decide whether they run: a rank that skipped them while its
-    peers ran them would leave the peers waiting. A process's devices do not change under it.
-
-    The group is told by its generation: one more each time a default group other than the last
-    one seen turns up. Not by ``id()``: CPython may give a destroyed group's address to the next
-    one on some ranks and not on others, and those would skip the collectives their peers run."""
-    global _default_group
-    from deepspeed import comm as dist
-    group = None
-    if dist.is_initialized():
-        import weakref
-        from torch.distributed import distributed_c10d
-        current = distributed_c10d._get_default_group()
-        seen, generation = _default_group
-        if seen is None or seen() is not current:
-            _default_group = (weakref.ref(current), generation + 1)
-        group = (dist.get_rank(), dist.get_world_size(), _default_group[1])
-    return json.dumps(summary, sort_keys=True, default=str), int(dp_rank), int(world_size), group
-
-
-def _job_world_size():
-    from deepspeed import comm as dist
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _job_rank():
-    from deepspeed import comm as dist
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _pipeline_process_count(mpu, world_size):

@@ -250,7 +250,7 @@ def _train(rank, world_size, config, steps, save=None, load=None, reschedule_at=
     if save is not None:
         engine.save_checkpoint(save, client_state={"user": "kept"})
     runtime = engine._heterogeneous_runtime()
-    return {"fed": fed, "plans": plans, "after_load": after_load, "history": len(runtime.history),
+    return {"fed": fed, "plans": plans, "after_load": after_load, "history": len(runtime.decisions.history),
             "params": [p.detach().clone() for p in engine.module.parameters()]}
 
 

@@ -194,7 +194,7 @@ def _stock_resplit(rank, entries, stage, steps=7, reschedule_at=5):
         engine.backward(torch.nn.functional.mse_loss(engine(inputs[chunk]), targets[chunk]))
         engine.step()
     runtime = engine._heterogeneous_runtime()
-    return {"plans": plans, "moved": runtime.resplit_input_bytes + runtime.resplit_output_bytes}
+    return {"plans": plans, "moved": runtime.exchange.input_bytes + runtime.exchange.output_bytes}
 
 
 def _per_rank_gas(rank, entries, stage, caps=(2, 3), steps=5):

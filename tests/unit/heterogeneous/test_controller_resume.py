@@ -116,13 +116,13 @@ def _train(engine, loader, until, plans, device, rank):
 
 
 def _controller(runtime):
-    rebalancer = runtime.rebalancer
+    rebalancer = runtime.decisions.rebalancer
     return {"phase": runtime.phase.value, "pending": None if rebalancer.pending is None else
             [list(rebalancer.pending.old_plan.micro_batch_sizes), list(rebalancer.pending.new_plan.micro_batch_sizes)],
             "reverted": sorted((list(sizes), count) for (sizes, _), count in rebalancer.reverted.items()),
             "startup": None if rebalancer.startup_plan is None else list(rebalancer.startup_plan.micro_batch_sizes),
-            "history": len(runtime.history), "window": len(runtime._window),
-            "events": [(e.step, list(e.old_sizes), list(e.new_sizes), e.kind) for e in runtime.events]}
+            "history": len(runtime.decisions.history), "window": len(runtime._window),
+            "events": [(e.step, list(e.old_sizes), list(e.new_sizes), e.kind) for e in runtime.decisions.events]}
 
 
 def _resumed_twice(rank, world_size, directory):
@@ -215,10 +215,11 @@ def _exchange_resumed(rank, world_size, directory):
 
     def decisions(runtime):
         candidate = _plan([12, 4])
-        runtime._worth_resplitting(candidate, runtime.base_models)
+        models = runtime.decisions.base_models
+        runtime.decisions._worth_resplitting(candidate, models)
         return {"estimate": list(runtime.exchange.estimate), "note": runtime.exchange.note,
                 "fed": None if runtime.exchange.fed_sizes is None else list(runtime.exchange.fed_sizes),
-                "models": None if runtime.base_models is None else [[m.a, m.b] for m in runtime.base_models]}
+                "models": None if models is None else [[m.a, m.b] for m in models]}
 
     engine = build()
     with device.installed():
@@ -284,14 +285,16 @@ def test_the_comm_clock_runs_only_in_phases_that_read_it():
 
 
 def _one_more_config(rank, world_size):
-    """Rank 0 alone builds one more DeepSpeedConfig with the fork on (as zero.Init or activation
-    checkpointing would) before both build the engine: no start-up collective runs twice, so the
-    ranks' collectives stay paired and profiling agrees on a plan; and the start-up plan is made
-    once per process, however many configs it builds (the planner's calls are counted until the
-    first step)."""
+    """Building a DeepSpeedConfig with the fork on only parses: both ranks build one, rank 0 one
+    more (as activation checkpointing would), and no collective or settings agreement runs. The
+    engine's start-up then plans once; a config rank 0 alone coordinates after it (a second
+    ``zero.Init``) takes the process's cluster facts and plan: no collective, no second plan. The
+    ranks' collectives stay paired and profiling agrees on a plan."""
     import deepspeed
     from deepspeed.runtime.config import DeepSpeedConfig
     from deepspeed.runtime.heterogeneous import startup
+    from deepspeed.runtime.heterogeneous.cluster import agreement
+    from deepspeed.runtime.heterogeneous.measure.collective_log import recording
     calls = []
     planner = startup.plan_micro_batches
     startup.plan_micro_batches = lambda *args, **kwargs: calls.append(1) or planner(*args, **kwargs)
@@ -299,26 +302,42 @@ def _one_more_config(rank, world_size):
         config = {"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
                   "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "compute_aware",
                                            "profile_steps": 2}}
-        DeepSpeedConfig(dict(config))  # every rank: the start-up collectives run here, once
-        if rank == 0:
-            DeepSpeedConfig(dict(config))  # one more on rank 0 alone: no collective
+        rounds = agreement._rounds
+        with recording() as parsing:
+            bare = [DeepSpeedConfig(dict(config)) for _ in range(2 if rank == 0 else 1)]
+        parsed = {"collectives": [str(c) for c in parsing], "agreements": agreement._rounds - rounds,
+                  "plans": [c.heterogeneous.plan for c in bare], "planned": len(calls),
+                  "mbs": [c.train_micro_batch_size_per_gpu for c in bare]}
         torch.manual_seed(0)
         model = torch.nn.Linear(8, 8)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        planned = len(calls)
+        one_more = None
+        if rank == 0:
+            with recording() as coordinating:
+                later = DeepSpeedConfig(dict(config))
+                later.heterogeneous.coordinate(later)
+            one_more = {"collectives": [str(c) for c in coordinating], "planned": len(calls) - planned,
+                        "plan": list(later.heterogeneous.plan.micro_batch_sizes)}
     finally:
         startup.plan_micro_batches = planner
-    planned = len(calls)
     for _ in range(3):
         mbs = engine.train_micro_batch_size_per_gpu()
         engine.backward(engine(torch.randn(mbs, 8)).square().mean())
         engine.step()
-    return {"plan": list(engine.heterogeneous_plan.micro_batch_sizes), "start_up_plans": planned}
+    return {"plan": list(engine.heterogeneous_plan.micro_batch_sizes), "parsed": parsed, "start_up_plans": planned,
+            "one_more": one_more}
 
 
 @pytest.mark.multiprocess
 def test_start_up_collectives_and_the_start_up_plan_run_once_per_process_and_setting():
     first, second = run_subcases(_one_more_config, [{}], world_size=2, timeout=300)[0]
+    # Parsing: no collective, no settings agreement, no plan; the batch fields hold the even split.
+    for result, configs in ((first, 2), (second, 1)):
+        assert result["parsed"] == {"collectives": [], "agreements": 0, "plans": [None] * configs, "planned": 0,
+                                    "mbs": [4] * configs}, result["parsed"]
     assert first["plan"] == second["plan"] and sum(first["plan"]) == 8, (first, second)
-    # Three DeepSpeedConfigs on rank 0, two on rank 1: one start-up plan each (no memory limit
-    # binds here; where one does, the plan capped within it is the second, by design).
+    # One start-up plan per process (no memory limit binds here; where one does, the plan capped
+    # within it is the second, by design), and none for a config coordinated after the engine's.
     assert first["start_up_plans"] == second["start_up_plans"] == 1, (first, second)
+    assert first["one_more"]["collectives"] == [] and first["one_more"]["planned"] == 0, first["one_more"]

@@ -27,7 +27,8 @@ def runtime_on_rank(monkeypatch, rank):
                                                 types.SimpleNamespace(name="slow-gpu")])
     runtime.config = types.SimpleNamespace(heterogeneous=runtime.state)
     runtime.engine = types.SimpleNamespace(micro_steps=0, global_steps=0)
-    runtime.rank, runtime.samplers, runtime.gas_origin = rank % 2, [], 0
+    runtime.rank, runtime.gas_origin = rank % 2, 0
+    runtime.feeding = types.SimpleNamespace(samplers=[])
     runtime.exchange = ExchangeAccount()  # no stock loader re-split here
     # apply_plan writes the engine's batch fields; here only the plan in force matters.
     monkeypatch.setattr(runtime_module, "apply_plan", lambda config, plan: setattr(config.heterogeneous, "plan", plan))

@@ -365,7 +365,7 @@ def _failing_decision(rank, world_size, failure):
         def crash(*args, **kwargs):
             return 1 / 0
 
-        runtime.rebalancer.check_on_demand = crash
+        runtime.decisions.rebalancer.check_on_demand = crash
     started = time.perf_counter()
     try:
         engine.reschedule_workload()
@@ -433,8 +433,9 @@ def _reverted_after_profiling(rank, world_size, steps):
             plans.append(list(engine.heterogeneous_plan.micro_batch_sizes))
             if len(plans) == steps:
                 break
-    return {"plans": plans, "events": [(e.step, list(e.old_sizes), list(e.new_sizes), e.kind) for e in runtime.events],
-            "verifying": runtime.phase == "verifying", "pending": runtime.rebalancer.pending is not None}
+    events = runtime.decisions.events
+    return {"plans": plans, "events": [(e.step, list(e.old_sizes), list(e.new_sizes), e.kind) for e in events],
+            "verifying": runtime.phase == "verifying", "pending": runtime.decisions.rebalancer.pending is not None}
 
 
 CHECK_INTERVAL = 4

@@ -62,6 +62,31 @@ def _initialize(rank, world_size, mode):
             "fp16_supported": bool(accelerator.is_fp16_supported())}
 
 
+def _zero_init(rank, world_size):
+    """A ZeRO-3 model built under ``zero.Init`` before the engine (as transformers builds one):
+    ``zero.Init`` coordinates its config, so its parameters take the precision the fork chose from
+    the gathered devices, the one the engine then trains in."""
+    import deepspeed
+    import torch
+
+    config = {"train_batch_size": 4, "zero_optimization": {"stage": 3},
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+              "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "uniform",
+                                       "mixed_precision_support": "adaptive"}}
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = torch.nn.Linear(4, 4)
+    init_dtype = str(model.weight.ds_tensor.dtype)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return {"init": init_dtype, "bf16": engine.bfloat16_enabled(), "fp16": engine.fp16_enabled()}
+
+
+@pytest.mark.multiprocess
+def test_zero_init_partitions_in_the_chosen_type():
+    for result in run_subcases(_zero_init, [{}], world_size=2, timeout=300)[0]:
+        # The CPU accelerator supports bf16 and the config enables no half type: adaptive picks bf16.
+        assert result == {"init": "torch.bfloat16", "bf16": True, "fp16": False}, result
+
+
 @pytest.mark.multiprocess
 def test_engine_trains_in_the_chosen_type():
     adaptive, forced_fp16 = run_subcases(_initialize, [dict(mode="adaptive"), dict(mode="fp16")], world_size=2,

@@ -94,7 +94,8 @@ def _own_device(rank, memory_gib, heterogeneous, train_batch_size=18):
 
 
 def _settings(rank, env, heterogeneous, config_block=True):
-    """Parse a config with this rank's own environment (``env[rank]``); the error, if any."""
+    """Build and coordinate a config with this rank's own environment (``env[rank]``), as an engine
+    would as it starts; the error, if any."""
     from deepspeed.runtime import config as ds_config
     from deepspeed.runtime.heterogeneous.cluster import agreement
 
@@ -105,41 +106,44 @@ def _settings(rank, env, heterogeneous, config_block=True):
                                           "mixed_precision_support": "config", **heterogeneous[rank]}
     try:
         with patched_environ(env[rank]):
-            state = ds_config.DeepSpeedConfig(config).heterogeneous
-        return {"enabled": state.enabled, "error": None}
+            built = ds_config.DeepSpeedConfig(config)
+            built.heterogeneous.coordinate(built)
+        return {"enabled": built.heterogeneous.enabled, "error": None}
     except ValueError as exc:
         return {"enabled": None, "error": str(exc)}
 
 
 def _new_default_group(rank):
-    """Build a config, then one more on a new default group whose object rank 1 sees at the old
-    one's ``id()`` (CPython may reuse a destroyed group's address on some ranks only); how many
+    """Coordinate a config, then one more on a new default group whose object rank 1 sees at the
+    old one's ``id()`` (CPython may reuse a destroyed group's address on some ranks only); how many
     settings agreements each rank ran for the second config, or its error."""
     from torch.distributed import distributed_c10d
     from deepspeed import comm as dist
     from deepspeed.runtime import config as ds_config
-    from deepspeed.runtime.heterogeneous import state as fork_state
+    from deepspeed.runtime.heterogeneous import coordinator as fork_coordinator
     from deepspeed.runtime.heterogeneous.cluster import agreement
 
     agreement.SETTINGS_TIMEOUT_S = 4  # a rank that skips the agreement: its peer's wait ends soon
     config = {"train_batch_size": 8, "heterogeneous_config": {"enabled": True, "mixed_precision_support": "config"}}
-    ds_config.DeepSpeedConfig(dict(config))
+    first = ds_config.DeepSpeedConfig(dict(config))
+    first.heterogeneous.coordinate(first)
     old_group, new_group = distributed_c10d._get_default_group(), dist.new_group(ranks=[0, 1])
     # The new default group of a destroy_process_group / init_process_group pair; destroying the real
     # one here would take the harness's groups with it.
     get_default_group = distributed_c10d._get_default_group
     distributed_c10d._get_default_group = lambda: new_group
     if rank == 1:
-        fork_state.id = lambda obj: id(old_group) if obj is new_group else id(obj)
+        fork_coordinator.id = lambda obj: id(old_group) if obj is new_group else id(obj)
     rounds = agreement._rounds
     try:
-        ds_config.DeepSpeedConfig(dict(config))
+        second = ds_config.DeepSpeedConfig(dict(config))
+        second.heterogeneous.coordinate(second)
         return agreement._rounds - rounds
     except ValueError as exc:
         return str(exc)
     finally:
         distributed_c10d._get_default_group = get_default_group
-        vars(fork_state).pop("id", None)
+        vars(fork_coordinator).pop("id", None)
         dist.destroy_process_group(new_group)
 
 
@@ -165,6 +169,7 @@ def _sequence_parallel_mpu(rank):
     parallel_state_sp.initialize_sequence_parallel(2)
     config = ds_config.DeepSpeedConfig(_config({"load_balancing_strategy": "compute_aware"}, 6),
                                        mpu=parallel_state_sp)
+    config.heterogeneous.coordinate(config)
     return {"world": config.world_size, "dp_rank": config.heterogeneous.dp_rank,
             "plan": list(config.heterogeneous.plan.micro_batch_sizes), "mbs": config.train_micro_batch_size_per_gpu}
 

@@ -241,12 +241,13 @@ def train(rank, world_size, speeds, schedule, steps, die_at=None, stage=1, dying
             os._exit(23)  # killed at a check: the other rank is left in the gather
         if step == die_at and rank == dying_rank == 0:
             # Killed while deciding, after the gather: rank 1 is left waiting for the broadcast.
-            runtime.rebalancer.check = lambda *args: os._exit(24)
+            runtime.decisions.rebalancer.check = lambda *args: os._exit(24)
         engine.step()
         seen.append(index.tolist())
         plans.append(list(engine.heterogeneous_plan.micro_batch_sizes))
-    return {"seen": seen, "plans": plans, "events": [(e.step, e.old_sizes, e.new_sizes) for e in runtime.events],
-            "judged": [(e.step, e.kind, e.observed_gain) for e in runtime.events],
+    events = runtime.decisions.events
+    return {"seen": seen, "plans": plans, "events": [(e.step, e.old_sizes, e.new_sizes) for e in events],
+            "judged": [(e.step, e.kind, e.observed_gain) for e in events],
             "params": [p.detach().clone() for p in engine.module.parameters()]}
 
 

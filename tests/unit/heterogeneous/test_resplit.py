@@ -146,7 +146,7 @@ def _stock_loop(rank, world_size, loss_inside, classes):
                  for a, b in zip(engine.module.parameters(), reference.parameters()))
     runtime = engine._heterogeneous_runtime()
     return {"plans": plans, "params": params, "outputs": worst, "metrics": metrics,
-            "input_bytes": runtime.resplit_input_bytes, "output_bytes": runtime.resplit_output_bytes}
+            "input_bytes": runtime.exchange.input_bytes, "output_bytes": runtime.exchange.output_bytes}
 
 
 CASES = [dict(loss_inside=False, classes=None), dict(loss_inside=True, classes=None),

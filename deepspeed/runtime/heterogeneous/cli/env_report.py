@@ -151,7 +151,7 @@ def _score_source(device):
 def _precision_line(settings, param_dict, devices):
     """(what the ranks train in and why, what it overrides or None) for a config.
 
-    The choice is the runtime's own (``HeterogeneousState.from_config``): the fork's setting
+    The choice is the runtime's own (``coordinator.coordinate``): the fork's setting
     applied to a copy of the config; otherwise upstream's typed fp16/bf16 blocks decide."""
     mode = settings.config.mixed_precision_support if settings.enabled else "config"
     choice = choose_precision_for_config(mode, devices, dict(param_dict))

@@ -210,7 +210,7 @@ def merge_replicas(contributions, data_parallel_size, sequences, error=ValueErro
     return merged
 
 
-# -- the ranks' settings agree (at config time) ---------------------------------------------------
+# -- the ranks' settings agree (as a config is coordinated) ----------------------------------------
 
 _SETTINGS_KEY = "deepspeed-hetero/settings/{round}/{rank}"
 _VERDICT_KEY = "deepspeed-hetero/settings/{round}/verdict"

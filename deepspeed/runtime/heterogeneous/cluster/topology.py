@@ -15,7 +15,7 @@ containers share one hostname, so the hostname is the last resort, in this order
    ``NCCL_SOCKET_IFNAME``; the first name of a list);
 3. the hostname.
 
-The environment is read when discovery runs (``HeterogeneousState.from_config``), not at import,
+The environment is read when discovery runs (``coordinator.coordinate``), not at import,
 so a test can fake hosts by setting ``CROSS_RANK`` per rank before ``deepspeed.initialize``.
 
 Bandwidth. With more than one host, the leader of host 0 (its lowest rank) sends a few MiB to the

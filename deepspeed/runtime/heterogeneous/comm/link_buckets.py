@@ -19,8 +19,8 @@ The rule: a bucket takes ``TARGET_SECONDS`` (50 ms) on the slowest measured inte
 never above upstream's default, in multiples of 1024 elements. 10 Gbit/s gives 1.6e7 elements, 100 Gbit/s 1.6e8, 400 Gbit/s
 upstream's 5e8; links under ~670 Mbit/s reach the floor of 2^20.
 
-The bandwidth is the probe's (``topology.discover_topology``), measured once at config time and
-broadcast from rank 0, so the size is identical on every rank, as anything that shapes a
+The bandwidth is the probe's (``topology.discover_topology``), measured once as the config is
+coordinated and broadcast from rank 0, so the size is identical on every rank, as anything that shapes a
 collective must be. A size the user's config sets is kept; with ``heterogeneous_memory.
 adaptive_chunking`` the smaller of the two sizes wins (both are upper bounds: one for memory, one
 for the link). ZeRO-3's prefetch and live-parameter budgets are memory budgets and stay with

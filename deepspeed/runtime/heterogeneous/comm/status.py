@@ -4,7 +4,7 @@
 
 The feature has three parts, decided where they act: the hierarchical reduction
 (``hierarchical.reduction_decision``, when the engine is built), link-aware buckets
-(``link_buckets.link_buckets_decision``, at config time) and the inter-host compression, which
+(``link_buckets.link_buckets_decision``, as the config is coordinated) and the inter-host compression, which
 rides on the hierarchical reduction. All of them need the ranks to span more than one host, which
 only a running job knows (``topology.discover_topology``). A report made from a config alone, on
 one host, therefore says what ``auto`` (or ``true``) would switch on across hosts, and calls the

@@ -376,3 +376,13 @@ class HeterogeneousBatchSampler(_RoundLayout):
         """Micro-batches of this pass (from the checkpoint's round in a resumed one)."""
         return sum(rounds * split.accumulation_steps[self.rank]
                    for split, rounds in self._rounds_by_split(self._pass_first_round))
+
+
+def resume_sampler(sampler, saved, index):
+    """Resume ``sampler`` (the ``index``-th registered) at a checkpoint's saved position; a position
+    it cannot take is an error that names the sampler."""
+    try:
+        sampler.load_state_dict(saved)
+    except ValueError as exc:
+        raise ValueError(f"deepspeed-hetero: heterogeneous sampler {index} cannot resume from the checkpoint: "
+                         f"{exc}") from exc

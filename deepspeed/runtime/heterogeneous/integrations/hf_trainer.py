@@ -256,7 +256,7 @@ def _plan_follower(trainer):
                 raise RuntimeError("heterogeneous_config: training began without a DeepSpeed engine")
             if trainer.heterogeneous_sampler is not None:
                 engine.register_heterogeneous_sampler(trainer.heterogeneous_sampler)
-                if engine._heterogeneous_runtime().deferred_sampler_states:
+                if engine._heterogeneous_runtime().feeding.deferred_sampler_states:
                     # The checkpoint put the sampler at its saved position (resume_from_checkpoint):
                     # the Trainer must not skip the epoch's first batches a second time.
                     args.ignore_data_skip = True

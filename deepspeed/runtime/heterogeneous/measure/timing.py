@@ -152,3 +152,40 @@ class StepTimer:
         self._micro_steps, self._split = [], []
         self._began = self._backward_done = self._step_began = None
         self._last_step_end = _mark()
+
+
+def interval_measurements(steps, agreement_s=0.0):
+    """This rank's measurements over a check's interval (``steps``: its ``StepTiming`` list), as
+    the controller pools them: every micro-step's sample, the per-micro-step times, the mean
+    optimizer overhead and wall time, and each step's wall time. The first step after the last
+    agreement carried that agreement's own seconds (``agreement_s``), which are not a step's."""
+    count = max(len(steps), 1)
+    walls = [step.wall for step in steps]
+    if walls:
+        walls[0] = max(walls[0] - agreement_s, 0.0)
+    return {"samples": [s for step in steps for s in step.samples],
+            "step_times": [step.time_per_micro_step for step in steps if step.time_per_micro_step is not None],
+            "step_overhead": sum(step.step_overhead for step in steps) / count, "wall": sum(walls) / count,
+            "walls": walls}
+
+
+class StepRecords:
+    """The heterogeneous profiler's per-step records (``StepTiming.record``) while it records;
+    ``received`` counts are the re-split bytes this rank received in all (input, output)."""
+
+    def __init__(self):
+        self.active = False
+        self.records = []
+        self._received = (0, 0)
+
+    def start(self, received):
+        self.records, self.active, self._received = [], True, tuple(received)
+
+    def stop(self):
+        self.active = False
+        return list(self.records)
+
+    def add(self, timing, step, micro_batch_size, received):
+        inputs, outputs = (now - before for now, before in zip(received, self._received))
+        self.records.append(timing.record(step, micro_batch_size, inputs, outputs))
+        self._received = tuple(received)

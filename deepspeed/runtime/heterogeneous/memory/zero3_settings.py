@@ -124,8 +124,9 @@ _printed = set()  # the blocks this process printed: deepspeed.initialize parses
 
 
 def configure_zero3_settings(state, param_dict, user_zero=None):
-    """``HeterogeneousState.from_config``'s step: apply the choice to ``param_dict`` when the fork
-    is on, print it once on global rank 0; returns {key: value} written ({} when none)."""
+    """The coordinator's step (``coordinator._settle_config``): apply the choice to ``param_dict``
+    when the fork is on, print it once on global rank 0; returns {key: value} written ({} when
+    none)."""
     if not state.enabled:
         return {}
     chosen = apply_zero3_settings(param_dict, user_zero)

@@ -1,0 +1,246 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What the runtime controller decides from the ranks' pooled measurements.
+
+``PlanDecisions`` holds what the decisions are made from and returns each as a typed
+``PlanDecision`` (``cluster/agreement.py``), which the controller broadcasts from rank 0:
+
+- after each profiling step (``after_profiling``): the next plan, and after the last one whether
+  the switch waits for a check;
+- at a check (``at_check``): first the judgement of the last switch (reverted if it made the step
+  slower), then, with dynamic rebalancing or on demand (``reschedule_workload``), whether to move
+  work.
+
+Every rank keeps the pooled profiling history, the fitted models and the plan changes (checkpoints,
+the profiler and the autotuner read them); only rank 0's rebalancer decides. The policies are pure
+(``planning/profiling.py``, ``planning/rebalance.py``); this module joins them with what re-splitting
+a stock loader's batches costs (``data/exchange_account.py``). No collective: the controller
+gathers and broadcasts. Any failure while deciding becomes the decision's failure, which every
+rank raises together.
+"""
+
+import copy
+import statistics
+from dataclasses import asdict, replace
+
+from deepspeed.utils import logger
+
+from ..cluster.agreement import PlanDecision
+from ..emulation.limits import profiled_speeds_note
+from ..planning.planner import TimeModel, plan_micro_batches
+from ..planning.profiling import (measured_rates, measured_time_models, memory_limits, plan_after_profiling_step,
+                                 reference_walls)
+from ..planning.rebalance import RebalanceEvent, RebalancePolicy, Rebalancer, balanced_models, window_models
+
+__all__ = ["PlanDecisions", "nothing_measured", "plan_block"]
+
+
+class PlanDecisions:
+    """The decisions of one engine's controller (every rank builds one; rank 0's decides).
+
+    ``exchange`` is the controller's ``ExchangeAccount``; ``dynamic``: whether dynamic rebalancing
+    checks run. Each decision is given how the ranks run now (``steps``, whether per-rank gas is
+    allowed, whether the last forward re-split the ranks' batches)."""
+
+    def __init__(self, state, capacities, exchange, dynamic):
+        self.state = state
+        self.settings = state.settings.config
+        self.capacities = capacities
+        self.exchange = exchange
+        self.dynamic = dynamic
+        self.history = []  # per profiling step: every data-parallel rank's pooled measurements
+        self.base_models = None  # the profiled fits alone: what an on-demand re-plan scales
+        self.events = []  # RebalanceEvent per plan change after profiling (every rank keeps them)
+        scheduler = self.settings.scheduler
+        # Without dynamic rebalancing the rebalancer serves reschedule_workload() alone, which needs no policy.
+        policy = RebalancePolicy(scheduler.imbalance_threshold, scheduler.cooldown_checks) if dynamic else None
+        self.rebalancer = Rebalancer(policy)
+        self._running = (0, False, False)  # (steps, per-rank gas allowed, re-splits) of the decision being made
+
+    @property
+    def plan(self):
+        return self.state.plan
+
+    def measured_time_models(self):
+        """Per-rank time models fitted to the profiling steps (see ``profiling.measured_time_models``)."""
+        models, self.base_models = measured_time_models(self.history, self.state.base_gas)
+        return models
+
+    def memory_limits(self):
+        """Per-rank micro-batch limits from the profiling steps' activations, or None without capacities."""
+        return memory_limits(self.history, self.capacities, self.state.device_names,
+                             self.state.settings.memory.hbm_utilization_threshold)
+
+    # -- profiling ----------------------------------------------------------------------------
+
+    def after_profiling(self, last, steps, per_rank_gas, resplits):
+        """Rank 0's decision after a profiling step (``history`` holds it): the plan for the next
+        step; after the ``last`` one, also the note to log and whether the switch awaits a check."""
+        self._running = (steps, per_rank_gas, resplits)
+        try:
+            rebalancer = self.rebalancer
+            if rebalancer.startup_plan is None:
+                # The first profiling step ran it, or its cap within memory before activations were measured.
+                rebalancer.startup_plan = self.state.reference_plan or self.plan
+            startup = rebalancer.startup_plan
+            steps_left = max(self.settings.profile_steps - len(self.history), 0)
+            decision = plan_after_profiling_step(self.history, self.plan, self.state.base_gas, self.memory_limits(),
+                                                 per_rank_gas, steps_left, startup,
+                                                 strategy=self.settings.load_balancing_strategy)
+            plan = decision.plan
+            if not last:
+                return PlanDecision(plan=plan.to_dict())
+            _, self.base_models = measured_time_models(self.history, self.state.base_gas)
+            self.exchange.update_estimate(self.history[-1])
+            kept_fed = self._worth_resplitting(plan, decision.models)
+            if kept_fed is not plan:
+                plan, decision = kept_fed, replace(decision, plan=kept_fed,
+                                                   note="; ".join(filter(None, [decision.note, self.exchange.note])))
+            # What dynamic rebalancing scales. A start-up plan kept within the noise has no models:
+            # with dynamic rebalancing the first check fits per-sample models from its own interval
+            # (so a plan kept for noise alone is corrected once the checks measure a difference);
+            # without, it is the reference of drift only.
+            if decision.models is None and self.dynamic:
+                rebalancer.plan_chosen(None)
+            else:
+                rebalancer.plan_chosen(decision.models or balanced_models(plan))
+            emulated = profiled_speeds_note(self.settings.emulation, measured_rates(self.history), steps)
+            note = "; ".join(filter(None, [decision.note, emulated])) or None
+            verify = False
+            if _sizes(plan) != _sizes(self.plan):
+                unchecked = rebalancer.switched(self.plan, plan, reference_walls(self.history, startup), None,
+                                                "switch after profiling")
+                verify = unchecked is None
+                note = "; ".join(filter(None, [note, unchecked]))
+            return PlanDecision(plan=plan.to_dict(), note=note, verify=verify)
+        except Exception as exc:  # noqa: BLE001 -- every failure must reach every rank
+            return PlanDecision.failed(exc)
+
+    # -- checks -------------------------------------------------------------------------------
+
+    def at_check(self, everyone, forced_models, on_demand, steps, per_rank_gas, resplits):
+        """Rank 0's decision at a check from ``everyone``'s pooled interval: first judge the last
+        switch on the steps since (revert it if it made the step slower), then, with dynamic
+        rebalancing or ``on_demand``, the check itself (``forced_models``: the caller's)."""
+        self._running = (steps, per_rank_gas, resplits)
+        try:
+            walls = [max(step) for step in zip(*(entry["walls"] for entry in everyone))]
+            wall = statistics.median(walls) if walls else max(entry["wall"] for entry in everyone)
+            self.exchange.update_estimate(everyone)
+            judged = self._observe_last_event(walls, steps)
+            if judged is not None and judged.revert:
+                # A comparison's first half leaves the switch pending: its second half is judged
+                # one interval later, with or without dynamic rebalancing.
+                return PlanDecision(plan=judged.plan.to_dict(), reason=judged.reason, gain=judged.predicted_gain,
+                                    wall=wall, revert=True, verify=self.rebalancer.pending is not None)
+            note = None if judged is None else judged.reason
+            if on_demand:
+                models = forced_models or window_models([e["samples"] for e in everyone], self.base_models,
+                                                        [e["step_overhead"] for e in everyone], self.state.base_gas)
+                decision = self.rebalancer.check_on_demand(self.plan, models, self._best_plan_for,
+                                                           self.settings.scheduler.imbalance_threshold)
+            elif self.dynamic:
+                decision = self.rebalancer.check(self.plan, [e["step_times"] for e in everyone], self._best_plan_for)
+            else:  # the check of a switch without dynamic rebalancing (again while too few steps)
+                return PlanDecision(reason=note or "nothing to check", note=note,
+                                    verify=self.rebalancer.pending is not None)
+            if not decision.rebalance:
+                return PlanDecision(reason=decision.reason, gain=decision.predicted_gain,
+                                    note="; ".join(filter(None, [note, self.exchange.note])) or None,
+                                    verify=self.rebalancer.pending is not None)
+            unchecked = self.rebalancer.switched(self.plan, decision.plan, walls, self.rebalancer.previous_models,
+                                                 f"rebalance at step {steps}")
+            return PlanDecision(plan=decision.plan.to_dict(), reason=decision.reason, gain=decision.predicted_gain,
+                                wall=wall, verify=unchecked is None,
+                                note="; ".join(filter(None, [note, self.exchange.note, unchecked])))
+        except Exception as exc:  # noqa: BLE001 -- every failure must reach every rank
+            return PlanDecision.failed(exc)
+
+    def switched(self, steps, old, new, decision, kind):
+        """Every rank: record the plan change a check decided (``RebalanceEvent``)."""
+        self.events.append(RebalanceEvent(steps, tuple(old.micro_batch_sizes), tuple(new.micro_batch_sizes),
+                                          decision.gain, decision.wall, kind=kind))
+
+    def _best_plan_for(self, models):
+        _, per_rank_gas, _ = self._running
+        best = plan_micro_batches(models, train_batch_size=self.plan.train_batch_size,
+                                  gradient_accumulation_steps=self.state.base_gas,
+                                  strategy=self.settings.load_balancing_strategy,
+                                  max_micro_batch=self.memory_limits(), allow_per_rank_gas=per_rank_gas)
+        return self._worth_resplitting(best, models)
+
+    def _worth_resplitting(self, plan, models):
+        """``plan``, or the loader's split when re-splitting to ``plan`` costs more than it saves
+        (``exchange.note`` says why)."""
+        self.exchange.note = None
+        if not self._running[2] or models is None:
+            return plan
+        return self.exchange.worth_resplitting(plan, models)
+
+    def _observe_last_event(self, walls, steps):
+        """Judge the last switch on ``walls`` (per-step wall seconds, the slowest rank's, at the plan
+        in force since): None when nothing is pending, else the Decision (a revert, or kept); the
+        event's observed step time and gain are filled in and logged."""
+        judged = self.rebalancer.judge_switch(self.plan, walls)
+        event = self.events[-1] if self.events else None
+        if walls and event is not None and event.step_time_after is None and event.step < steps:
+            event.step_time_after = sorted(walls)[len(walls) // 2]
+            logger.info(f"deepspeed-hetero {event.kind} at step {event.step}: predicted gain "
+                        f"{event.predicted_gain:.1%}, observed {event.observed_gain:.1%} (step time "
+                        f"{event.step_time_before:.4g} s -> {event.step_time_after:.4g} s)")
+        return judged
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def state_dict(self):
+        """The profiling steps' measurements, the fitted models, the rebalancer (the models and
+        baseline of the plan in force, the switch awaiting its check, the reverted plans, the
+        start-up plan) and the plan changes, as plain values."""
+        return {
+            "history": copy.deepcopy(self.history),
+            "base_models": None if self.base_models is None else [[m.a, m.b] for m in self.base_models],
+            "rebalancer": self.rebalancer.state_dict(),
+            "events": [asdict(event) for event in self.events],
+        }
+
+    def load_state_dict(self, state):
+        self.history = copy.deepcopy(state["history"])
+        models = state["base_models"]
+        self.base_models = None if models is None else [TimeModel(a, b) for a, b in models]
+        self.rebalancer.load_state_dict(state["rebalancer"])
+        self.events = [RebalanceEvent(**{**event, "old_sizes": tuple(event["old_sizes"]),
+                                         "new_sizes": tuple(event["new_sizes"])}) for event in state["events"]]
+
+
+def plan_block(title, plan, names, change=None):
+    """A plan as the controller prints it: a title, an optional line saying what changed, and the
+    plan's table (``names``: the devices', in rank order, or None).
+
+    Printed, not logged: DeepSpeed's logger shows WARNING and above by default, and a plan is not a
+    warning, yet it is the first thing a user of the fork wants to see (as the flops profiler
+    prints its report)."""
+    lines = [f"[deepspeed-hetero] {title} (strategy {plan.strategy}):"]
+    if change:
+        lines.append(f"  {change}")
+    lines.append(plan.format_table(names))
+    return "\n".join(lines)
+
+
+def nothing_measured(phase, profiled, profile_steps, steps):
+    """Why ``reschedule_workload()`` without metrics has nothing to re-plan from, in one line
+    (``phase``: the controller's, by value; ``profiled``: profiling steps taken)."""
+    alternative = ("pass utilization_metrics (per-rank busy seconds per step, e.g. "
+                   "HeterogeneousProfiler(engine).get_metrics()) to re-plan from them now")
+    if phase == "profiling":
+        return (f"reschedule_workload(): the profiling steps are still measuring ({profiled} of "
+                f"{profile_steps} taken) and re-plan at their end; {alternative}")
+    if phase == "static":
+        return ("reschedule_workload(): nothing is measured once the plan has settled (profiling is over and "
+                "heterogeneous_config.scheduler.dynamic_rebalancing is off: timing every step would cost a "
+                f"device synchronisation per step); {alternative}, or turn on dynamic_rebalancing, whose "
+                "checks measure every step")
+    return (f"reschedule_workload(): no step was measured since the last check (step {steps}); train "
+            f"some steps first, or {alternative}")
+
+
+def _sizes(plan):
+    return plan.micro_batch_sizes, plan.gradient_accumulation_steps
