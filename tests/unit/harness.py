@@ -55,6 +55,23 @@ _port_lock = threading.Lock()
 _report = None
 
 
+def predicted_state_bytes(model, stage, world, optimizer):
+    """What the fork's one memory model (``memory/spec.ModelStateSpec``) counts for one rank of
+    ``model`` besides activations, under ZeRO ``stage`` on ``world`` ranks with equal shares, the
+    config's ``optimizer`` block and a device apart from the host (``emulation.memory_gb`` by
+    accounting, mode ``dilation``; under a memory cgroup the host is the device and counts
+    otherwise): tests size emulated capacities with it, as the fork's start-up caps and profiling
+    limits count."""
+    from dataclasses import replace
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.heterogeneous.memory.spec import ModelStateSpec
+    config = DeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
+                              "optimizer": optimizer})
+    spec = ModelStateSpec.for_engine(config, model, emulated_device=True)
+    spec = replace(spec, allocations=replace(spec.allocations, world=int(world)))
+    return spec.device_bytes(int(world), None)
+
+
 def require_cpu_quotas(min_cores=1):
     """Skip the calling test, saying why, where CPU-quota cgroups cannot be used (not root, no cpu
     controller, fewer than ``min_cores`` cores); fail instead under CI, which must run it."""

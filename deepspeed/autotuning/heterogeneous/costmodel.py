@@ -8,17 +8,23 @@ one measurement each in the same run, so each class is profiled once. A candidat
 per-rank sizes) is predicted as::
 
     step time  = max_i gas * (a_i + b_i * mbs_i)
-    memory_i   = model state of stage s on rank i + base_i + per_sample_i * mbs_i
+    memory_i   = bytes besides activations of stage s on rank i + base_i + per_sample_i * mbs_i
     fits       = memory_i <= hbm_utilization_threshold * capacity_i on every rank
+
+The bytes besides activations are the fork's one memory model's (``memory/spec.ModelStateSpec``),
+as the pool and the planner count them: DeepSpeed's predicted peak for stage s where the profile
+carries the engine's allocations (buffer sizes, largest parameter, optimizer temporaries), else the
+model state alone.
 
 ZeRO stages differ in communication the compute models do not see; the tuner therefore ranks
 candidates within a stage by prediction and lets real experiments rank the stages.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import List, Optional, Tuple
 
-from deepspeed.runtime.heterogeneous.memory.model_state import model_state_bytes
+from deepspeed.runtime.heterogeneous.memory.peak import ZeroAllocations
+from deepspeed.runtime.heterogeneous.memory.spec import ModelStateSpec
 from deepspeed.runtime.heterogeneous.planning.planner import TimeModel, plan_micro_batches
 from deepspeed.runtime.heterogeneous.planning.strategies import COMPUTE_AWARE
 
@@ -52,6 +58,9 @@ class ClusterProfile:
     master_bytes: int
     optimizer_offloaded: bool
     devices: List[str]
+    allocations: Optional[ZeroAllocations] = None
+    """The profiled engine's allocations (``peak.ZeroAllocations``), its stage replaced per
+    candidate; None: the model state alone is counted."""
 
     @classmethod
     def from_metrics(cls, metrics):
@@ -76,7 +85,8 @@ class ClusterProfile:
                    capacities=capacities, utilization=first["utilization"],
                    num_parameters=first["num_parameters"], param_bytes=first["param_bytes"],
                    optimizer_bytes=first["optimizer_bytes"], master_bytes=first["master_bytes"],
-                   optimizer_offloaded=first["optimizer_offloaded"], devices=list(profile["devices"]))
+                   optimizer_offloaded=first["optimizer_offloaded"], devices=list(profile["devices"]),
+                   allocations=ZeroAllocations(**first["allocations"]) if first.get("allocations") else None)
 
     @property
     def world_size(self):
@@ -92,9 +102,13 @@ class ClusterProfile:
                 (len(known) > 1 and max(known) > 1.1 * min(known)))
 
     def state_bytes(self, stage):
-        return model_state_bytes(self.num_parameters, stage, self.world_size, param_bytes=self.param_bytes,
-                                 optimizer_bytes=self.optimizer_bytes, master_bytes=self.master_bytes,
-                                 optimizer_offloaded=self.optimizer_offloaded)
+        """A rank's bytes besides activations at ZeRO ``stage`` (even shares)."""
+        allocations = None if self.allocations is None else replace(self.allocations, zero_stage=int(stage),
+                                                                    world=self.world_size)
+        spec = ModelStateSpec(num_parameters=self.num_parameters, zero_stage=int(stage), param_bytes=self.param_bytes,
+                              optimizer_bytes=self.optimizer_bytes, master_bytes=self.master_bytes,
+                              allocations=allocations)
+        return spec.device_bytes(self.world_size, None, offloaded=float(self.optimizer_offloaded))
 
     def max_micro_batch(self, stage):
         """Per rank, the largest micro-batch predicted to fit (None: no limit known)."""

@@ -74,7 +74,10 @@ def _rank_profile(engine):
     runtime = engine._heterogeneous_runtime() if hasattr(engine, "_heterogeneous_runtime") else None
     if runtime is None or not runtime.decisions.history or not runtime.settings.strategy.adapts:
         return None
+    from dataclasses import asdict
     from deepspeed.runtime.heterogeneous.memory.model_state import engine_model_state_inputs, fit_activation_model
+    from deepspeed.runtime.heterogeneous.memory.meter import EMULATED
+    from deepspeed.runtime.heterogeneous.memory.spec import ModelStateSpec
     rank = runtime.rank
     measured = [(m, b) for step in runtime.decisions.history for m, _, b in step[rank]["samples"] if b is not None]
     activations = fit_activation_model(measured) if measured else None
@@ -85,6 +88,8 @@ def _rank_profile(engine):
         "activation_base": activations.base if activations else 0.0,
         "activation_per_sample": activations.per_sample if activations else 0.0,
         **engine_model_state_inputs(engine),
+        # What sizes DeepSpeed's buffers: the tuner's cost model predicts other stages' peaks from it.
+        "allocations": asdict(ModelStateSpec.of_engine(engine, runtime.memory.meter.source == EMULATED).allocations),
         "capacity_bytes": None if runtime.capacities is None else runtime.capacities[rank],
         "utilization": runtime.state.settings.memory.hbm_utilization_threshold,
         "profile_gas": runtime.state.base_gas,

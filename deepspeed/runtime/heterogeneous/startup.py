@@ -16,7 +16,7 @@ from deepspeed.utils import logger
 from .cluster.agreement import Agreement
 from .comm.status import status_line
 from .comm.link_buckets import apply_link_aware_buckets
-from .memory.model_state import config_model_state_bytes, startup_memory_limits
+from .memory.model_state import startup_memory_limits
 from .memory.meter import EMULATED, MemoryMeter
 from .memory.placement import engine_placement, offloads_per_rank, refuse_unfit_peaks
 from .memory.pool import HeterogeneousMemoryPool, ModelStateSpec, memory_capacities
@@ -135,15 +135,19 @@ def cap_startup_plan(ds_config, model, optimizer=None):
     predicted = [pool.predicted_peak(rank) for rank in range(plan.world_size)] if pool is not None else None
     if predicted is not None and all(p is not None for p in predicted):
         state_bytes = [p.peak_bytes for p in predicted]
-    elif dist.is_initialized() and dist.get_world_size() > 1:
-        mine = config_model_state_bytes(ds_config, model, optimizer)
-        gathered = Agreement(f"data-parallel rank {state.dp_rank}").gather_from_every_rank(
-            {"dp_rank": state.dp_rank, "state_bytes": mine}, "the model-state bytes at start-up")
-        # Model-parallel members of a replica hold different shards: the largest one counts.
-        state_bytes = [max(g["state_bytes"] for g in gathered if g["dp_rank"] == rank)
-                       for rank in range(plan.world_size)]
     else:
-        state_bytes = [config_model_state_bytes(ds_config, model, optimizer)] * plan.world_size
+        # The same model the pool predicts with, without the pool's gathered baselines.
+        spec = ModelStateSpec.for_engine(ds_config, model, optimizer, emulated_device=_emulated_device(state))
+        shares = state.partition_shares
+        mine = spec.rank_bytes(ds_config, state.partition_share, max(shares) if shares else None)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            gathered = Agreement(f"data-parallel rank {state.dp_rank}").gather_from_every_rank(
+                {"dp_rank": state.dp_rank, "state_bytes": mine}, "the predicted bytes at start-up")
+            # Model-parallel members of a replica hold different shards: the largest one counts.
+            state_bytes = [max(g["state_bytes"] for g in gathered if g["dp_rank"] == rank)
+                           for rank in range(plan.world_size)]
+        else:
+            state_bytes = [mine] * plan.world_size
     names = state.device_names or [f"rank {rank}" for rank in range(plan.world_size)]
     limits = startup_memory_limits(capacities, state_bytes, state.settings.memory.hbm_utilization_threshold,
                                    per_micro_step, [f"data-parallel rank {r} ({names[r]})" for r in range(len(names))],
@@ -245,12 +249,19 @@ def rank_memory_meter(state):
     otherwise the source that limits the rank (``measures_capacity`` only where the capacity is
     what limits it)."""
     emulated = state.settings.config.emulation is not None and bool(state.settings.config.emulation.memory_gb)
-    joined = state.memory_cgroup is not None and state.memory_cgroup.cgroup is not None
-    meter = MemoryMeter(source=EMULATED if emulated and not joined else None)
+    meter = MemoryMeter(source=EMULATED if _emulated_device(state) else None)
     # The emulation cgroup's limit is memory_gb plus a host allowance: its peak is reported, and the
     # kernel enforces the limit, but it is not measured against the emulated capacity.
     meter.measures_capacity = meter.measures_capacity and not emulated
     return meter
+
+
+def _emulated_device(state):
+    """Whether this rank's capacity is emulated by accounting alone (``emulation.memory_gb``
+    without a memory cgroup): a device apart from the host, even on the CPU accelerator."""
+    emulated = state.settings.config.emulation is not None and bool(state.settings.config.emulation.memory_gb)
+    joined = state.memory_cgroup is not None and state.memory_cgroup.cgroup is not None
+    return emulated and not joined
 
 
 def check_nvme_ranks(nvme_ranks, dp_rank):

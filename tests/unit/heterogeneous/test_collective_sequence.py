@@ -202,18 +202,17 @@ def _per_rank_gas(rank, entries, stage, caps=(2, 3), steps=5):
     micro-steps on each rank (ZeRO-0/1 only), the engine's loader feeding them."""
     import deepspeed
     from deepspeed.runtime.heterogeneous.measure.devices import BYTES_PER_GB
-    from deepspeed.runtime.heterogeneous.memory.model_state import model_state_bytes
+    from harness import predicted_state_bytes
 
-    params = sum(p.numel() for p in make_model().parameters())
     per_sample = (WIDTH + HIDDEN + WIDTH + WIDTH) * 4  # saved activations (see test_memory.py)
-    state = model_state_bytes(params, stage, 2, param_bytes=4, optimizer_bytes=8)
+    state = predicted_state_bytes(make_model(), stage, 2, ADAM)
     # 17 is prime: no equal gas fits 2 + 3 samples per micro-step, so the ranks' gas must differ.
     config = {"train_batch_size": 17, "gradient_clipping": 1.0, "zero_optimization": {"stage": stage},
               "optimizer": ADAM, "heterogeneous_memory": {"hbm_utilization_threshold": 1.0},
               "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "compute_aware",
                                        "profile_steps": 3, "emulation": {
                                            "memory_gb": [(state + per_sample * (cap + 0.5)) / BYTES_PER_GB
-                                                         for cap in caps]}}}
+                                                         for cap in caps], "mode": "dilation"}}}
     model = make_model()
     engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
                                                 training_data=dataset())

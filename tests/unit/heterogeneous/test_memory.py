@@ -9,7 +9,7 @@ from deepspeed.runtime.heterogeneous.measure.devices import BYTES_PER_GB
 from deepspeed.runtime.heterogeneous.memory.model_state import (ActivationMeter, ActivationModel, RankCannotFitError,
                                                                 fit_activation_model, max_micro_batch,
                                                                 model_state_bytes, optimizer_state_bytes)
-from harness import run_ranks, run_subcases
+from harness import predicted_state_bytes, run_ranks, run_subcases
 from references import adam_mse_reference
 
 # -- the pure model -------------------------------------------------------------------------------
@@ -106,20 +106,25 @@ def dataset():
                                           torch.randn(DATASET, WIDTH, generator=generator))
 
 
+ADAM = {"type": "Adam", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}}
+
+
 def memory_gb_for(stage, samples, world=2):
-    """Emulated capacity (GiB) that holds ``samples`` per micro-step (plus half a sample of slack)."""
-    params = sum(p.numel() for p in make_model().parameters())
-    state = model_state_bytes(params, stage, world, param_bytes=4, optimizer_bytes=8)
+    """Emulated capacity (GiB) that holds ``samples`` per micro-step (plus half a sample of slack)
+    beside what the fork's memory model predicts for the rest."""
+    state = predicted_state_bytes(make_model(), stage, world, ADAM)
     return (state + ACTIVATION_BYTES_PER_SAMPLE * (samples + 0.5)) / BYTES_PER_GB
 
 
 def memory_config(stage, caps, profile_steps=3, **extra):
+    # Memory by accounting (mode dilation, no memory cgroup): the capacity is a device apart from the
+    # host, as memory_gb_for counts it, on every machine (the cgroup case: test_memory_limits.py).
     heterogeneous = {"enabled": True, "load_balancing_strategy": "compute_aware", "profile_steps": profile_steps,
-                     "emulation": {"memory_gb": [memory_gb_for(stage, cap) for cap in caps]}}
+                     "emulation": {"memory_gb": [memory_gb_for(stage, cap) for cap in caps], "mode": "dilation"}}
     heterogeneous.update(extra)
     return {"train_batch_size": TRAIN_BATCH, "gradient_clipping": 0.0, "zero_optimization": {"stage": stage},
-            "optimizer": {"type": "Adam", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}},
-            "heterogeneous_config": heterogeneous, "heterogeneous_memory": {"hbm_utilization_threshold": 1.0}}
+            "optimizer": ADAM, "heterogeneous_config": heterogeneous,
+            "heterogeneous_memory": {"hbm_utilization_threshold": 1.0}}
 
 
 def train_within_memory(rank, world_size, stage, caps, steps):
@@ -226,11 +231,12 @@ def test_a_fixed_plan_over_emulated_memory_fails_as_out_of_memory():
     assert "EmulatedOutOfMemoryError" in report or "out of memory" in report, report
 
 
-def test_engine_model_state_bytes_is_the_one_count_of_an_engine():
-    """The runtime (emulated memory, limits), the profiler and the autotuner all count an engine's
-    model state through engine_model_state_inputs / engine_model_state_bytes."""
+def test_an_engine_is_counted_through_its_model_state_inputs():
+    """The autotuner's profile and the one memory model (``ModelStateSpec``) count an engine's
+    model state from engine_model_state_inputs."""
     from types import SimpleNamespace
-    from deepspeed.runtime.heterogeneous.memory.model_state import engine_model_state_bytes, engine_model_state_inputs
+    from deepspeed.runtime.heterogeneous.memory.model_state import engine_model_state_inputs
+    from deepspeed.runtime.heterogeneous.memory.spec import ModelStateSpec
 
     module = torch.nn.Linear(10, 10)  # 110 trainable parameters
     module.bias.requires_grad_(False)  # 100 count
@@ -243,7 +249,8 @@ def test_engine_model_state_bytes_is_the_one_count_of_an_engine():
     inputs = engine_model_state_inputs(engine)
     assert inputs == {"num_parameters": 100, "param_bytes": 2, "optimizer_bytes": 8, "master_bytes": 4,
                       "optimizer_offloaded": False}
-    assert engine_model_state_bytes(engine, 4) == model_state_bytes(100, 2, 4, 2, 8, 4) == 200 + 50 + 300
+    spec = ModelStateSpec._from_inputs(inputs, 2, None)
+    assert spec.state_bytes(4) == model_state_bytes(100, 2, 4, 2, 8, 4) == 200 + 50 + 300
 
 
 def test_start_up_limits_before_any_activation_was_measured():
@@ -298,18 +305,30 @@ def _device(name, score):
                              fp16=True, accelerator="cuda", spec_score=score, score_source="spec")
 
 
-def test_model_state_before_the_engine_exists_counts_as_the_engine_will():
-    """cap_startup_plan counts the model state from the config and the model, before the engine:
-    the same count engine_model_state_bytes makes of the engine afterwards."""
+def test_one_memory_model_for_a_config_and_a_model_at_two_levels_of_detail():
+    """The start-up cap, the runtime and the pool ask one model (``ModelStateSpec.for_engine``) of
+    a DeepSpeedConfig and a model: its first level is the model state a rank keeps, its second the
+    predicted peak with DeepSpeed's buffers, which ``rank_bytes`` (what the planner counts besides
+    activations) gives whenever the allocations are known, as they always are for a model."""
     from deepspeed.runtime.config import DeepSpeedConfig
-    from deepspeed.runtime.heterogeneous.memory.model_state import config_model_state_bytes
+    from deepspeed.runtime.heterogeneous.memory.spec import ModelStateSpec
 
     model = torch.nn.Linear(10, 10)  # 110 parameters
     base = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 4}
     adam = DeepSpeedConfig({**base, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
-    assert config_model_state_bytes(adam, model) == model_state_bytes(110, 0, 1, 4, 8)
+    assert ModelStateSpec.for_engine(adam, model).state_bytes(1) == model_state_bytes(110, 0, 1, 4, 8)
     bf16 = DeepSpeedConfig({**base, "bf16": {"enabled": True}, "zero_optimization": {"stage": 2}})
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
-    assert config_model_state_bytes(bf16, model, sgd) == model_state_bytes(110, 2, 1, 2, 0, 4)
+    spec = ModelStateSpec.for_engine(bf16, model, sgd)
+    assert spec.state_bytes(1) == model_state_bytes(110, 2, 1, 2, 0, 4)
+    peak = spec.peak(None)
+    assert spec.rank_bytes(bf16) == spec.device_bytes(1, None) == peak.peak_bytes > spec.state_bytes(1)
+    # The second level holds the first: the partition's fp32 copy and optimizer state are in it.
+    kept = peak.phases[peak.peak_phase]
+    assert kept["fp32 partition"] + kept["optimizer state"] == pytest.approx(110 * 4)
     offload = DeepSpeedConfig({**base, "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}})
-    assert config_model_state_bytes(offload, model) == model_state_bytes(110, 1, 1, 4, 8, optimizer_offloaded=True)
+    spec = ModelStateSpec.for_engine(offload, model)
+    assert spec.state_bytes(1) == model_state_bytes(110, 1, 1, 4, 8, optimizer_offloaded=True)
+    # Without allocations (a profile of another run) the model state is the answer.
+    bare = ModelStateSpec(num_parameters=110, zero_stage=1, optimizer_device="cpu")
+    assert bare.device_bytes(1, None) == bare.state_bytes(1) == spec.state_bytes(1)

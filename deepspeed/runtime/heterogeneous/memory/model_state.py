@@ -161,32 +161,15 @@ def engine_model_state_inputs(engine):
     """What ``model_state_bytes`` needs to know of ``engine`` besides the ZeRO stage and the
     data-parallel size (the autotuner re-evaluates other stages and sizes from these)."""
     optimizer = engine.basic_optimizer if engine.basic_optimizer is not None else engine.optimizer
-    numels = getattr(engine.optimizer, "fp16_partitioned_groups_flat_numel", None)  # ZeRO-3's sub-groups
-    sub_groups = [n / sum(numels) for n in numels] if numels and sum(numels) else None
     return model_state_inputs(engine.module.parameters(), engine.fp16_enabled() or engine.bfloat16_enabled(),
-                               optimizer, offloaded_fraction(engine._config.zero_config, sub_groups))
+                               optimizer, offloaded_fraction(engine._config.zero_config, engine_sub_groups(engine)))
 
 
-def config_model_state_bytes(ds_config, model, optimizer=None):
-    """This rank's predicted model-state bytes before the engine exists: what
-    ``engine_model_state_bytes`` will count, from the ``DeepSpeedConfig``, the model and the
-    client's optimizer (an instance; a factory or none: the config's optimizer type, else the
-    Adam-like default)."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        optimizer = getattr(ds_config, "optimizer_name", None) or "unknown"
-    zero = ds_config.zero_config
-    offloaded = offloaded_fraction(zero, model_sub_groups(ds_config, model, optimizer) if int(zero.stage) == 3 else None)
-    half = ds_config.float16_config.enabled or ds_config.bfloat16_config.enabled
-    inputs = model_state_inputs(model.parameters(), half, optimizer, offloaded)
-    return model_state_bytes(zero_stage=int(ds_config.zero_optimization_stage or 0),
-                             data_parallel_size=int(ds_config.world_size),
-                             share=ds_config.heterogeneous.partition_share, **inputs)
-
-
-def engine_model_state_bytes(engine, data_parallel_size):
-    """This rank's predicted model-state bytes (its ZeRO shard) for ``engine``."""
-    return model_state_bytes(zero_stage=int(engine.zero_optimization_stage()), data_parallel_size=data_parallel_size,
-                             share=engine._config.heterogeneous.partition_share, **engine_model_state_inputs(engine))
+def engine_sub_groups(engine):
+    """A built ZeRO-3 optimizer's sub-groups, each one's fraction of the rank's partitioned state
+    (None for other stages)."""
+    numels = getattr(engine.optimizer, "fp16_partitioned_groups_flat_numel", None)
+    return tuple(n / sum(numels) for n in numels) if numels and sum(numels) else None
 
 
 @dataclass(frozen=True)

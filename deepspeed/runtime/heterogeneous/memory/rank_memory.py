@@ -1,12 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
-"""One rank's memory as the runtime controller follows it through training: its predicted
-model-state bytes (what an emulated capacity is checked against, with the measured activations),
+"""One rank's memory as the runtime controller follows it through training: its predicted bytes
+besides activations (``spec.ModelStateSpec``: what an emulated capacity is checked against, with
+the measured activations, and what the profiling steps' memory limits start from),
 its measured peak, and the memory pool's report rows, kept current from this rank's own peak at
 every step and from every rank's at each agreement that gathers them (profiling, checks). No
 collective here: the controller's gathers carry the numbers.
 """
 
-from .model_state import engine_model_state_bytes
+from .meter import EMULATED
+from .model_state import engine_sub_groups
+from .spec import ModelStateSpec
 
 
 class RankMemory:
@@ -19,15 +22,20 @@ class RankMemory:
         self._state_bytes = None
 
     def model_state_bytes(self):
-        """This rank's predicted model-state bytes (its ZeRO shard), computed once: the pool's
-        predicted peak without activations (what was in use at the start and DeepSpeed's buffers
-        included) when it placed this engine, else the model state alone; activations are counted
-        apart."""
+        """This rank's predicted bytes besides activations, computed once: the memory pool's
+        predicted peak without activations (what was in use at the start included) where it
+        placed this engine, else the same model's (``ModelStateSpec.of_engine``) without the
+        start's baseline; activations are counted apart."""
         if self._state_bytes is None:
             pool = self._state.memory_pool
             peak = pool.predicted_peak(self.rank) if pool is not None else None
-            self._state_bytes = (peak.peak_bytes if peak is not None else
-                                 engine_model_state_bytes(self._engine, self._state.plan.world_size))
+            if peak is not None:
+                self._state_bytes = peak.peak_bytes
+            else:
+                spec = ModelStateSpec.of_engine(self._engine, emulated_device=self.meter.source == EMULATED)
+                shares = self._state.partition_shares
+                self._state_bytes = spec.rank_bytes(self._engine._config, self._state.partition_share,
+                                                    max(shares) if shares else None, engine_sub_groups(self._engine))
         return self._state_bytes
 
     @property

@@ -1,15 +1,29 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``ModelStateSpec``: what the memory pool (``pool.py``) places, counted as the planner counts
-model state (``model_state.model_state_bytes``): the trainable parameters, the ZeRO stage, the bytes
-per parameter of weights, gradients, optimizer state and master copy, whether upstream's
-``offload_optimizer`` already moves every rank's optimizer off the device, and ZeRO-3's optimizer
-sub-groups, which a rank offloads whole (``zero3_offload_fraction``, ``zero3_offload_ratio``)."""
+"""``ModelStateSpec``: the fork's one memory model of a rank, as every part asks it (the memory
+pool's placement, the start-up plan's memory cap, the runtime's emulated memory and profiling
+limits, the heterogeneous profiler, the env report, the autotuner's cost model).
+
+It has two levels of detail. ``state_bytes`` is the model state a rank keeps
+(``model_state.model_state_bytes``: parameters, gradients, optimizer state and master copy of its
+ZeRO share). ``peak`` is the peak it reaches phase by phase (``peak.predict_peak``: those states and
+the buffers and temporaries DeepSpeed allocates around them, plus activations and what was in use
+at the start). ``device_bytes`` answers at the finest level the facts allow: the peak without
+activations where DeepSpeed's allocations are known (``allocations``: always for an engine, from
+its config and model), the model state where they are not (a config without a model, the
+autotuner's profile of another run). Which level a caller gets depends on what is known, never on a
+setting.
+
+The spec holds the trainable parameters, the ZeRO stage, the bytes per parameter of weights,
+gradients, optimizer state and master copy, whether upstream's ``offload_optimizer`` already moves
+every rank's optimizer off the device, and ZeRO-3's optimizer sub-groups, which a rank offloads
+whole (``zero3_offload_fraction``, ``zero3_offload_ratio``)."""
 
 import math
 from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
-from .model_state import model_state_inputs, model_state_bytes, model_state_parts, model_sub_groups
+from .model_state import (model_state_inputs, model_state_bytes, model_state_parts, model_sub_groups,
+                          offloaded_fraction)
 from .peak import ZeroAllocations, predict_peak
 
 
@@ -53,6 +67,13 @@ class ModelStateSpec:
     def parts(self, world, share):
         return model_state_parts(self.num_parameters, self.zero_stage, world, share=share, **self._inputs())
 
+    def state_bytes(self, world, share=None, offloaded=0.0):
+        """The model state a rank keeps on the device (the first level of detail); ``offloaded``:
+        the part of its optimizer state off the device (all of it under upstream's
+        ``offload_optimizer``)."""
+        return model_state_bytes(self.num_parameters, self.zero_stage, world, share=share,
+                                 optimizer_offloaded=offloaded or self.optimizer_device is not None, **self._inputs())
+
     def device_bytes(self, world, share, offloaded=False, largest_share=None):
         """Bytes on the device: the predicted peak (``peak.py``) when the allocations are known,
         without baseline and activations, which differ per rank; else the model state."""
@@ -88,6 +109,19 @@ class ModelStateSpec:
             return spec
         return replace(spec, sub_groups=model_sub_groups(ds_config, model, client),
                        partial_offload=cpu_adam_optimizer(ds_config, client))
+
+    @classmethod
+    def of_engine(cls, engine, emulated_device=False):
+        """``for_engine`` of a running engine: its config, module and built optimizer."""
+        optimizer = engine.basic_optimizer if engine.basic_optimizer is not None else engine.optimizer
+        return cls.for_engine(engine._config, engine.module, optimizer, emulated_device)
+
+    def rank_bytes(self, ds_config, share=None, largest_share=None, sub_groups=None):
+        """``device_bytes`` of a rank under ``ds_config`` (a ``DeepSpeedConfig``): its share of the
+        partitioned state and the part of its optimizer state ``offload_optimizer`` moves off the
+        device (``sub_groups``: a built ZeRO-3 optimizer's, else the spec's)."""
+        offloaded = offloaded_fraction(ds_config.zero_config, sub_groups or self.sub_groups)
+        return self.device_bytes(int(ds_config.world_size), share, offloaded, largest_share=largest_share)
 
     @classmethod
     def for_config_dict(cls, param_dict, num_parameters, half, world=None, emulated_device=True):
