@@ -23,7 +23,7 @@ PATCHSET    := $(PYTHON) scripts/patchset.py
 # ninja (a dependency installed into the venv) must be on PATH for JIT op builds.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: help venv tree install export check dist test test-all demo multihost-demo perf clean
+.PHONY: help venv tree install export check dist test test-all demo multihost-demo perf clean device-bundle device-rehearsal
 
 help:
 	@echo "make demo     set up, assemble, install and run the heterogeneous-training demo"
@@ -33,6 +33,8 @@ help:
 	@echo "make export   regenerate patches/*.patch from edited upstream files"
 	@echo "make check    verify series, tree, exports and packages"
 	@echo "make dist     write dist/*.tar.gz (full tree) and dist/*.patch (combined git-apply patch)"
+	@echo "make device-bundle     write device-bundle/: the fork's wheel + the wheels the GPU image lacks"
+	@echo "make device-rehearsal  run scripts/device_check.sh from the bundle here, without a GPU (downloads torch)"
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -94,6 +96,17 @@ multihost-demo: install
 perf: install
 	@# Benchmarks print ratios measured side by side and write JSON to tests/perf/results/.
 	set -e; for bench in tests/perf/bench_*.py; do $(PY) $$bench; done
+
+# The GPU machine (docs/device-check.md): no network, its own python3 3.12 with torch 2.11, and only
+# the working tree plus carried paths reach it. The bundle needs python3 with pip (and the index);
+# the rehearsal sets up its own venv with torch 2.11.0 from the index (several GB: not in make test).
+DEVICE_BUNDLE   ?= device-bundle
+REHEARSAL_VENV  ?= .device-rehearsal-venv
+device-bundle:
+	$(PYTHON) scripts/device_bundle.py --out $(DEVICE_BUNDLE)
+
+device-rehearsal: device-bundle
+	$(PYTHON) scripts/device_rehearsal.py --bundle $(DEVICE_BUNDLE) --venv $(REHEARSAL_VENV) --out device-rehearsal
 
 clean:
 	rm -rf build dist .pytest_cache $(VENV)/.installed

@@ -56,7 +56,8 @@ def main():
         engine.backward(loss)
         engine.step()
         # The global batch's loss: every rank's mean weighted by its share of the samples.
-        share = torch.tensor([loss.item() * len(inputs), float(len(inputs))])
+        # On the engine's device: NCCL reduces device tensors only.
+        share = torch.tensor([loss.item() * len(inputs), float(len(inputs))], device=engine.device)
         dist.all_reduce(share)
         if rank == 0:
             print(json.dumps({"step": step, "loss": share[0].item() / share[1].item(),
