@@ -201,7 +201,8 @@ class HeterogeneousState:
 
     def engine_starting(self, ds_config, engine, model=None, optimizer=None, model_parameters=None):
         """The engine is about to be built from ``ds_config`` (``HeterogeneousEngineMixin.__init__``):
-        put an emulated rank under its memory cgroup, build a PipelineModule whose partition was
+        coordinate the config first (``coordinate``: the start-up collectives, the settled config, the
+        start-up plan), then put an emulated rank under its memory cgroup, build a PipelineModule whose partition was
         deferred to now (``pipeline.build_stages``) with its replicas' plan, and keep the start-up
         plan within memory now that the model is known (``startup.cap_startup_plan``). Nothing when
         the fork is off, except refusing a deferred PipelineModule, which only the fork can build."""
