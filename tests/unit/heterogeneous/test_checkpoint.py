@@ -111,6 +111,25 @@ def test_resplit_for_another_world_size_feeds_each_index_once():
     assert sorted(consumed + [i for s in three for i in s]) == list(range(48))
 
 
+def test_two_world_changes_in_one_epoch_feed_each_index_once():
+    """Saved on 2 ranks, resumed on 3, saved again and resumed on 1, all within one epoch: the
+    state saved after a re-split keeps the epoch's earlier segments, so the second resume loads it
+    and the epoch still feeds every index once."""
+    two = [HeterogeneousBatchSampler(range(48), [5, 3], rank=r, seed=1) for r in range(2)]
+    consumed = [i for step in _draw(two, 2) for i in step]
+    three = [HeterogeneousBatchSampler(range(48), [2, 3, 3], rank=r, seed=1) for r in range(3)]
+    for s in three:
+        s.load_state_dict(two[0].state_dict())
+    consumed += [i for step in _draw(three, 2) for i in step]
+    state = three[0].state_dict()
+    assert state == three[2].state_dict() and state["rounds_done"] == 4
+    assert [seg["first_round"] for seg in state["segments"]] == [0, 2]
+    one = HeterogeneousBatchSampler(range(48), [8], rank=0, seed=1)
+    one.load_state_dict(state)
+    rest = [i for batch in one for i in batch]
+    assert sorted(consumed + rest) == list(range(48))
+
+
 @pytest.mark.parametrize("key, value", [("seed", 2), ("dataset_size", 40), ("shuffle", False), ("drop_last", True)])
 def test_sampler_state_from_another_setup_is_refused(key, value):
     state = HeterogeneousBatchSampler(range(48), [5, 3], rank=0, seed=1).state_dict()

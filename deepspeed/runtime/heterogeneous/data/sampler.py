@@ -214,9 +214,10 @@ class _RoundLayout(Sampler):
         self.epoch = int(state["epoch"])
         if at.split == current:
             self._segments = segments
-        else:  # re-split the rest of the epoch
+        else:  # re-split the rest of the epoch; the rounds already drawn keep their segments, so
+            # that a state saved from here (on another world again) still describes the whole epoch
             position = at.first_position + (rounds - at.first_round) * at.split.round_size
-            self._segments = [Segment(rounds, position, current)]
+            self._segments = [seg for seg in segments if seg.first_round < rounds] + [Segment(rounds, position, current)]
         self._rounds_drawn, self._round_left = rounds, 0
         self._resume_round = self._pass_first_round = rounds
 
