@@ -13,4 +13,3 @@ def format_table(header, rows):
              for line in (header, *rows)]
     lines.insert(1, "  ".join("-" * width for width in widths))
     return "\n".join(lines)
-
