@@ -248,20 +248,23 @@ def rank_memory_meter(state):
     (``emulation.memory_gb`` without a memory cgroup) is an empty device with no peak to read;
     otherwise the source that limits the rank (``measures_capacity`` only where the capacity is
     what limits it)."""
-    emulated = state.settings.config.emulation is not None and bool(state.settings.config.emulation.memory_gb)
     meter = MemoryMeter(source=EMULATED if _emulated_device(state) else None)
     # The emulation cgroup's limit is memory_gb plus a host allowance: its peak is reported, and the
     # kernel enforces the limit, but it is not measured against the emulated capacity.
-    meter.measures_capacity = meter.measures_capacity and not emulated
+    meter.measures_capacity = meter.measures_capacity and not _memory_emulated(state)
     return meter
+
+
+def _memory_emulated(state):
+    emulation = state.settings.config.emulation
+    return emulation is not None and bool(emulation.memory_gb)
 
 
 def _emulated_device(state):
     """Whether this rank's capacity is emulated by accounting alone (``emulation.memory_gb``
     without a memory cgroup): a device apart from the host, even on the CPU accelerator."""
-    emulated = state.settings.config.emulation is not None and bool(state.settings.config.emulation.memory_gb)
     joined = state.memory_cgroup is not None and state.memory_cgroup.cgroup is not None
-    return emulated and not joined
+    return _memory_emulated(state) and not joined
 
 
 def check_nvme_ranks(nvme_ranks, dp_rank):
