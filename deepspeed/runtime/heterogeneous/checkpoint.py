@@ -29,14 +29,16 @@ On load:
   config's plan, so that changed ``micro_batch_sizes`` take effect), profiling runs again from it,
   and the samplers continue at the saved position (re-split when the plan differs);
 - another world size or ``train_batch_size``: the start-up plan of this run, and the rest of the
-  epoch is split with it (``sampler.load_state_dict`` re-splits); ZeRO-1/2/3 optimizer states
-  do not follow a new world size (upstream refuses with its own error; a ZeRO-0 checkpoint loads).
+  epoch is split with it (``sampler.load_state_dict`` re-splits); a ZeRO-1/2/3 optimizer state cut
+  for another world or other shares is re-partitioned through its universal form
+  (``elastic/resize.py``, before upstream's load), and one line says what changed.
 """
 
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
 from .data.sampler import resume_sampler
+from .elastic.resize import finish_load
 from .planning.planner import Plan
 
 KEY = "deepspeed_hetero"
@@ -85,6 +87,7 @@ def _pipeline_parts(layout):
 def load_state(engine, client_state, load_module_only=False):
     """``load_checkpoint``'s hook: restore the fork's record and return ``client_state`` without it
     (what the user gets back stays their own). Every rank calls it; no collective."""
+    elastic = finish_load(engine)
     if not client_state or KEY not in client_state:
         if client_state is not None and engine.heterogeneous_plan is not None and not load_module_only:
             _log(engine, "the checkpoint holds no deepspeed-hetero state (written by upstream or with the fork "
@@ -98,11 +101,11 @@ def load_state(engine, client_state, load_module_only=False):
         return client_state
     if load_module_only:
         return client_state
-    restore(engine, record)
+    restore(engine, record, elastic)
     return client_state
 
 
-def restore(engine, record):
+def restore(engine, record, elastic=None):
     """Make ``engine`` continue from the fork's ``record`` (see the module docstring)."""
     version = record.get("version") if isinstance(record, dict) else None
     if version != VERSION:
@@ -131,9 +134,9 @@ def restore(engine, record):
         else:
             state.plan = saved  # the same split; keep the saved predictions
     elif saved.world_size != current.world_size or saved.train_batch_size != current.train_batch_size:
-        _log(engine, f"the checkpoint was written by {saved.world_size} data-parallel ranks with train_batch_size "
-             f"{saved.train_batch_size}; this run has {current.world_size} with {current.train_batch_size}: the "
-             f"start-up plan {list(current.micro_batch_sizes)} splits the rest of the epoch")
+        _log(engine, world_change_line(saved, current, elastic, record["samplers"]))
+    elif elastic is not None:
+        _log(engine, world_change_line(saved, current, elastic, record["samplers"]))
     windows = record.get("windows") or []
     window = windows[dist.get_rank()] if same_cluster and dist.get_rank() < len(windows) else None
     runtime.load_state_dict(record["runtime"] if same_cluster else None, window)
@@ -141,6 +144,30 @@ def restore(engine, record):
         _log(engine, "the checkpoint was written on another cluster (devices, emulation or strategy differ): "
              "profiling runs again from the plan in force")
     _restore_samplers(runtime, record["samplers"])
+
+
+def world_change_line(saved, current, elastic, samplers):
+    """One line of what changed between the saving run and this one, e.g. "saved on 3 ranks
+    [4, 3, 1], resumed on 2 [6, 2]; ZeRO-2 optimizer state re-partitioned (shares [0.50, 0.30,
+    0.20] -> equal) through the universal checkpoint <path>, converted in 3.1 s; the samplers
+    continue at round 3 of epoch 0"."""
+    line = (f"saved on {saved.world_size} ranks {list(saved.micro_batch_sizes)}, resumed on {current.world_size} "
+            f"{list(current.micro_batch_sizes)}")
+    if saved.train_batch_size != current.train_batch_size:
+        line += f" (train_batch_size {saved.train_batch_size} -> {current.train_batch_size})"
+    if elastic is not None:
+        how = (f"converted in {elastic['seconds']:.1f} s" if elastic["converted"] else "converted by an earlier load")
+        line += (f"; ZeRO-{elastic['stage']} optimizer state re-partitioned (shares "
+                 f"{_shares_text(elastic['saved_shares'])} -> {_shares_text(elastic['shares'])}) through the "
+                 f"universal checkpoint {elastic['path']}, {how}")
+    if samplers:
+        first = samplers[0]
+        line += f"; the samplers continue at round {first['rounds_done']} of epoch {first['epoch']}"
+    return line
+
+
+def _shares_text(shares):
+    return "equal" if shares is None else "[" + ", ".join(f"{s:.2f}" for s in shares) + "]"
 
 
 def check_pipeline_checkpoint(engine, checkpoint):

@@ -76,6 +76,12 @@ class HeterogeneousState:
     the plan's. A loss over returned outputs needs none: the exchange rescales its gradient."""
     runtime: Optional[object] = field(default=None, repr=False)
     """The engine's ``HeterogeneousRuntime``, created at its first hook."""
+    user_load_universal: Optional[bool] = None
+    """The config's ``checkpoint.load_universal``, kept as the first ``load_checkpoint`` starts: a
+    load re-partitioned onto this world (``elastic/resize.py``) turns upstream's flag on for its
+    own duration only."""
+    elastic_load: Optional[dict] = field(default=None, repr=False)
+    """While a re-partitioned load runs: what was saved and where its universal form is."""
     chunk_sizes: Optional[dict] = None
     """The ZeRO bucket and prefetch sizes adaptive chunking wrote into the config (elements)."""
     topology: Optional[Topology] = None

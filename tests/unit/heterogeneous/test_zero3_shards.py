@@ -250,8 +250,9 @@ def _checkpoint_run(rank, world_size, **case):
 @pytest.mark.multiprocess
 def test_uneven_zero3_checkpoints_resume_exactly_merge_and_refuse_other_shares(tmp_path):
     """Saved with shares (0.75, 0.25): resumed on them = the uninterrupted run; a per-rank load with
-    equal shares is refused by name; zero_to_fp32 merges the uneven slices; the universal
-    checkpoint re-partitions onto equal and reversed shares and onto one rank, exactly."""
+    equal shares is refused by name (re-partitioning off) or re-partitioned by the fork (on);
+    zero_to_fp32 merges the uneven slices; the universal checkpoint converted by hand re-partitions
+    onto equal and reversed shares and onto one rank, exactly."""
     import subprocess
     import sys
 
@@ -262,12 +263,13 @@ def test_uneven_zero3_checkpoints_resume_exactly_merge_and_refuse_other_shares(t
     folder = str(tmp_path)
     cases = [dict(shares=[0.75, 0.25], folder=folder, save=True),
              dict(shares=[0.75, 0.25], folder=folder, load="saved"),
-             dict(shares="even", folder=folder, load="saved")]
+             dict(shares="even", folder=folder, load="saved"),
+             dict(shares="even", folder=folder, load="saved", repartition=True)]
     results = run_subcases(_checkpoint_run, cases, world_size=2, timeout=600)
     uninterrupted = results[0][0]["full_fp32"]
     for got, want in zip(uninterrupted, reference_parameters(8, 0.0)):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
-    for rank_result in results[1]:
+    for rank_result in results[1] + results[3]:  # the same shares; other shares re-partitioned by the fork
         for got, want in zip(rank_result["full_fp32"], uninterrupted):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     for rank_result in results[2]:

@@ -186,9 +186,11 @@ def test_bf16_uneven_shares_track_the_reference():
 SAVE_AT = 3
 
 
-def _checkpoint_run(rank, world_size, shares, folder, save=False, load=None, universal=False, sizes=(5, 3), stage=2):
+def _checkpoint_run(rank, world_size, shares, folder, save=False, load=None, universal=False, sizes=(5, 3), stage=2,
+                    repartition=False):
     """ZeRO-2 (or ``stage``), [5, 3], Adam: steps 1..STEPS, saving after step SAVE_AT (``save``) or
-    starting from the checkpoint (``load``: its tag); ``universal``: load its universal form."""
+    starting from the checkpoint (``load``: its tag); ``universal``: load its universal form by hand;
+    ``repartition``: let the fork convert and re-partition a checkpoint of other shares by itself."""
     import deepspeed
     from test_exactness import ds_config, make_model, train_slices
 
@@ -196,6 +198,7 @@ def _checkpoint_run(rank, world_size, shares, folder, save=False, load=None, uni
     model = make_model()
     config = ds_config(stage, 1, sizes, 0.0)
     config["heterogeneous_memory"] = {"zero_partitions": shares}
+    config["heterogeneous_config"]["elastic"] = {"repartition": repartition}
     if universal:
         config["checkpoint"] = {"load_universal": True}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -232,7 +235,8 @@ def _reference_after(steps):
 @pytest.mark.multiprocess
 def test_uneven_checkpoints_resume_exactly_and_a_mismatched_layout_is_refused(tmp_path):
     """Saved with shares (0.7, 0.3): resumed with the same shares = the uninterrupted run; a
-    per-rank load with even or reversed shares is refused by name; the universal checkpoint
+    per-rank load with even or reversed shares is refused by name (re-partitioning switched off),
+    or converted and re-partitioned by the fork (on); the universal checkpoint converted by hand
     re-partitions onto the even and the reversed layout, and onto one rank, and resumes exactly."""
     from harness import run_subcases
     from test_exactness import reference_parameters
@@ -244,7 +248,8 @@ def test_uneven_checkpoints_resume_exactly_and_a_mismatched_layout_is_refused(tm
     cases = [dict(shares=[0.7, 0.3], folder=folder, save=True),
              dict(shares=[0.7, 0.3], folder=folder, load="saved"),
              dict(shares="even", folder=folder, load="saved"),
-             dict(shares=[0.3, 0.7], folder=folder, load="saved")]
+             dict(shares=[0.3, 0.7], folder=folder, load="saved"),
+             dict(shares=[0.3, 0.7], folder=folder, load="saved", repartition=True)]
     results = run_subcases(_checkpoint_run, cases, world_size=2, timeout=600)
     # The checkpoint holds no client universal_checkpoint_info (a Megatron-style client's): inject it.
     subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", f"{folder}/saved",
@@ -265,7 +270,7 @@ def test_uneven_checkpoints_resume_exactly_and_a_mismatched_layout_is_refused(tm
     merged = get_fp32_state_dict_from_zero_checkpoint(folder, tag="saved")
     for got, want in zip(merged.values(), _reference_after(SAVE_AT)):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
-    for index in (1, 4, 5):
+    for index in (1, 4, 5, 6):
         for rank_result in results[index]:
             assert "params" in rank_result, (cases[index], rank_result)
             for got, want in zip(rank_result["params"], uninterrupted):

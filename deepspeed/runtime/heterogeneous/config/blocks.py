@@ -171,6 +171,47 @@ class PipelineConfig(DeepSpeedConfigModel):
     that the autotuner and benchmarks can compare them without changing the script."""
 
 
+class PeriodicCheckpointConfig(DeepSpeedConfigModel):
+    """``heterogeneous_config.elastic.checkpoint``: checkpoints taken by the engine itself at step
+    boundaries, so that a run restarted after a failure (``torchrun --max-restarts``) loses little
+    (``elastic/periodic.py``). Every rank decides alike: by the step count, or by the slowest
+    rank's elapsed time gathered at a step boundary."""
+
+    dir: str
+    """Where the tags go (``global_step<N>``) and the ``latest`` file, written only once every rank
+    has finished the tag's files."""
+    every_steps: Optional[PositiveInt] = None
+    """Save after every this many optimizer steps."""
+    every_seconds: Optional[float] = Field(None, gt=0)
+    """Save once this many seconds have passed since the last save (the slowest rank's clock,
+    agreed at a step boundary)."""
+    keep_last: int = Field(2, ge=0)
+    """Tags kept, the newest first (0: all); the one ``latest`` names is never removed."""
+
+    @model_validator(mode="after")
+    def _one_trigger(self):
+        if self.every_steps is None and self.every_seconds is None:
+            raise ValueError("set every_steps, every_seconds or both: when to save")
+        return self
+
+
+class ElasticConfig(DeepSpeedConfigModel):
+    """``heterogeneous_config.elastic``: runs whose devices change between a save and a load
+    (docs/elastic.md)."""
+
+    repartition: bool = True
+    """``load_checkpoint`` of a ZeRO-1/2/3 checkpoint saved on another number of ranks or with other
+    memory shares converts it to a universal checkpoint (once per tag, by global rank 0) and loads
+    that, which re-partitions the optimizer state for this run; false: such a load is refused by name,
+    as upstream refuses it."""
+    conversion_dir: Optional[str] = None
+    """Where the universal form of a tag is written (``<conversion_dir>/<tag>``); None: beside the tag
+    (``<load_dir>/<tag>.universal``). Set it when the checkpoint folder is read-only. It must be
+    one folder visible to every rank."""
+    checkpoint: Optional[PeriodicCheckpointConfig] = None
+    """Periodic checkpoints (None: only those the script takes)."""
+
+
 class HeterogeneousConfig(DeepSpeedConfigModel):
     """``heterogeneous_config``: per-device work allocation. Off by default (upstream behaviour)."""
 
@@ -206,6 +247,8 @@ class HeterogeneousConfig(DeepSpeedConfigModel):
     loss_items: Optional[LossItemsConfig] = None
     """A loss that is a mean over valid items rather than rows (None: over rows, the default): see
     ``LossItemsConfig``."""
+    elastic: ElasticConfig = Field(default_factory=ElasticConfig)
+    """Loading onto another world and periodic checkpoints (``ElasticConfig``)."""
 
     @property
     def strategy(self):

@@ -242,9 +242,9 @@ def check_checkpoint_layout(state_dict, layout, flat_numels, world_size):
         f"this ZeRO checkpoint was saved with partition shares {shares_of(saved)} of the optimizer state, "
         f"but this run partitions it as {shares_of(current)} (heterogeneous_memory.zero_partitions); a "
         f"per-rank load would put each saved slice into a slice of another size. Load it with the layout "
-        f"it was saved with (set heterogeneous_memory.zero_partitions to the saved shares), or convert it "
-        f"to a universal checkpoint (python -m deepspeed.checkpoint.ds_to_universal) and load that with "
-        f"checkpoint.load_universal: true, which re-partitions any layout")
+        f"it was saved with (set heterogeneous_memory.zero_partitions to the saved shares), or let the load "
+        f"re-partition it (heterogeneous_config.elastic.repartition: true, the default, converts it to a "
+        f"universal checkpoint, which re-partitions any layout)")
 
 
 def zero_partition_layout(shares, alignment, world_size, cpu_offload=False, has_moe_layers=False,

@@ -287,5 +287,5 @@ def check_checkpoint_shares(state_dict, shares):
     raise ShardLayoutError(
         f"this ZeRO-3 checkpoint was saved with partition shares {describe(saved)} but this run partitions "
         f"with {describe(current)} (heterogeneous_memory.zero_partitions); load it with the shares it was saved "
-        "with, or convert it to a universal checkpoint (python -m deepspeed.checkpoint.ds_to_universal) and "
-        "load that with checkpoint.load_universal, which re-partitions")
+        "with, or let the load re-partition it (heterogeneous_config.elastic.repartition: true, the default, "
+        "converts it to a universal checkpoint, which re-partitions)")

@@ -1,0 +1,151 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Elastic runs (deepspeed/runtime/heterogeneous/elastic/): a checkpoint saved on one world loads
+onto another by itself, exactly.
+
+- A run on 3 ranks (plan [4, 3, 1], memory shares [0.5, 0.3, 0.2]) saves at step SAVE_AT and goes
+  on to STEPS; the checkpoint, loaded with a plain ``engine.load_checkpoint(dir)`` on 2 ranks
+  ([6, 2], shares [0.7, 0.3]) and on 4 ([3, 2, 2, 1], [0.4, 0.3, 0.2, 0.1]), ZeRO-1, 2 and 3, ends
+  equal to the uninterrupted run (1e-6) after feeding the same samples at every step; one line
+  says what changed; the second world reuses the first one's conversion.
+- Re-partitioning switched off (``elastic.repartition: false``), upstream's refusal stands.
+- The line's text, and the refusal of a combination the universal path does not carry, without
+  processes.
+"""
+
+import contextlib
+import io
+
+import pytest
+import torch
+
+from harness import run_subcases
+from references import adam_mse_reference
+
+WIDTH = 16
+SAMPLES = 96  # one epoch = 12 steps of 8 samples
+BATCH = 8
+LR = 1e-2
+SAVE_AT = 3
+STEPS = 7
+PLANS = {3: ([4, 3, 1], [0.5, 0.3, 0.2]), 2: ([6, 2], [0.7, 0.3]), 4: ([3, 2, 2, 1], [0.4, 0.3, 0.2, 0.1])}
+
+
+class RecordingDataset(torch.utils.data.Dataset):
+    """Deterministic samples; records every index it hands out."""
+
+    def __init__(self):
+        generator = torch.Generator().manual_seed(5)
+        self.inputs = torch.randn(SAMPLES, WIDTH, generator=generator)
+        self.targets = torch.randn(SAMPLES, WIDTH, generator=generator)
+        self.seen = []
+
+    def __len__(self):
+        return SAMPLES
+
+    def __getitem__(self, index):
+        self.seen.append(int(index))
+        return self.inputs[index], self.targets[index]
+
+
+def make_model():
+    torch.manual_seed(20261205)
+    return torch.nn.Sequential(torch.nn.Linear(WIDTH, 64), torch.nn.Tanh(), torch.nn.Linear(64, WIDTH))
+
+
+def elastic_config(world_size, stage, repartition=True):
+    sizes, shares = PLANS[world_size]
+    return {
+        "train_batch_size": BATCH,
+        "steps_per_print": 1000,
+        "optimizer": {"type": "Adam", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}},
+        "zero_optimization": {"stage": stage},
+        "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "manual", "micro_batch_sizes": sizes,
+                                 "mixed_precision_support": "fp32", "elastic": {"repartition": repartition}},
+        "heterogeneous_memory": {"zero_partitions": shares},
+    }
+
+
+def _train(rank, world_size, stage, folder, save=False, load=False, repartition=True):
+    """Steps 1..STEPS on 3 ranks, saving after SAVE_AT (``save``), or from the checkpoint to STEPS
+    on this world (``load``). Returns each step's fed indices, the printed load line and the full
+    fp32 parameters."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    dataset = RecordingDataset()
+    model = make_model()
+    engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                config=elastic_config(world_size, stage, repartition),
+                                                training_data=dataset)
+    printed = ""
+    if load:
+        out = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(out):
+                engine.load_checkpoint(folder)
+        except Exception as error:  # the parent checks the message
+            return {"error": f"{type(error).__name__}: {error}"}
+        printed = out.getvalue()
+    first = engine.global_steps
+    fed = []
+    iterator = iter(loader)
+    for step in range(first, STEPS):
+        start = len(dataset.seen)
+        for _ in range(engine.gradient_accumulation_steps()):
+            inputs, targets = next(iterator)
+            engine.backward(torch.nn.functional.mse_loss(engine(inputs), targets))
+            engine.step()
+        fed.append(dataset.seen[start:])
+        if save and engine.global_steps == SAVE_AT:
+            engine.save_checkpoint(folder)
+    return {"fed": fed, "first": first, "printed": printed, "plan": list(engine.heterogeneous_plan.micro_batch_sizes),
+            "params": [safe_get_full_fp32_param(p).clone() for p in engine.module.parameters()]}
+
+
+def _steps(per_rank):
+    """Per step, the sorted indices every rank fed."""
+    return [sorted(i for rank in per_rank for i in rank["fed"][step]) for step in range(len(per_rank[0]["fed"]))]
+
+
+@pytest.mark.multiprocess
+def test_a_checkpoint_of_three_ranks_resumes_on_two_and_four_exactly(tmp_path):
+    stages = (1, 2, 3)
+    folders = {stage: str(tmp_path / f"zero{stage}") for stage in stages}
+    saved = run_subcases(_train, [dict(stage=s, folder=folders[s], save=True) for s in stages], world_size=3,
+                         timeout=600)
+    resumed = {}
+    for world in (2, 4):
+        cases = [dict(stage=s, folder=folders[s], load=True) for s in stages]
+        if world == 2:  # re-partitioning switched off: upstream's refusal stands
+            cases.append(dict(stage=2, folder=folders[2], load=True, repartition=False))
+        runs = run_subcases(_train, cases, world_size=world, timeout=600)
+        resumed[world] = dict(zip(stages, runs))
+        if world == 2:
+            for rank_result in runs[-1]:
+                assert "DP world size of 3 but the current world size is 2" in rank_result.get("error", ""), rank_result
+    dataset = RecordingDataset()
+    for stage, uninterrupted in zip(stages, saved):
+        steps = _steps(uninterrupted)
+        fed = [i for step in steps for i in step]
+        assert len(fed) == len(set(fed)) == STEPS * BATCH, "each index once"
+        reference = adam_mse_reference(make_model(), dataset.inputs, dataset.targets, steps, LR)
+        for got, want in zip(uninterrupted[0]["params"], reference):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        for world in (2, 4):
+            per_rank = resumed[world][stage]
+            for rank_result in per_rank:
+                assert "params" in rank_result, (stage, world, rank_result)
+            first = per_rank[0]
+            assert first["first"] == SAVE_AT and first["plan"] == PLANS[world][0]
+            assert _steps(per_rank) == steps[SAVE_AT:], f"ZeRO-{stage} on {world} ranks fed other samples"
+            for rank_result in per_rank:
+                for got, want in zip(rank_result["params"], uninterrupted[0]["params"]):
+                    torch.testing.assert_close(got, want, rtol=0, atol=1e-6,
+                                               msg=lambda m: f"ZeRO-{stage} resumed on {world} ranks: {m}")
+            line = first["printed"]
+            assert f"saved on 3 ranks [4, 3, 1], resumed on {world} {PLANS[world][0]}" in line, line
+            assert f"ZeRO-{stage} optimizer state re-partitioned" in line, line
+            assert "the samplers continue at round 3 of epoch 0" in line, line
+            # The first world converts the tag; the second loads the same universal folder.
+            assert ("converted in" if world == 2 else "converted by an earlier load") in line, line
+            assert all(r["printed"] == "" for r in per_rank[1:]), "one rank prints"
