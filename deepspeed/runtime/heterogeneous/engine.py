@@ -129,6 +129,12 @@ class HeterogeneousEngineMixin:
         if runtime is not None:
             runtime.step_end()
 
+    def _heterogeneous_step_done(self):
+        """``step()`` is complete (the end of upstream's step): a periodic checkpoint may be due."""
+        runtime = self._config.heterogeneous.runtime
+        if runtime is not None:
+            runtime.step_done()
+
     def _heterogeneous_gas_origin(self):
         """The micro-step count at which this rank's current gas took effect (0 unless a plan changed
         it mid-training): accumulation boundaries are counted from there."""

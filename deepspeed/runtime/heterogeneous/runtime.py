@@ -43,6 +43,7 @@ from .cluster.agreement import (Agreement, PlanAgreementError, PlanDecision, mer
                                 slowest_micro_step)
 from .cluster.topology import topology_note
 from .data.exchange_account import ExchangeAccount
+from .elastic.periodic import PeriodicCheckpoints
 from .data.fed_batch import raised_on_every_rank
 from .control.decisions import PlanDecisions, nothing_measured, plan_block
 from .emulation.limits import EmulatedLimits, EmulatedOutOfMemoryError, emulation_note
@@ -105,6 +106,9 @@ class HeterogeneousRuntime:
         self.records = StepRecords()  # per-step records for the heterogeneous profiler
         self._window = []  # this rank's StepTimings since the last check
         self._agreement_s = 0.0  # the last agreement's own seconds, which are not a step's
+        periodic = self.settings.elastic.checkpoint
+        self.periodic = None if periodic is None else PeriodicCheckpoints(periodic, self.agreement)
+        self._step_completed = False  # an optimizer step ended in the engine.step() now returning
         self._update_comm_clock()
         self.limits.apply_speed_schedule(1)
         # A CPU quota does not bind where other processes hold the cores: measured, not assumed.
@@ -225,6 +229,7 @@ class HeterogeneousRuntime:
         self.timer.end_micro_step(size, activations, on_compute=self.limits.after_compute, split=self.recording)
 
     def step_end(self):
+        self._step_completed = True
         timing = self.timer.end_step()
         self.memory.report_own_peak()
         if self.recording:
@@ -238,6 +243,14 @@ class HeterogeneousRuntime:
             # window restarts at the end of profiling and at every check).
             if len(self._window) >= self.settings.scheduler.check_interval:
                 self._check_rebalance()
+
+    def step_done(self):
+        """``engine.step()`` is returning (its micro-step counted): a periodic checkpoint is taken
+        here, after an optimizer step, when one is due."""
+        if self._step_completed:
+            self._step_completed = False
+            if self.periodic is not None:
+                self.periodic.after_step(self.engine)
 
     # -- the heterogeneous profiler -----------------------------------------------------------
 

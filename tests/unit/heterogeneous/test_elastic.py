@@ -14,11 +14,19 @@ onto another by itself, exactly.
 
 import contextlib
 import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from harness import run_subcases
+from harness import REPO_ROOT, fork_environment, free_port, run_subcases
 from references import adam_mse_reference
 
 WIDTH = 16
@@ -149,3 +157,111 @@ def test_a_checkpoint_of_three_ranks_resumes_on_two_and_four_exactly(tmp_path):
             # The first world converts the tag; the second loads the same universal folder.
             assert ("converted in" if world == 2 else "converted by an earlier load") in line, line
             assert all(r["printed"] == "" for r in per_rank[1:]), "one rank prints"
+
+
+# -- a node lost under torchrun ---------------------------------------------------------------------
+
+ELASTIC_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "elastic_train.py"
+
+
+def run_elastic_job(out, steps=10, every=2, kill_at=5, step_sleep=0.0, timeout=420):
+    """Three torchrun agents of one elastic job (``--nnodes 2:3``, one worker each, c10d rendezvous
+    hosted by the first); the third is the victim. Returns the agents' exit codes, their output,
+    the events and the seconds the job took."""
+    port = free_port()
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: the workers' store is their rank 0's, new in every round.
+    # The agents' shared store (the default) keeps the keys of the round before, and the restarted
+    # workers' gloo then connects to the addresses of the killed ones (docs/elastic.md).
+    env = {**os.environ, **fork_environment(), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    agents, logs = [], []
+    began = time.time()
+    for index in range(3):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2:3", "--nproc-per-node", "1",
+                   "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"elastic{port}",
+                   "--rdzv-conf", f"is_host={int(index == 0)},join_timeout=120,last_call_timeout=10,"
+                   "keep_alive_interval=1,keep_alive_max_attempt=3",
+                   "--max-restarts", "3", "--monitor-interval", "0.2",
+                   str(ELASTIC_SCRIPT), "--out", str(out), "--steps", str(steps), "--every", str(every),
+                   "--kill-at", str(kill_at), "--step-sleep", str(step_sleep)]
+        log = open(out / f"agent{index}.log", "w")
+        logs.append(log)
+        agents.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                       env={**env, "ELASTIC_VICTIM": "1" if index == 2 else "0"},
+                                       start_new_session=True))
+        if index == 0:
+            _wait_for_port(port, 60)
+    codes = []
+    try:
+        for agent in agents:
+            codes.append(agent.wait(timeout=max(1, timeout - (time.time() - began))))
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait()
+        for log in logs:
+            log.close()
+    seconds = time.time() - began
+    output = [(out / f"agent{index}.log").read_text() for index in range(3)]
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines() if line.strip()]
+    return codes, output, events, seconds
+
+
+def _wait_for_port(port, timeout):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"the rendezvous store did not listen on port {port} within {timeout} s")
+
+
+def effective_steps(events):
+    """Per optimizer step of the finished run, the sorted indices the ranks fed, from the attempts
+    that led to it: each attempt's steps up to the step the next attempt loaded."""
+    attempts = sorted({e["attempt"] for e in events})
+    loaded = {e["attempt"]: e["step"] for e in events if e["kind"] == "loaded" and e["rank"] == 0}
+    steps = {}
+    for attempt in attempts:
+        later = [loaded.get(a, 0) for a in attempts if a > attempt]
+        kept_to = later[0] if later else None
+        for e in events:
+            if e["kind"] == "step" and e["attempt"] == attempt and (kept_to is None or e["step"] <= kept_to):
+                steps.setdefault(e["step"], {}).setdefault(attempt, []).extend(e["fed"])
+    return [sorted(steps[s][max(steps[s])]) for s in sorted(steps)]
+
+
+@pytest.mark.multiprocess
+def test_a_lost_node_ends_the_job_on_the_survivors_exactly(tmp_path):
+    """Three agents, one worker each; after step 5 the third kills its agent and itself. The two
+    others restart by themselves on 2 ranks from the checkpoint of step 4 (saved on 3 ranks,
+    re-partitioned), finish the 10 steps and exit 0; the final parameters equal one process's Adam
+    on the global batches the finished run was made of, and each sample was used once."""
+    codes, output, events, _ = run_elastic_job(tmp_path)
+    text = "\n".join(output)
+    assert codes[0] == 0 and codes[1] == 0 and codes[2] != 0, (codes, text[-8000:])
+    kills = [e for e in events if e["kind"] == "kill"]
+    assert len(kills) == 1 and kills[0]["world"] == 3 and kills[0]["step"] == 5, (kills, text[-4000:])
+    finished = max(e["attempt"] for e in events if e["kind"] == "done")
+    done = [e for e in events if e["kind"] == "done"]
+    assert {e["world"] for e in done} == {2} and len(done) == 2, done
+    loads = [e for e in events if e["kind"] == "loaded" and e["attempt"] == finished]
+    assert loads and all(e["step"] == 4 for e in loads), loads
+    assert "saved on 3 ranks [4, 3, 1], resumed on 2 [6, 2]" in loads[0]["printed"] + loads[1]["printed"], loads
+    steps = effective_steps(events)
+    assert len(steps) == 10
+    fed = [i for step in steps for i in step]
+    assert len(fed) == len(set(fed)) == 10 * BATCH, "each sample once"
+    # The steps redone after the restart fed what the 3-rank attempt had fed at steps 5 (and beyond).
+    first = {e["step"]: e for e in events if e["kind"] == "step" and e["world"] == 3}
+    redone = sorted(i for e in events if e["kind"] == "step" and e["attempt"] == finished and e["step"] == 5
+                    for i in e["fed"])
+    assert redone == sorted(i for e in events if e["kind"] == "step" and e["world"] == 3 and e["step"] == 5
+                            for i in e["fed"]), first.keys()
+    final = torch.load(tmp_path / "final.pt")
+    dataset = RecordingDataset()
+    reference = adam_mse_reference(make_model(), dataset.inputs, dataset.targets, steps, LR)
+    for got, want in zip(final["params"], reference):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

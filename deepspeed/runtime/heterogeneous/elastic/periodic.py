@@ -1,0 +1,109 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Checkpoints the engine takes by itself (``heterogeneous_config.elastic.checkpoint``).
+
+A run restarted after a failure (``torchrun --max-restarts``, docs/elastic.md) resumes from the
+newest complete checkpoint; what it redoes is the steps since. ``PeriodicCheckpoints.after_step``
+runs once ``engine.step()`` has completed an optimizer step (a hook at the end of upstream's
+``step``), on every rank:
+
+- when to save is decided alike on every rank: by the step count, or by the slowest rank's time
+  since the last save, gathered at a few step boundaries (``next_time_check`` spaces the gathers
+  from the gathered times, so they are the same everywhere). A rank-local clock must never decide:
+  a rank alone in ``save_checkpoint`` would wait for the others forever;
+- ``save_checkpoint(dir, tag="global_step<N>", save_latest=False)``, a barrier, then global rank 0
+  writes ``latest`` (to a temporary file, renamed) and removes tags beyond ``keep_last``. Upstream
+  writes ``latest`` before every rank has written its files; a rank dying in between would leave
+  ``latest`` naming a torn tag.
+"""
+
+import os
+import re
+import shutil
+import time
+
+from deepspeed import comm as dist
+
+from .resize import UNIVERSAL_SUFFIX
+
+TAG_PREFIX = "global_step"
+_TAG = re.compile(rf"^{TAG_PREFIX}(\d+)$")
+
+
+def next_time_check(elapsed, steps, every_seconds):
+    """Steps until the next time check, from the slowest rank's ``elapsed`` seconds over ``steps``
+    steps since the last save: half the steps the rest of the period is expected to take, at least
+    one. The same inputs on every rank give the same answer."""
+    if steps <= 0 or elapsed <= 0:
+        return 1
+    per_step = elapsed / steps
+    return max(1, int((every_seconds - elapsed) / per_step / 2))
+
+
+def tags_to_remove(names, keep_last, latest):
+    """The tags among ``names`` (a folder's entries) beyond the newest ``keep_last``, never the one
+    ``latest`` names; 0 keeps all."""
+    steps = sorted((int(m.group(1)), name) for name in names for m in [_TAG.match(name)] if m)
+    if keep_last <= 0:
+        return []
+    old = [name for _, name in steps[:-keep_last]]
+    return [name for name in old if name != latest]
+
+
+class PeriodicCheckpoints:
+    """One engine's periodic saves (``settings``: the ``PeriodicCheckpointConfig``)."""
+
+    def __init__(self, settings, agreement):
+        self.settings = settings
+        self.agreement = agreement
+        self.last_step = None  # the step of the last save (or of the first step seen)
+        self.last_time = None
+        self.next_check = None
+        self.saved = []  # the tags this process saved
+
+    def restart_clock(self, step):
+        self.last_step, self.last_time, self.next_check = step, time.perf_counter(), None
+
+    def after_step(self, engine):
+        step = engine.global_steps
+        if self.last_step is None or step < self.last_step:  # the first step, or a checkpoint loaded
+            self.restart_clock(step - 1)
+        if self._due(step):
+            self.save(engine, step)
+
+    def _due(self, step):
+        every_steps, every_seconds = self.settings.every_steps, self.settings.every_seconds
+        if every_steps and step % every_steps == 0:
+            return True
+        if not every_seconds:
+            return False
+        if self.next_check is not None and step < self.next_check:
+            return False
+        elapsed = max(self.agreement.gather_from_every_rank(time.perf_counter() - self.last_time,
+                                                            "the time since the last periodic checkpoint"))
+        if elapsed >= every_seconds:
+            return True
+        self.next_check = step + next_time_check(elapsed, step - self.last_step, every_seconds)
+        return False
+
+    def save(self, engine, step):
+        folder = self.settings.dir
+        tag = f"{TAG_PREFIX}{step}"
+        engine.save_checkpoint(folder, tag=tag, save_latest=False)
+        self.agreement.barrier(f"every rank's files of checkpoint {tag}")
+        if dist.get_rank() == 0:
+            write_latest(folder, tag)
+            for old in tags_to_remove(os.listdir(folder), self.settings.keep_last, tag):
+                shutil.rmtree(os.path.join(folder, old), ignore_errors=True)
+                shutil.rmtree(os.path.join(folder, old + UNIVERSAL_SUFFIX), ignore_errors=True)
+        self.saved.append(tag)
+        self.restart_clock(step)
+
+
+def write_latest(folder, tag):
+    """``<folder>/latest`` names ``tag``, replaced in one rename."""
+    partial = os.path.join(folder, f".latest.partial-{os.getpid()}")
+    with open(partial, "w") as stream:
+        stream.write(tag)
+        stream.flush()
+        os.fsync(stream.fileno())
+    os.replace(partial, os.path.join(folder, "latest"))
