@@ -59,7 +59,7 @@ def test_design_example_parses():
 @pytest.mark.parametrize("config, expected", [
     ({"heterogeneous_config": {"enabled": True, "profile_step": 3}},
      "heterogeneous_config.profile_step: unknown key 'profile_step'; did you mean 'profile_steps'? allowed keys: check_fed_batch, communication, "
-     "emulation, enabled"),
+     "elastic, emulation, enabled"),
     ({"heterogeneous_config": {"scheduler": {"interval": 5}}},
      "heterogeneous_config.scheduler.interval: unknown key 'interval'; did you mean 'check_interval'? allowed keys: check_interval"),
     ({"heterogeneous_config": {"emulation": {"speed": [1]}}},

@@ -265,3 +265,71 @@ def test_a_lost_node_ends_the_job_on_the_survivors_exactly(tmp_path):
     reference = adam_mse_reference(make_model(), dataset.inputs, dataset.targets, steps, LR)
     for got, want in zip(final["params"], reference):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+# -- the parts without processes --------------------------------------------------------------------
+
+def test_old_tags_are_removed_but_never_the_latest():
+    from deepspeed.runtime.heterogeneous.elastic.periodic import tags_to_remove
+    names = ["global_step10", "global_step2", "global_step4.universal", "global_step4", "latest", "global_step8",
+             "zero_to_fp32.py", "global_stepX"]
+    assert tags_to_remove(names, 2, "global_step10") == ["global_step2", "global_step4"]
+    assert tags_to_remove(names, 2, "global_step4") == ["global_step2"]  # latest names an older tag: kept
+    assert tags_to_remove(names, 0, "global_step10") == []
+    assert tags_to_remove(names, 5, "global_step10") == []
+
+
+def test_latest_is_replaced_in_one_rename(tmp_path):
+    from deepspeed.runtime.heterogeneous.elastic.periodic import write_latest
+    write_latest(str(tmp_path), "global_step4")
+    write_latest(str(tmp_path), "global_step6")
+    assert (tmp_path / "latest").read_text() == "global_step6"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]
+
+
+def test_time_checks_are_spaced_by_the_gathered_step_time():
+    from deepspeed.runtime.heterogeneous.elastic.periodic import next_time_check
+    assert next_time_check(elapsed=10.0, steps=10, every_seconds=100.0) == 45  # half of the 90 steps left
+    assert next_time_check(elapsed=99.0, steps=10, every_seconds=100.0) == 1
+    assert next_time_check(elapsed=0.0, steps=0, every_seconds=100.0) == 1
+
+
+def test_the_shared_rendezvous_store_is_named_where_a_restart_would_fail():
+    from deepspeed.runtime.heterogeneous.elastic.periodic import shared_store_breaks_restarts
+    assert shared_store_breaks_restarts({"TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    assert not shared_store_breaks_restarts({"TORCHELASTIC_MAX_RESTARTS": "3",
+                                             "TORCHELASTIC_USE_AGENT_STORE": "False"})
+    assert not shared_store_breaks_restarts({"TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    assert not shared_store_breaks_restarts({})
+
+
+def test_the_world_change_line():
+    from deepspeed.runtime.heterogeneous.checkpoint import world_change_line
+    saved, current = _plan([4, 3, 1]), _plan([6, 2])
+    elastic = {"stage": 3, "saved_shares": [0.5, 0.3, 0.2], "shares": None, "path": "/c/global_step4.universal",
+               "seconds": 3.14, "converted": True}
+    line = world_change_line(saved, current, elastic, [{"rounds_done": 4, "epoch": 1}])
+    assert line == ("saved on 3 ranks [4, 3, 1], resumed on 2 [6, 2]; ZeRO-3 optimizer state re-partitioned (shares "
+                    "[0.50, 0.30, 0.20] -> equal) through the universal checkpoint /c/global_step4.universal, "
+                    "converted in 3.1 s; the samplers continue at round 4 of epoch 1")
+    assert world_change_line(saved, _plan([8, 8]), None, []) == ("saved on 3 ranks [4, 3, 1], resumed on 2 [8, 8] "
+                                                                 "(train_batch_size 8 -> 16)")
+
+
+def _plan(sizes):
+    from deepspeed.runtime.heterogeneous.planning.plan import Plan
+    return Plan(micro_batch_sizes=sizes, gradient_accumulation_steps=[1] * len(sizes), train_batch_size=sum(sizes),
+                strategy="manual", predicted_rank_times=[0.0] * len(sizes))
+
+
+@pytest.mark.parametrize("block, expected", [
+    ({"checkpoint": {"dir": "/c"}}, "heterogeneous_config.elastic.checkpoint: set every_steps, every_seconds or both"),
+    ({"checkpoint": {"dir": "/c", "every_steps": 0}}, "heterogeneous_config.elastic.checkpoint.every_steps"),
+    ({"checkpoint": {"every_steps": 2}}, "heterogeneous_config.elastic.checkpoint.dir"),
+    ({"repartition": "yes please"}, "heterogeneous_config.elastic.repartition"),
+])
+def test_a_wrong_elastic_block_is_named(block, expected):
+    from deepspeed.runtime.heterogeneous.config.settings import load_heterogeneous_settings
+    with pytest.raises(ValueError) as info:
+        load_heterogeneous_settings({"heterogeneous_config": {"enabled": True, "elastic": block}}, environ={})
+    assert expected in str(info.value), str(info.value)

@@ -106,7 +106,12 @@ def main():
     while engine.global_steps < args.steps:
         start = len(data.seen)
         for _ in range(engine.gradient_accumulation_steps()):
-            inputs, targets = next(iterator)
+            try:
+                inputs, targets = next(iterator)
+            except StopIteration:  # the next epoch: a new permutation
+                loader.batch_sampler.set_epoch(loader.batch_sampler.epoch + 1)
+                iterator = iter(loader)
+                inputs, targets = next(iterator)
             engine.backward(torch.nn.functional.mse_loss(engine(inputs), targets))
             time.sleep(args.step_sleep / engine.gradient_accumulation_steps())
             engine.step()

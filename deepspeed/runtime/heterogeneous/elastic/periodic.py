@@ -22,6 +22,7 @@ import shutil
 import time
 
 from deepspeed import comm as dist
+from deepspeed.utils import logger
 
 from .resize import UNIVERSAL_SUFFIX
 
@@ -49,12 +50,31 @@ def tags_to_remove(names, keep_last, latest):
     return [name for name in old if name != latest]
 
 
+SHARED_STORE_WARNING = (
+    "deepspeed-hetero: this run may be restarted by torchrun (--max-restarts > 0) with the agents' shared "
+    "rendezvous store, which keeps the previous round's keys: restarted workers then fail to form their process "
+    "group (pytorch/pytorch#135712). Launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment "
+    "(docs/elastic.md)")
+
+
+def shared_store_breaks_restarts(environ):
+    """Whether this worker was started by a torchrun agent that may restart it and shares its store
+    with the workers."""
+    try:
+        restarts = int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    except ValueError:
+        return False
+    return restarts > 0 and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
 class PeriodicCheckpoints:
     """One engine's periodic saves (``settings``: the ``PeriodicCheckpointConfig``)."""
 
     def __init__(self, settings, agreement):
         self.settings = settings
         self.agreement = agreement
+        if shared_store_breaks_restarts(os.environ) and dist.get_rank() == 0:
+            logger.warning(SHARED_STORE_WARNING)
         self.last_step = None  # the step of the last save (or of the first step seen)
         self.last_time = None
         self.next_check = None
