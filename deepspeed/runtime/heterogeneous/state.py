@@ -113,6 +113,12 @@ class HeterogeneousState:
     """The ZeRO bucket sizes the slowest inter-host link chose (``link_buckets.py``; already the
     smaller of it and adaptive chunking's), in elements; None when the rule did not apply."""
 
+    def __getstate__(self):
+        # Upstream pickles the whole config where it hands it to another process (the decoupled
+        # checkpoint writer, spawned as the engine starts): the runtime controller holds the
+        # engine, which does not pickle and means nothing there.
+        return {**self.__dict__, "runtime": None}
+
     @property
     def enabled(self):
         return self.settings.enabled

@@ -159,6 +159,60 @@ def test_a_checkpoint_of_three_ranks_resumes_on_two_and_four_exactly(tmp_path):
             assert all(r["printed"] == "" for r in per_rank[1:]), "one rank prints"
 
 
+# -- periodic checkpoints with upstream's decoupled writer -----------------------------------------
+
+def _periodic(rank, world_size, folder, decoupled, load=False):
+    """ZeRO-2 on [6, 2], saving every 3 steps by itself; records what ``latest`` names after each
+    step. ``load``: resume from ``latest`` and train to STEPS."""
+    import os
+
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    config = elastic_config(world_size, 2)
+    config["heterogeneous_config"]["elastic"]["checkpoint"] = {"dir": folder, "every_steps": 3, "keep_last": 1}
+    if decoupled:
+        config["checkpoint"] = {"writer": {"decoupled": True, "type": "PYTHON", "data_parallel": "REPLICA"}}
+    dataset = RecordingDataset()
+    model = make_model()
+    engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
+                                                training_data=dataset)
+    if load:
+        engine.load_checkpoint(folder)
+    latest, iterator = [], iter(loader)
+    while engine.global_steps < STEPS:
+        inputs, targets = next(iterator)
+        engine.backward(torch.nn.functional.mse_loss(engine(inputs), targets))
+        try:
+            engine.step()
+        except ValueError as error:  # the parent checks the message
+            return {"error": str(error)}
+        path = os.path.join(folder, "latest")
+        latest.append(open(path).read() if os.path.exists(path) else None)
+    return {"latest": latest, "tags": sorted(os.listdir(folder)),
+            "params": [safe_get_full_fp32_param(p).clone() for p in engine.module.parameters()]}
+
+
+@pytest.mark.multiprocess
+def test_periodic_checkpoints_publish_latest_once_complete_and_refuse_the_decoupled_writer(tmp_path):
+    """Every 3 steps, keeping 1: ``latest`` names each tag after the step that saved it, older tags
+    are removed, and a run resumed from ``latest`` ends equal to the one that saved. Upstream's
+    decoupled writer (whose files are written after save_checkpoint returns) is refused on every rank."""
+    folder = str(tmp_path / "sync")
+    # Upstream's decoupled writer reads the machine count and rank the deepspeed launcher exports.
+    launcher_env = {"CROSS_SIZE": "1", "CROSS_RANK": "0"}
+    cases = [dict(folder=folder, decoupled=False), dict(folder=str(tmp_path / "decoupled"), decoupled=True)]
+    saved, refused = run_subcases(_periodic, cases, world_size=2, timeout=600, env=launcher_env)
+    assert saved[0]["latest"] == [None, None] + ["global_step3"] * 3 + ["global_step6"] * 2
+    assert [t for t in saved[0]["tags"] if t.startswith("global_step")] == ["global_step6"], saved[0]
+    for rank_result in refused:
+        assert "cannot be used with checkpoint.writer.decoupled: true" in rank_result.get("error", ""), rank_result
+    (resumed, ) = run_subcases(_periodic, [dict(folder=folder, decoupled=False, load=True)], world_size=2,
+                               timeout=600)
+    for got, want in zip(resumed[0]["params"], saved[0]["params"]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 # -- a node lost under torchrun ---------------------------------------------------------------------
 
 ELASTIC_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "elastic_train.py"

@@ -14,6 +14,11 @@ runs once ``engine.step()`` has completed an optimizer step (a hook at the end o
   writes ``latest`` (to a temporary file, renamed) and removes tags beyond ``keep_last``. Upstream
   writes ``latest`` before every rank has written its files; a rank dying in between would leave
   ``latest`` naming a torn tag.
+
+Saves are synchronous. Upstream's decoupled writer (``checkpoint.writer.decoupled``) is refused with
+them: it writes after ``save_checkpoint`` returns, and in 0.19.8 it fails on a ZeRO-1/2 state on
+this machine with upstream alone ("Cowardly refusing to serialize non-leaf tensor which
+requires_grad"), so publishing ``latest`` after its commit could not be tested.
 """
 
 import os
@@ -85,6 +90,10 @@ class PeriodicCheckpoints:
 
     def after_step(self, engine):
         step = engine.global_steps
+        if self.last_step is None and engine.checkpoint_engine.is_decoupled():  # the same on every rank
+            raise ValueError("heterogeneous_config.elastic.checkpoint saves synchronously and publishes 'latest' once "
+                             "every rank wrote its files; it cannot be used with checkpoint.writer.decoupled: true, "
+                             "whose writes finish later. Drop one of them")
         if self.last_step is None or step < self.last_step:  # the first step, or a checkpoint loaded
             self.restart_clock(step - 1)
         if self._due(step):
@@ -109,14 +118,15 @@ class PeriodicCheckpoints:
         folder = self.settings.dir
         tag = f"{TAG_PREFIX}{step}"
         engine.save_checkpoint(folder, tag=tag, save_latest=False)
-        self.agreement.barrier(f"every rank's files of checkpoint {tag}")
-        if dist.get_rank() == 0:
-            write_latest(folder, tag)
-            for old in tags_to_remove(os.listdir(folder), self.settings.keep_last, tag):
-                shutil.rmtree(os.path.join(folder, old), ignore_errors=True)
-                shutil.rmtree(os.path.join(folder, old + UNIVERSAL_SUFFIX), ignore_errors=True)
         self.saved.append(tag)
         self.restart_clock(step)
+        self.agreement.barrier(f"every rank's files of checkpoint {tag}")
+        if dist.get_rank() != 0:
+            return
+        write_latest(folder, tag)
+        for old in tags_to_remove(os.listdir(folder), self.settings.keep_last, tag):
+            shutil.rmtree(os.path.join(folder, old), ignore_errors=True)
+            shutil.rmtree(os.path.join(folder, old + UNIVERSAL_SUFFIX), ignore_errors=True)
 
 
 def write_latest(folder, tag):
