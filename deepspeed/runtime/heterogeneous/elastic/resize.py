@@ -170,14 +170,19 @@ def saved_facts(engine, folder):
 
 
 def _load(path):
-    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except RuntimeError:  # a file in torch's legacy format cannot be memory-mapped
+        return torch.load(path, map_location="cpu", weights_only=False)
 
 
 def _layout_matches(optimizer, optimizer_state, world):
+    """Whether this optimizer's slices are the saved ones (same world). An optimizer of another kind
+    than the fork's ZeRO-1/2/3 ones keeps upstream's equal slices: left to upstream's load."""
     try:
         if hasattr(optimizer, "zero3_shares"):
             check_checkpoint_shares(optimizer_state, optimizer.zero3_shares)
-        else:
+        elif hasattr(optimizer, "partition_layout"):
             check_checkpoint_layout(optimizer_state, optimizer.partition_layout,
                                     [flat.numel() for flat in optimizer.bit16_groups_flat], world)
     except (PartitionLayoutError, ShardLayoutError):
