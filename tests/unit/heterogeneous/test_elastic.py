@@ -55,9 +55,24 @@ class RecordingDataset(torch.utils.data.Dataset):
         return self.inputs[index], self.targets[index]
 
 
+class CountingModel(torch.nn.Module):
+    """An MLP with a buffer, ``forwards`` (training forwards so far), that a load must restore: a
+    universal load restores parameters only."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(WIDTH, 64), torch.nn.Tanh(), torch.nn.Linear(64, WIDTH))
+        self.register_buffer("forwards", torch.zeros(()))
+
+    def forward(self, inputs):
+        if self.training:
+            self.forwards += 1
+        return self.net(inputs)
+
+
 def make_model():
     torch.manual_seed(20261205)
-    return torch.nn.Sequential(torch.nn.Linear(WIDTH, 64), torch.nn.Tanh(), torch.nn.Linear(64, WIDTH))
+    return CountingModel()
 
 
 def elastic_config(world_size, stage, repartition=True):
@@ -107,7 +122,8 @@ def _train(rank, world_size, stage, folder, save=False, load=False, repartition=
         if save and engine.global_steps == SAVE_AT:
             engine.save_checkpoint(folder)
     return {"fed": fed, "first": first, "printed": printed, "plan": list(engine.heterogeneous_plan.micro_batch_sizes),
-            "params": [safe_get_full_fp32_param(p).clone() for p in engine.module.parameters()]}
+            "params": [safe_get_full_fp32_param(p).clone() for p in engine.module.parameters()],
+            "forwards": float(engine.module.forwards)}
 
 
 def _steps(per_rank):
@@ -147,6 +163,7 @@ def test_a_checkpoint_of_three_ranks_resumes_on_two_and_four_exactly(tmp_path):
             assert first["first"] == SAVE_AT and first["plan"] == PLANS[world][0]
             assert _steps(per_rank) == steps[SAVE_AT:], f"ZeRO-{stage} on {world} ranks fed other samples"
             for rank_result in per_rank:
+                assert rank_result["forwards"] == STEPS, "the buffer restored from the checkpoint, then counted on"
                 for got, want in zip(rank_result["params"], uninterrupted[0]["params"]):
                     torch.testing.assert_close(got, want, rtol=0, atol=1e-6,
                                                msg=lambda m: f"ZeRO-{stage} resumed on {world} ranks: {m}")

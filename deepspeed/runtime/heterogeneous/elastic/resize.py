@@ -69,8 +69,10 @@ def prepare_load(engine, load_dir, tag, load_optimizer_states=True, load_module_
         return load_dir, tag
     folder = os.path.join(load_dir, str(tag))
     runtime = engine._heterogeneous_runtime()
+    buffers = {}
     try:
-        mine = {"facts": saved_facts(engine, folder)}
+        facts, buffers = saved_facts(engine, folder)
+        mine = {"facts": facts}
     except Exception as exc:  # every rank learns of it below
         mine = {"error": f"{type(exc).__name__}: {exc}"}
     everyone = runtime.agreement.gather_from_every_rank(mine, "whether the checkpoint must be re-partitioned")
@@ -109,7 +111,7 @@ def prepare_load(engine, load_dir, tag, load_optimizer_states=True, load_module_
         "path": target,
         "seconds": outcome.get("seconds"),
         "converted": outcome.get("converted", False),
-        "buffers": facts[0]["buffers"],
+        "buffers": buffers,  # this rank's own read: buffers are not partitioned
     }
     return os.path.dirname(target), os.path.basename(target)
 
@@ -140,9 +142,10 @@ def universal_folder(conversion_dir, load_dir, tag):
 
 
 def saved_facts(engine, folder):
-    """What this rank needs to know of the checkpoint in ``folder``: its data-parallel world, its
-    shares against this optimizer's (``mismatch``), the module's buffers. Reads data-parallel rank
-    0's files, memory-mapped."""
+    """What this rank needs to know of the checkpoint in ``folder``: its data-parallel world and
+    shares against this optimizer's (``mismatch``; the facts every rank gathers), and the module's
+    saved buffers when they will be needed (kept by this rank). Reads data-parallel rank 0's files,
+    memory-mapped."""
     model_file = engine._get_ckpt_name(os.path.dirname(folder), os.path.basename(folder), pp_placeholder="0")
     if not os.path.isfile(model_file):
         raise FileNotFoundError(f"{model_file} does not exist")
@@ -158,15 +161,14 @@ def saved_facts(engine, folder):
         mismatch = not _layout_matches(engine.optimizer, optimizer_state, world)
     module = model_state.get("module") or {}
     buffer_names = {name for name, _ in engine.module.named_buffers()}
-    return {
+    buffers = {name: value.clone() for name, value in module.items() if name in buffer_names} if mismatch else {}
+    facts = {
         "saved_world": saved_world,
         "mismatch": bool(mismatch),
         "saved_shares": _saved_shares(optimizer_state),
         "shares": _current_shares(engine.optimizer, world),
-        "buffers": {name: value.clone() for name, value in module.items() if name in buffer_names}
-        if mismatch else {},
-        "stage": int(engine.zero_optimization_stage()),
     }
+    return facts, buffers
 
 
 def _load(path):
