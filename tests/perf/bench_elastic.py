@@ -50,10 +50,9 @@ def _continue(rank, world_size, folder, tag, steps):
                                                   "elastic_train.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    data = script.Samples()
+    data = script.samples()
     model = script.make_model()
-    config = script.config(world_size, folder, 10**6)
-    config["heterogeneous_config"]["elastic"] = {}  # no periodic saves into the job's folder
+    config = script.config(world_size)  # no periodic saves into the job's folder
     engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
                                                 training_data=data)
     printed = io.StringIO()
@@ -91,7 +90,7 @@ def main():
 
     import torch
     from references import adam_mse_reference
-    from test_elastic import BATCH, LR, RecordingDataset, effective_steps, make_model, run_elastic_job
+    from test_elastic import BATCH, LR, effective_steps, make_model, recording_dataset, run_elastic_job
 
     kill_at = random.Random(args.seed).randint(args.every + 1, args.steps - 2)
     with tempfile.TemporaryDirectory(prefix="bench-elastic-") as folder:
@@ -113,7 +112,7 @@ def main():
         steps_3 = sorted(e["time"] for e in events if e["kind"] == "step" and e["world"] == 3 and e["rank"] == 0)
         step_s = (steps_3[-1] - steps_3[0]) / max(1, len(steps_3) - 1)
         final = torch.load(out / "final.pt")
-        data = RecordingDataset()
+        data = recording_dataset()
         reference = adam_mse_reference(make_model(), data.inputs, data.targets, effective_steps(events), LR)
         tag, folder_ckpt = f"global_step{loaded_at}", str(out / "checkpoints")
         cases = [dict(folder=folder_ckpt, tag=tag, steps=args.steps)]

@@ -13,3 +13,21 @@ def adam_mse_reference(model, inputs, targets, step_indices, lr, optimizer_class
         torch.nn.functional.mse_loss(model(inputs[indices]), targets[indices]).backward()
         optimizer.step()
     return list(model.parameters())
+
+
+class RecordingDataset(torch.utils.data.Dataset):
+    """``samples`` deterministic (input, target) pairs of width ``width`` drawn with ``seed``;
+    records every index it hands out (``seen``), so a test can check what each rank was fed."""
+
+    def __init__(self, samples, width, seed):
+        generator = torch.Generator().manual_seed(seed)
+        self.inputs = torch.randn(samples, width, generator=generator)
+        self.targets = torch.randn(samples, width, generator=generator)
+        self.seen = []
+
+    def __len__(self):
+        return len(self.inputs)
+
+    def __getitem__(self, index):
+        self.seen.append(int(index))
+        return self.inputs[index], self.targets[index]

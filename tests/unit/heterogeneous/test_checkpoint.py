@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from harness import load_patchset, run_ranks, run_subcases
-from references import adam_mse_reference
+from references import RecordingDataset, adam_mse_reference
 
 from deepspeed.runtime.heterogeneous.checkpoint import check_positions_agree
 from deepspeed.runtime.heterogeneous.data.sampler import HeterogeneousBatchSampler, HeterogeneousDistributedSampler
@@ -201,21 +201,8 @@ def test_rebalancer_state_round_trip():
 # -- real runs --------------------------------------------------------------------------------
 
 
-class RecordingDataset(torch.utils.data.Dataset):
-    """Deterministic samples; records every index it hands out."""
-
-    def __init__(self):
-        generator = torch.Generator().manual_seed(3)
-        self.inputs = torch.randn(SAMPLES, WIDTH, generator=generator)
-        self.targets = torch.randn(SAMPLES, WIDTH, generator=generator)
-        self.seen = []
-
-    def __len__(self):
-        return SAMPLES
-
-    def __getitem__(self, index):
-        self.seen.append(int(index))
-        return self.inputs[index], self.targets[index]
+def recording_dataset():
+    return RecordingDataset(SAMPLES, WIDTH, seed=3)
 
 
 def make_model():
@@ -242,7 +229,7 @@ def _train(rank, world_size, config, steps, save=None, load=None, reschedule_at=
     the parameters."""
     import deepspeed
 
-    dataset = RecordingDataset()
+    dataset = recording_dataset()
     model = make_model()
     engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
                                                 training_data=dataset)
@@ -279,7 +266,7 @@ def _global_steps(per_rank):
 
 
 def _reference(step_indices):
-    dataset = RecordingDataset()
+    dataset = recording_dataset()
     return adam_mse_reference(make_model(), dataset.inputs, dataset.targets, step_indices, LR)
 
 
@@ -361,7 +348,7 @@ def _save_fp16(rank, world_size, stage, fork, out):
         config["train_micro_batch_size_per_gpu"] = BATCH // world_size
     model = make_model()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    dataset = RecordingDataset()
+    dataset = recording_dataset()
     size = engine.train_micro_batch_size_per_gpu()
     for step in range(3):
         inputs, targets = dataset.inputs[:size].half(), dataset.targets[:size].half()

@@ -29,63 +29,28 @@ import torch
 from harness import REPO_ROOT, fork_environment, free_port, run_subcases
 from references import adam_mse_reference
 
-WIDTH = 16
-SAMPLES = 96  # one epoch = 12 steps of 8 samples
-BATCH = 8
-LR = 1e-2
+ELASTIC_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "elastic_train.py"
+
+
+def _load_script():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("elastic_train", ELASTIC_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+script = _load_script()
+WIDTH, SAMPLES, BATCH, LR = script.WIDTH, script.SAMPLES, script.BATCH, script.LR  # one epoch = 12 steps of 8
 SAVE_AT = 3
 STEPS = 7
-PLANS = {3: ([4, 3, 1], [0.5, 0.3, 0.2]), 2: ([6, 2], [0.7, 0.3]), 4: ([3, 2, 2, 1], [0.4, 0.3, 0.2, 0.1])}
-
-
-class RecordingDataset(torch.utils.data.Dataset):
-    """Deterministic samples; records every index it hands out."""
-
-    def __init__(self):
-        generator = torch.Generator().manual_seed(5)
-        self.inputs = torch.randn(SAMPLES, WIDTH, generator=generator)
-        self.targets = torch.randn(SAMPLES, WIDTH, generator=generator)
-        self.seen = []
-
-    def __len__(self):
-        return SAMPLES
-
-    def __getitem__(self, index):
-        self.seen.append(int(index))
-        return self.inputs[index], self.targets[index]
-
-
-class CountingModel(torch.nn.Module):
-    """An MLP with a buffer, ``forwards`` (training forwards so far), that a load must restore: a
-    universal load restores parameters only."""
-
-    def __init__(self):
-        super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(WIDTH, 64), torch.nn.Tanh(), torch.nn.Linear(64, WIDTH))
-        self.register_buffer("forwards", torch.zeros(()))
-
-    def forward(self, inputs):
-        if self.training:
-            self.forwards += 1
-        return self.net(inputs)
-
-
-def make_model():
-    torch.manual_seed(20261205)
-    return CountingModel()
+PLANS = {world: script.PLANS[world] for world in (2, 3, 4)}
+make_model = script.make_model
+recording_dataset = script.samples
 
 
 def elastic_config(world_size, stage, repartition=True):
-    sizes, shares = PLANS[world_size]
-    return {
-        "train_batch_size": BATCH,
-        "steps_per_print": 1000,
-        "optimizer": {"type": "Adam", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}},
-        "zero_optimization": {"stage": stage},
-        "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "manual", "micro_batch_sizes": sizes,
-                                 "mixed_precision_support": "fp32", "elastic": {"repartition": repartition}},
-        "heterogeneous_memory": {"zero_partitions": shares},
-    }
+    return script.config(world_size, stage, {"repartition": repartition})
 
 
 def _train(rank, world_size, stage, folder, save=False, load=False, repartition=True):
@@ -95,7 +60,7 @@ def _train(rank, world_size, stage, folder, save=False, load=False, repartition=
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param
 
-    dataset = RecordingDataset()
+    dataset = recording_dataset()
     model = make_model()
     engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                 config=elastic_config(world_size, stage, repartition),
@@ -147,7 +112,7 @@ def test_a_checkpoint_of_three_ranks_resumes_on_two_and_four_exactly(tmp_path):
         if world == 2:
             for rank_result in runs[-1]:
                 assert "DP world size of 3 but the current world size is 2" in rank_result.get("error", ""), rank_result
-    dataset = RecordingDataset()
+    dataset = recording_dataset()
     for stage, uninterrupted in zip(stages, saved):
         steps = _steps(uninterrupted)
         fed = [i for step in steps for i in step]
@@ -190,7 +155,7 @@ def _periodic(rank, world_size, folder, decoupled, load=False):
     config["heterogeneous_config"]["elastic"]["checkpoint"] = {"dir": folder, "every_steps": 3, "keep_last": 1}
     if decoupled:
         config["checkpoint"] = {"writer": {"decoupled": True, "type": "PYTHON", "data_parallel": "REPLICA"}}
-    dataset = RecordingDataset()
+    dataset = recording_dataset()
     model = make_model()
     engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
                                                 training_data=dataset)
@@ -231,9 +196,6 @@ def test_periodic_checkpoints_publish_latest_once_complete_and_refuse_the_decoup
 
 
 # -- a node lost under torchrun ---------------------------------------------------------------------
-
-ELASTIC_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "elastic_train.py"
-
 
 def run_elastic_job(out, steps=10, every=2, kill_at=5, step_sleep=0.0, timeout=420):
     """Three torchrun agents of one elastic job (``--nnodes 2:3``, one worker each, c10d rendezvous
@@ -332,7 +294,7 @@ def test_a_lost_node_ends_the_job_on_the_survivors_exactly(tmp_path):
     assert redone == sorted(i for e in events if e["kind"] == "step" and e["world"] == 3 and e["step"] == 5
                             for i in e["fed"]), first.keys()
     final = torch.load(tmp_path / "final.pt")
-    dataset = RecordingDataset()
+    dataset = recording_dataset()
     reference = adam_mse_reference(make_model(), dataset.inputs, dataset.targets, steps, LR)
     for got, want in zip(final["params"], reference):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

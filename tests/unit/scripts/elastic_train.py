@@ -25,44 +25,52 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/unit: the shared dataset
+from references import RecordingDataset  # noqa: E402
 
 WIDTH, SAMPLES, BATCH, LR = 16, 96, 8, 1e-2
 PLANS = {1: ([8], None), 2: ([6, 2], [0.7, 0.3]), 3: ([4, 3, 1], [0.5, 0.3, 0.2]),
          4: ([3, 2, 2, 1], [0.4, 0.3, 0.2, 0.1])}
 
 
-class Samples(torch.utils.data.Dataset):
-    """Deterministic samples; records the indices it hands out."""
+def samples():
+    """Deterministic samples; the dataset records the indices it hands out."""
+    return RecordingDataset(SAMPLES, WIDTH, seed=5)
+
+
+class CountingModel(torch.nn.Module):
+    """An MLP with a buffer, ``forwards`` (training forwards so far), that a load must restore: a
+    universal load restores parameters only."""
 
     def __init__(self):
-        generator = torch.Generator().manual_seed(5)
-        self.inputs = torch.randn(SAMPLES, WIDTH, generator=generator)
-        self.targets = torch.randn(SAMPLES, WIDTH, generator=generator)
-        self.seen = []
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(WIDTH, 64), torch.nn.Tanh(), torch.nn.Linear(64, WIDTH))
+        self.register_buffer("forwards", torch.zeros(()))
 
-    def __len__(self):
-        return SAMPLES
-
-    def __getitem__(self, index):
-        self.seen.append(int(index))
-        return self.inputs[index], self.targets[index]
+    def forward(self, inputs):
+        if self.training:
+            self.forwards += 1
+        return self.net(inputs)
 
 
 def make_model():
     torch.manual_seed(20261205)
-    return torch.nn.Sequential(torch.nn.Linear(WIDTH, 64), torch.nn.Tanh(), torch.nn.Linear(64, WIDTH))
+    return CountingModel()
 
 
-def config(world_size, folder, every):
+def config(world_size, stage=2, elastic=None):
+    """ZeRO-``stage`` Adam, fp32, this world's plan and memory shares; ``elastic``: the
+    ``heterogeneous_config.elastic`` block."""
     sizes, shares = PLANS[world_size]
     heterogeneous = {"enabled": True, "load_balancing_strategy": "manual", "micro_batch_sizes": sizes,
-                     "mixed_precision_support": "fp32",
-                     "elastic": {"checkpoint": {"dir": folder, "every_steps": every, "keep_last": 0}}}
+                     "mixed_precision_support": "fp32", "elastic": elastic or {}}
     return {"train_batch_size": BATCH, "steps_per_print": 1000, "gradient_clipping": 0.0,
             "optimizer": {"type": "Adam", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}},
-            "zero_optimization": {"stage": 2}, "heterogeneous_config": heterogeneous,
+            "zero_optimization": {"stage": stage}, "heterogeneous_config": heterogeneous,
             "heterogeneous_memory": {"zero_partitions": shares or "even"}}
 
 
@@ -92,10 +100,12 @@ def main():
         events.flush()
 
     event("start", began=began)
-    data = Samples()
+    data = samples()
     model = make_model()
     engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                config=config(world, folder, args.every), training_data=data)
+                                                config=config(world, elastic={"checkpoint": {
+                                                    "dir": folder, "every_steps": args.every, "keep_last": 0}}),
+                                                training_data=data)
     if os.path.isfile(os.path.join(folder, "latest")):
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
