@@ -53,7 +53,17 @@ def elastic_config(world_size, stage, repartition=True):
     return script.config(world_size, stage, {"repartition": repartition})
 
 
-def _train(rank, world_size, stage, folder, save=False, load=False, repartition=True):
+def portable_config(stage):
+    """A config that names no rank: compute_aware plans and memory-proportional shares decided from
+    the devices present, as an elastic job should use (docs/elastic.md)."""
+    return {"train_batch_size": BATCH, "steps_per_print": 1000, "gradient_clipping": 0.0,
+            "optimizer": {"type": "Adam", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}},
+            "zero_optimization": {"stage": stage},
+            "heterogeneous_config": {"enabled": True, "mixed_precision_support": "fp32", "profile_steps": 2},
+            "heterogeneous_memory": {"enabled": True, "zero_partitions": "auto"}}
+
+
+def _train(rank, world_size, stage, folder, save=False, load=False, repartition=True, portable=False):
     """Steps 1..STEPS on 3 ranks, saving after SAVE_AT (``save``), or from the checkpoint to STEPS
     on this world (``load``). Returns each step's fed indices, the printed load line and the full
     fp32 parameters."""
@@ -63,7 +73,8 @@ def _train(rank, world_size, stage, folder, save=False, load=False, repartition=
     dataset = recording_dataset()
     model = make_model()
     engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                config=elastic_config(world_size, stage, repartition),
+                                                config=portable_config(stage) if portable else
+                                                elastic_config(world_size, stage, repartition),
                                                 training_data=dataset)
     printed = ""
     if load:
@@ -139,6 +150,27 @@ def test_a_checkpoint_of_three_ranks_resumes_on_two_and_four_exactly(tmp_path):
             # The first world converts the tag; the second loads the same universal folder.
             assert ("converted in" if world == 2 else "converted by an earlier load") in line, line
             assert all(r["printed"] == "" for r in per_rank[1:]), "one rank prints"
+
+
+@pytest.mark.multiprocess
+def test_a_config_that_names_no_rank_resumes_on_another_world_exactly(tmp_path):
+    """compute_aware and memory shares from the devices: saved on 3 ranks, resumed on 2; the plan
+    and shares are whatever the devices give (timing), so the check is the reference on the samples
+    fed and that each was fed once."""
+    folder = str(tmp_path / "portable")
+    (saved, ) = run_subcases(_train, [dict(stage=2, folder=folder, save=True, portable=True)], world_size=3,
+                             timeout=600)
+    (resumed, ) = run_subcases(_train, [dict(stage=2, folder=folder, load=True, portable=True)], world_size=2,
+                               timeout=600)
+    assert "re-partitioned" in resumed[0]["printed"] or "saved on 3 ranks" in resumed[0]["printed"], resumed[0]
+    steps = _steps(saved)[:SAVE_AT] + _steps(resumed)
+    fed = [i for step in steps for i in step]
+    assert len(steps) == STEPS and len(fed) == len(set(fed)) == STEPS * BATCH
+    dataset = recording_dataset()
+    reference = adam_mse_reference(make_model(), dataset.inputs, dataset.targets, steps, LR)
+    for rank_result in resumed:
+        for got, want in zip(rank_result["params"], reference):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
 # -- periodic checkpoints with upstream's decoupled writer -----------------------------------------
