@@ -249,8 +249,8 @@ class HeterogeneousRuntime:
         here, after an optimizer step, when one is due."""
         if self._step_completed:
             self._step_completed = False
-            if self.periodic is not None:
-                self.periodic.after_step(self.engine)
+            if self.periodic is not None and self.periodic.after_step(self.engine):
+                self.timer.restart()  # the save is no step's time: the next step's wall starts now
 
     # -- the heterogeneous profiler -----------------------------------------------------------
 

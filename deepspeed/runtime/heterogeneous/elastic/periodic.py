@@ -89,6 +89,7 @@ class PeriodicCheckpoints:
         self.last_step, self.last_time, self.next_check = step, time.perf_counter(), None
 
     def after_step(self, engine):
+        """Save when a checkpoint is due after the step ``engine`` just completed; whether it saved."""
         step = engine.global_steps
         if self.last_step is None and engine.checkpoint_engine.is_decoupled():  # the same on every rank
             raise ValueError("heterogeneous_config.elastic.checkpoint saves synchronously and publishes 'latest' once "
@@ -96,8 +97,10 @@ class PeriodicCheckpoints:
                              "whose writes finish later. Drop one of them")
         if self.last_step is None or step < self.last_step:  # the first step, or a checkpoint loaded
             self.restart_clock(step - 1)
-        if self._due(step):
-            self.save(engine, step)
+        if not self._due(step):
+            return False
+        self.save(engine, step)
+        return True
 
     def _due(self, step):
         every_steps, every_seconds = self.settings.every_steps, self.settings.every_seconds
