@@ -175,7 +175,7 @@ def test_a_config_that_names_no_rank_resumes_on_another_world_exactly(tmp_path):
 
 # -- periodic checkpoints with upstream's decoupled writer -----------------------------------------
 
-def _periodic(rank, world_size, folder, decoupled, load=False):
+def _periodic(rank, world_size, folder, decoupled, load=False, every_seconds=None):
     """ZeRO-2 on [6, 2], saving every 3 steps by itself; records what ``latest`` names after each
     step. ``load``: resume from ``latest`` and train to STEPS."""
     import os
@@ -184,7 +184,9 @@ def _periodic(rank, world_size, folder, decoupled, load=False):
     from deepspeed.utils import safe_get_full_fp32_param
 
     config = elastic_config(world_size, 2)
-    config["heterogeneous_config"]["elastic"]["checkpoint"] = {"dir": folder, "every_steps": 3, "keep_last": 1}
+    config["heterogeneous_config"]["elastic"]["checkpoint"] = (
+        {"dir": folder, "every_steps": 3, "keep_last": 1} if every_seconds is None else
+        {"dir": folder, "every_seconds": every_seconds, "keep_last": 1})
     if decoupled:
         config["checkpoint"] = {"writer": {"decoupled": True, "type": "PYTHON", "data_parallel": "REPLICA"}}
     dataset = recording_dataset()
@@ -215,9 +217,13 @@ def test_periodic_checkpoints_publish_latest_once_complete_and_refuse_the_decoup
     folder = str(tmp_path / "sync")
     # Upstream's decoupled writer reads the machine count and rank the deepspeed launcher exports.
     launcher_env = {"CROSS_SIZE": "1", "CROSS_RANK": "0"}
-    cases = [dict(folder=folder, decoupled=False), dict(folder=str(tmp_path / "decoupled"), decoupled=True)]
-    saved, refused = run_subcases(_periodic, cases, world_size=2, timeout=600, env=launcher_env)
+    cases = [dict(folder=folder, decoupled=False), dict(folder=str(tmp_path / "decoupled"), decoupled=True),
+             dict(folder=str(tmp_path / "timed"), decoupled=False, every_seconds=1e-6)]
+    saved, refused, timed = run_subcases(_periodic, cases, world_size=2, timeout=600, env=launcher_env)
     assert saved[0]["latest"] == [None, None] + ["global_step3"] * 3 + ["global_step6"] * 2
+    # By time: a period shorter than any step, agreed at every boundary: a save after each step.
+    assert timed[0]["latest"] == [f"global_step{step}" for step in range(1, STEPS + 1)], timed[0]["latest"]
+    assert [t for t in timed[0]["tags"] if t.startswith("global_step")] == [f"global_step{STEPS}"]
     assert [t for t in saved[0]["tags"] if t.startswith("global_step")] == ["global_step6"], saved[0]
     for rank_result in refused:
         assert "cannot be used with checkpoint.writer.decoupled: true" in rank_result.get("error", ""), rank_result
