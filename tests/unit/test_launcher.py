@@ -86,8 +86,8 @@ def test_invalid_fork_block_stops_the_launch_with_one_line(tmp_path, config_args
     assert code == 2, err
     failure = [line for line in err.splitlines() if line.startswith("deepspeed: invalid DeepSpeed config")]
     assert failure == [f"deepspeed: invalid DeepSpeed config {config}: heterogeneous_config.profile_step: unknown key "
-                       "'profile_step'; did you mean 'profile_steps'? allowed keys: check_fed_batch, communication, emulation, enabled, "
-                       "load_balancing_strategy, loss_items, "
+                       "'profile_step'; did you mean 'profile_steps'? allowed keys: check_fed_batch, communication, "
+                       "elastic, emulation, enabled, load_balancing_strategy, loss_items, "
                        "micro_batch_sizes, mixed_precision_support, pipeline, profile_steps, resplit_fed_batches, "
                        "return_outputs, scheduler"]
     assert (out + err).count("profile_step: unknown key") == 1
