@@ -190,33 +190,41 @@ def gradient_bytes():
     return 4 * sum(p.numel() for p in GPT(GPTConfig.bench(), seed=0).parameters())
 
 
+def launch_answering_marks(cluster, script, args, out, read_counters, timeout):
+    """Run ``script`` with the deepspeed launcher on every host of ``cluster`` while this thread
+    answers each ``<out>/mark-<name>`` file the ranks write with ``read_counters(host)`` for every
+    host (then ``ack-<name>``); returns ``(marks, run)``: the counters by mark name and the launch."""
+    import harness
+
+    marks, holder = {}, {}
+    launcher = threading.Thread(target=lambda: holder.update(run=cluster.launch_deepspeed(
+        script, args, env=harness.fork_environment(), timeout=timeout, master_port=harness.free_port(),
+        cwd=REPO)), daemon=True)
+    launcher.start()
+    while launcher.is_alive():
+        for path in sorted(out.glob("mark-*")):
+            name = path.name[len("mark-"):]
+            if name not in marks:
+                marks[name] = [read_counters(host) for host in range(len(cluster.specs))]
+                (out / f"ack-{name}").write_text("")
+        time.sleep(0.005)
+    return marks, holder.get("run")
+
+
 def run_scenario(scenario, stages, repeats, warmup, short, long, timeout=900):
     """Launch comm_train.py across the emulated hosts; answer its marks with the link counters."""
     import tempfile
 
     import emulated_cluster as ec
-    import harness
 
     specs = [ec.HostSpec(ranks=r, rate_mbit=rate) for r, rate in zip(scenario.ranks, scenario.rates_mbit)]
-    marks = {}
     with tempfile.TemporaryDirectory(prefix="bench_communication_") as folder, ec.EmulatedCluster(specs) as cluster:
         out = Path(folder)
         args = ["--out", out, "--stages", ",".join(map(str, stages)), "--repeats", repeats, "--micro-batch",
                 MICRO_BATCH, "--warmup", warmup, "--short", short, "--long", long]
         launched = time.time()
-        holder = {}
-        launcher = threading.Thread(target=lambda: holder.update(run=cluster.launch_deepspeed(
-            TRAIN, args, env=harness.fork_environment(), timeout=timeout, master_port=harness.free_port(),
-            cwd=REPO)), daemon=True)
-        launcher.start()
-        while launcher.is_alive():
-            for path in sorted(out.glob("mark-*")):
-                name = path.name[len("mark-"):]
-                if name not in marks:
-                    marks[name] = [cluster.link_counters(h).total for h in range(len(specs))]
-                    (out / f"ack-{name}").write_text("")
-            time.sleep(0.005)
-        run = holder.get("run")
+        marks, run = launch_answering_marks(cluster, TRAIN, args, out, lambda h: cluster.link_counters(h).total,
+                                            timeout)
         if run is None or not run.ok:
             raise RuntimeError(f"{scenario.name}: the training run failed:\n"
                                f"{run.describe() if run else 'no result'}")

@@ -126,6 +126,7 @@ def main():
         "detect_rendezvous_spawn_s": restart - kill["time"],
         "startup_and_load_s": load_end - restart, "conversion_s": conversion["seconds"],
         "redo_s": redo_end - load_end, "recovered_s": redo_end - kill["time"],
+        "recovered_in_steps_on_3": (redo_end - kill["time"]) / step_s,
         "each_sample_once_per_epoch": set(fed.values()) == {args.steps * BATCH // 96} and len(fed) == 96,
         "max_abs_diff_vs_adam_reference": _max_diff(final["params"], [p.detach() for p in reference]),
         "max_abs_diff_vs_run_changed_at_checkpoint": _max_diff(final["params"], on_two[0]["params"]),
@@ -135,7 +136,8 @@ def main():
     }
     print(f"elastic: 3 agents, ZeRO-2 [4, 3, 1], checkpoint every {args.every} steps, {args.steps} steps, "
           f"+{args.step_sleep} s per step; the third agent killed after step {kill['step']}")
-    print(f"  recovered in {row['recovered_s']:.1f} s: detection + rendezvous + spawn "
+    print(f"  recovered in {row['recovered_s']:.1f} s ({row['recovered_in_steps_on_3']:.0f} steps' time on 3 ranks): "
+          f"detection + rendezvous + spawn "
           f"{row['detect_rendezvous_spawn_s']:.1f} s, start-up + load {row['startup_and_load_s']:.1f} s (conversion "
           f"{row['conversion_s']:.1f} s), {redone} step(s) redone in {row['redo_s']:.1f} s "
           f"(a step took {step_s:.2f} s on 3 ranks)")

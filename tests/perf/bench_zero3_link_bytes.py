@@ -75,14 +75,13 @@ import json
 import os
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "tests" / "unit"), str(REPO / "scripts"), str(REPO / "tests" / "perf")]
 
-from bench_communication import gradient_bytes, step_bytes  # noqa: E402
+from bench_communication import gradient_bytes, launch_answering_marks, step_bytes  # noqa: E402
 from zero3_link_bytes_rank import CONFIGS  # noqa: E402
 
 RANK_SCRIPT = REPO / "tests" / "perf" / "zero3_link_bytes_rank.py"
@@ -183,29 +182,19 @@ def derived(zero3, collectives):
 def launch(configs, sizes, warmup, short, long, timeout=600):
     """Run the rank script across 2 emulated hosts x 2 ranks; answer its marks with the counters."""
     import emulated_cluster as ec
-    import harness
 
     specs = [ec.HostSpec(ranks=ranks, rate_mbit=RATE_MBIT) for ranks in RANKS]
-    marks = {}
     with tempfile.TemporaryDirectory(prefix="bench_zero3_link_bytes_") as folder, \
             ec.EmulatedCluster(specs) as cluster:
         out = Path(folder)
         args = ["--out", out, "--configs", ",".join(configs), "--sizes", ",".join(map(str, sizes)),
                 "--micro-batch", MICRO_BATCH, "--warmup", warmup, "--short", short, "--long", long]
-        holder = {}
-        launcher = threading.Thread(target=lambda: holder.update(run=cluster.launch_deepspeed(
-            RANK_SCRIPT, args, env=harness.fork_environment(), timeout=timeout, master_port=harness.free_port(),
-            cwd=REPO)), daemon=True)
-        launcher.start()
-        while launcher.is_alive():
-            for path in sorted(out.glob("mark-*")):
-                name = path.name[len("mark-"):]
-                if name not in marks:
-                    counters = [cluster.link_counters(h) for h in range(len(specs))]
-                    marks[name] = [(c.sent, c.received) for c in counters]
-                    (out / f"ack-{name}").write_text("")
-            time.sleep(0.005)
-        run = holder.get("run")
+
+        def counters(host):
+            link = cluster.link_counters(host)
+            return link.sent, link.received
+
+        marks, run = launch_answering_marks(cluster, RANK_SCRIPT, args, out, counters, timeout)
         if run is None or not run.ok:
             raise RuntimeError(f"the run failed:\n{run.describe() if run else 'no result'}")
         ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(sum(RANKS))]

@@ -91,6 +91,8 @@ def train(args, out, stage, mode, repeat, rank, world_size):
     for index in range(args.warmup, args.warmup + args.short):
         step(index)
     mark(out, f"{tag}-b")
+    # The runtime times collectives only in phases that read the clock; a uniform run is static.
+    comm_clock.enable()
     started, comm_started = time.perf_counter(), comm_clock.seconds_in_collectives()
     for index in range(args.warmup + args.short, steps):
         step(index)
