@@ -83,7 +83,6 @@ class PeriodicCheckpoints:
         self.last_step = None  # the step of the last save (or of the first step seen)
         self.last_time = None
         self.next_check = None
-        self.saved = []  # the tags this process saved
 
     def restart_clock(self, step):
         self.last_step, self.last_time, self.next_check = step, time.perf_counter(), None
@@ -121,7 +120,6 @@ class PeriodicCheckpoints:
         folder = self.settings.dir
         tag = f"{TAG_PREFIX}{step}"
         engine.save_checkpoint(folder, tag=tag, save_latest=False)
-        self.saved.append(tag)
         self.restart_clock(step)
         self.agreement.barrier(f"every rank's files of checkpoint {tag}")
         if dist.get_rank() != 0:

@@ -46,7 +46,6 @@ UNIVERSAL_SUFFIX = ".universal"
 beside the tag, not inside it, since upstream's converter reads a tag's folder recursively."""
 DONE_FILE = "deepspeed_hetero_conversion.json"
 """Written into the universal folder last: what was converted, and in how many seconds."""
-RECORD_KEY = "deepspeed_hetero"
 
 
 class ElasticLoadError(RuntimeError):
