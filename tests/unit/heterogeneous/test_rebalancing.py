@@ -240,8 +240,10 @@ def train(rank, world_size, speeds, schedule, steps, die_at=None, stage=1, dying
         if step == die_at and rank == dying_rank == 1:
             os._exit(23)  # killed at a check: the other rank is left in the gather
         if step == die_at and rank == dying_rank == 0:
-            # Killed while deciding, after the gather: rank 1 is left waiting for the broadcast.
-            runtime.decisions.rebalancer.check = lambda *args: os._exit(24)
+            # Killed while deciding, after the gather: rank 1 is left waiting for the broadcast. (The
+            # whole decision, not only the rebalancer's check: when profiling switched the plan, the
+            # check at step 7 judges that switch and may revert it without asking the rebalancer.)
+            runtime.decisions.at_check = lambda *args: os._exit(24)
         engine.step()
         seen.append(index.tolist())
         plans.append(list(engine.heterogeneous_plan.micro_batch_sizes))
