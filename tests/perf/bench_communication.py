@@ -211,8 +211,9 @@ def launch_answering_marks(cluster, script, args, out, read_counters, timeout):
     return marks, holder.get("run")
 
 
-def run_scenario(scenario, stages, repeats, warmup, short, long, timeout=900):
-    """Launch comm_train.py across the emulated hosts; answer its marks with the link counters."""
+def run_scenario(scenario, stages, repeats, warmup, short, long, timeout=900, micro_batch=MICRO_BATCH, extra=()):
+    """Launch comm_train.py across the emulated hosts; answer its marks with the link counters.
+    ``extra``: more comm_train.py arguments (``--modes``, ``--reduce-bucket``)."""
     import tempfile
 
     import emulated_cluster as ec
@@ -221,7 +222,7 @@ def run_scenario(scenario, stages, repeats, warmup, short, long, timeout=900):
     with tempfile.TemporaryDirectory(prefix="bench_communication_") as folder, ec.EmulatedCluster(specs) as cluster:
         out = Path(folder)
         args = ["--out", out, "--stages", ",".join(map(str, stages)), "--repeats", repeats, "--micro-batch",
-                MICRO_BATCH, "--warmup", warmup, "--short", short, "--long", long]
+                micro_batch, "--warmup", warmup, "--short", short, "--long", long, *extra]
         launched = time.time()
         marks, run = launch_answering_marks(cluster, TRAIN, args, out, lambda h: cluster.link_counters(h).total,
                                             timeout)

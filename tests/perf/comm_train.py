@@ -4,8 +4,9 @@
 Started by the real ``deepspeed`` launcher on every emulated host (``scripts/emulated_cluster.py``).
 For every ZeRO stage in ``--stages`` and every repeat, it builds one engine per reduction mode
 (``--modes``, default ``flat,hier``; ``flat``: ``communication.hierarchical_reduction: false``,
-upstream's one flat all-reduce; ``hier``: ``"auto"``, the fork's default on several hosts; ``off``:
-the fork disabled, upstream itself), alternating which mode goes first, and
+upstream's one flat all-reduce; ``hier``: ``"auto"``, the fork's default on several hosts, with
+``overlap: "auto"``; ``sync``: the same with ``overlap: false``; ``off``: the fork disabled,
+upstream itself), alternating which mode goes first, and
 trains each from the same initial weights on the same samples:
 
     warm-up steps | mark a | SHORT steps | mark b | LONG steps | mark c
@@ -63,8 +64,10 @@ def train(args, out, stage, mode, repeat, rank, world_size):
     build_started = time.perf_counter()
     model = GPT(GPTConfig.bench(), seed=0)
     global_batch = args.micro_batch * world_size
-    communication = {"hierarchical_reduction": False if mode == "flat" else "auto"}
-    config = {"train_batch_size": global_batch, "steps_per_print": 10**6, "zero_optimization": {"stage": stage},
+    communication = {"hierarchical_reduction": False if mode == "flat" else "auto",
+                     "overlap": False if mode == "sync" else "auto"}
+    zero = {"stage": stage, **({"reduce_bucket_size": args.reduce_bucket} if args.reduce_bucket else {})}
+    config = {"train_batch_size": global_batch, "steps_per_print": 10**6, "zero_optimization": zero,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
               "heterogeneous_config": {"enabled": mode != "off", "load_balancing_strategy": "uniform",
                                        "mixed_precision_support": "fp32", "communication": communication}}
@@ -105,6 +108,7 @@ def train(args, out, stage, mode, repeat, rank, world_size):
         params = [p.detach().clone() for p in engine.module.parameters()]
     result = {"build_seconds": build_seconds, "seconds": seconds, "comm_seconds": comm_seconds, "long_steps": args.long,
               "hierarchical": reducer is not None,
+              "overlapped": reducer is not None and reducer.background is not None,
               "scheme": None if reducer is None else ("sharded" if reducer.layout.even else "through host leaders"),
               "losses": losses}
     engine.destroy()
@@ -124,8 +128,11 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--stages", default="1,2")
     parser.add_argument("--modes", default="flat,hier",
-                        help="flat, hier, off (the fork disabled: upstream itself; its collectives are timed only "
-                             "after a fork engine was built in the process)")
+                        help="flat, hier (overlap \"auto\"), sync (hier with overlap false), off (the fork "
+                             "disabled: upstream itself; its collectives are timed only after a fork engine was "
+                             "built in the process)")
+    parser.add_argument("--reduce-bucket", type=int, default=0,
+                        help="zero_optimization.reduce_bucket_size (0: the fork's link-aware size)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
@@ -152,6 +159,9 @@ def main():
             if "flat" in params and "hier" in params:
                 diff, scale = max_difference(params["flat"], params["hier"])
                 result["runs"][f"zero{stage}-hier-r{repeat}"].update(max_param_diff=diff, max_param=scale)
+            if "sync" in params and "hier" in params:
+                result["runs"][f"zero{stage}-hier-r{repeat}"].update(
+                    bitwise_vs_sync=all(torch.equal(a, b) for a, b in zip(params["sync"], params["hier"])))
     result["times"]["done"] = time.time()
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     deepspeed.comm.barrier()

@@ -40,6 +40,7 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
+from . import overlap
 from .host_groups import (group_layout, host_ranges, pack, piece, piece_elements_for, ranges_numel,
                           reduction_decision, scatter_into, shard_size, unpack)
 
@@ -68,6 +69,7 @@ class HierarchicalReducer:
         if piece_elements is not None and piece_elements < 1:
             raise ValueError(f"piece_elements must be a positive number of elements or None, got {piece_elements}")
         self.piece_elements = piece_elements
+        self.background = None  # overlap.BackgroundReduction while ZeRO-1/2 buckets overlap the backward
         self.layout = group_layout(hosts)
         self.group = group
         self.compress = COMPRESSION_DTYPES[compress] if compress else None
@@ -246,6 +248,8 @@ def all_reduce(tensor, group=None, owners=None):
         return dist.all_reduce(tensor, group=group)
     if owners is None:
         reducer.all_reduce(tensor)
+    elif reducer.background is not None and reducer.background.mode is not None:
+        reducer.background.intercept(tensor, owners)  # a bucket captured for, or replayed from, the background
     else:
         reducer.reduce_to_owners(tensor, owners)
 
@@ -329,6 +333,9 @@ def attach(engine):
     if not active:
         if note and (communication.hierarchical_reduction is True or communication.compress_inter_host):
             logger.warning(f"heterogeneous_config.communication: hierarchical reduction not in force: {note}")
+        if previous is not None:
+            overlap.attach(previous, False, None)  # stop its worker
+        overlap.overlap_decision(communication.overlap, None, engine.optimizer)  # true here is an error
         return None
     compress = communication.compress_inter_host
     topology = getattr(state, "topology", None)
@@ -340,6 +347,7 @@ def attach(engine):
     else:
         reducer = HierarchicalReducer(hosts, group=group, compress=compress, piece_elements=pieces)
     _reducers[group] = reducer
+    overlap_note = overlap.attach(reducer, communication.overlap, engine.optimizer)
     if dist.get_rank() == 0:
         layout = reducer.layout
         stage = engine.zero_optimization_stage()
@@ -349,5 +357,9 @@ def attach(engine):
         # Printed like the plan (runtime.log_plan): a default run shows WARNING and above only.
         print(f"[deepspeed-hetero] hierarchical gradient reduction over {layout.num_hosts} hosts "
               f"{[list(m) for m in layout.host_members]} ({scheme}"
-              f"{', inter-host step in ' + compress if compress else ''})", flush=True)
+              f"{', inter-host step in ' + compress if compress else ''}"
+              f"{', overlapped with the backward' if reducer.background is not None else ''})", flush=True)
+        if overlap_note and communication.overlap == "auto" and stage in (1, 2):
+            print(f"[deepspeed-hetero] gradient buckets reduced after each other, not overlapped: {overlap_note}",
+                  flush=True)
     return reducer

@@ -116,6 +116,12 @@ class CommunicationConfig(DeepSpeedConfigModel):
     """Send the inter-host step of the hierarchical reduction in bf16 or fp16 (in-host steps stay in
     the gradient's dtype). Not exact: the sum between hosts is rounded to 8 (bf16) or 11 (fp16)
     mantissa bits. Needs hierarchical_reduction in force."""
+    overlap: AutoOrBool = "auto"
+    """ZeRO-1/2: each full gradient bucket's hierarchical reduction runs in a background thread
+    while the backward goes on; the step waits only for the buckets still on the wire when it ends
+    (``comm/overlap.py``). Bitwise equal to the reduction without overlap. ``auto``: on wherever
+    the hierarchical reduction is in force for ZeRO-1/2 and the buckets can be captured exactly;
+    ``true`` where it cannot apply is an error naming why."""
     link_aware_buckets: AutoOrBool = "auto"
     """ZeRO's gradient bucket size from the slowest measured inter-host link
     (``comm/link_buckets.py``) instead of upstream's one default for every link; the same size on

@@ -146,11 +146,21 @@ def _group_ranks(group):
         return dist.get_all_ranks_from_group(group)
 
 
-class Recorder:
-    """Appends every collective this process issues to ``entries`` while it is the listener."""
+class Entries(list):
+    """The main thread's collectives; ``background``: the background worker's, in its order."""
 
     def __init__(self):
-        self.entries = []
+        super().__init__()
+        self.background = []
+
+
+class Recorder:
+    """Appends every collective this process issues to ``entries`` while it is the listener; those
+    of a background worker (``comm/overlap.py``) to ``entries.background``: each thread's sequence is
+    the same on every rank, their interleaving is not."""
+
+    def __init__(self):
+        self.entries = Entries()
 
     def __call__(self, func, args, kwargs):
         try:
@@ -164,7 +174,7 @@ class Recorder:
         except Exception as exc:  # the collective must still run: a rank that skipped it would hang its peers
             entry = Collective(func.__name__, (), (), (("unrecorded", f"{type(exc).__name__}: {exc}"), ), False)
         with _lock:
-            self.entries.append(entry)
+            (self.entries.background if comm_clock.in_background_thread() else self.entries).append(entry)
 
 
 @contextmanager

@@ -36,6 +36,7 @@ class _Clock(threading.local):
         self.total = 0.0
         self.depth = 0
         self.entered = 0.0
+        self.background = False  # a worker thread's collectives: no dilation, no device synchronisation
 
 
 _clock = _Clock()
@@ -101,6 +102,18 @@ def leave():
         _clock.total += time.perf_counter() - _clock.entered
 
 
+def mark_background_thread():
+    """Mark the calling thread as a background worker (``comm/overlap.py``): its collectives overlap
+    the main thread's compute, so they neither run time dilation (``before_collective`` stretches
+    the main thread's compute) nor synchronise the device, and their time is not the rank's
+    (this thread's total, which nothing reads). The collective log keeps them apart."""
+    _clock.background = True
+
+
+def in_background_thread():
+    return _clock.background
+
+
 def seconds_in_collectives():
     """Running total for this thread; differences between two readings give the time in between."""
     return _clock.total
@@ -133,9 +146,9 @@ def timed_call(func, *args, **kwargs):
         listener(func, args, kwargs)
         if not _timing:
             return func(*args, **kwargs)
-    if before_collective is not None and _clock.depth == 0:
+    if before_collective is not None and _clock.depth == 0 and not _clock.background:
         before_collective()
-    sync = _synchronize if _clock.depth == 0 else None
+    sync = _synchronize if _clock.depth == 0 and not _clock.background else None
     if sync is not None:
         sync()  # the compute queued before the collective is the rank's own, not collective time
     enter()

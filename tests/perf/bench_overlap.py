@@ -1,0 +1,119 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``communication.overlap``: ZeRO-1/2's hierarchical gradient reduction during the backward vs after
+each full bucket, beside upstream's flat all-reduce, on the emulated 2 x 2 cluster.
+
+The cluster and the model are bench_communication.py's (``scripts/emulated_cluster.py``: 2 hosts x 2
+ranks, ``tbf``-shaped links; the tiny GPT at bench size, fp32, AdamW, one torch thread per rank),
+with what overlap needs and the issue's share scenario asks for:
+
+- the links at ``RATE_MBIT`` (177 Mbit/s): the rate at which upstream's flat ZeRO-2 spends about 55%
+  of its step in communication, as a data-parallel step of a 1.3 B-parameter GPT on two nodes of 8
+  H100 joined by 100 Gbit/s does (docs/design/communication-plan.md, section 4: flat moves 7.94 MB
+  each way per step, compute at micro-batch 12 takes about 0.29 s, and communication / compute = 1.22
+  gives 8 x 7.94e6 / (1.22 x 0.294) bit/s);
+- micro-batch ``MICRO_BATCH`` (12) per rank;
+- ``reduce_bucket_size`` ``BUCKET`` (131072 elements, 0.5 MB: 7 buckets), set for every mode, so that
+  there are buckets to overlap (the link-aware size at this rate is the model in one bucket).
+
+One launch trains, per ZeRO stage and repeat, one engine per mode from the same weights on the same
+samples (``comm_train.py``, the order alternating by repeat): ``flat`` (upstream's reduction),
+``sync`` (the fork's hierarchical reduction, ``overlap: false``) and ``hier`` (``overlap: "auto"``).
+Per mode: slow-link bytes per step (``tc`` counters), step time, the exposed communication (the main
+thread's time in collectives and in waits for the background reduction, the comm clock) and its
+share of the step. ``hier`` must be bitwise equal to ``sync`` (recorded per repeat).
+
+    python tests/perf/bench_overlap.py           # ~3 min, root; JSON in tests/perf/results/overlap.json
+    python tests/perf/bench_overlap.py --quick   # ZeRO-2, one repeat
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "tests" / "unit"), str(REPO / "scripts"), str(REPO / "tests" / "perf")]
+
+import bench_communication as bc  # noqa: E402
+
+RESULTS = REPO / "tests" / "perf" / "results" / "overlap.json"
+RATE_MBIT = 177
+MICRO_BATCH = 12
+BUCKET = 131072
+MODES = ("flat", "sync", "hier")
+FULL = dict(stages=(1, 2), repeats=2, warmup=1, short=1, long=4)
+QUICK = dict(stages=(2, ), repeats=1, warmup=1, short=1, long=3)
+
+
+def summarise(stage, marks, results, repeats, short, long):
+    """Medians per mode and the ratios the table prints."""
+    row = {"zero_stage": stage}
+    for mode in MODES:
+        per_repeat = []
+        for repeat in range(repeats):
+            tag = f"zero{stage}-{mode}-r{repeat}"
+            runs = [result["runs"][tag] for result in results]
+            step = runs[0]["seconds"] / runs[0]["long_steps"]
+            comm = sum(run["comm_seconds"] / run["long_steps"] for run in runs) / len(runs)
+            link = bc.step_bytes([marks[f"{tag}-{x}"][1] for x in "abc"], short, long)
+            per_repeat.append({"step_time_s": step, "comm_time_s": comm, "comm_share": comm / step,
+                               "slow_link_bytes": link, "overlapped": all(run.get("overlapped") for run in runs),
+                               "hierarchical": all(run["hierarchical"] for run in runs)})
+        row[mode] = {key: bc.median([r[key] for r in per_repeat])
+                     for key in ("step_time_s", "comm_time_s", "comm_share", "slow_link_bytes")}
+        row[mode].update(repeats=per_repeat, overlapped=all(r["overlapped"] for r in per_repeat),
+                         hierarchical=all(r["hierarchical"] for r in per_repeat))
+    row["bitwise_overlap_vs_sync"] = all(result["runs"][f"zero{stage}-hier-r{r}"].get("bitwise_vs_sync")
+                                         for result in results for r in range(repeats))
+    row["step_time_vs_sync"] = row["hier"]["step_time_s"] / row["sync"]["step_time_s"]
+    row["step_time_vs_flat"] = row["hier"]["step_time_s"] / row["flat"]["step_time_s"]
+    row["exposed_comm_vs_sync"] = row["hier"]["comm_time_s"] / row["sync"]["comm_time_s"]
+    return row
+
+
+def run(quick=False):
+    plan = dict(FULL, **(QUICK if quick else {}))
+    load_start = [round(x, 2) for x in os.getloadavg()]
+    began = time.monotonic()
+    scenario = bc.Scenario(f"2x2 at {RATE_MBIT} Mbit/s", (2, 2), (RATE_MBIT, RATE_MBIT), plan["stages"])
+    marks, results, launch = bc.run_scenario(
+        scenario, plan["stages"], plan["repeats"], plan["warmup"], plan["short"], plan["long"],
+        micro_batch=MICRO_BATCH, extra=["--modes", ",".join(MODES), "--reduce-bucket", BUCKET])
+    report = {"quick": quick, "rate_mbit": RATE_MBIT, "micro_batch_per_rank": MICRO_BATCH,
+              "reduce_bucket_size": BUCKET, "repeats": plan["repeats"], "launch": launch,
+              "rows": [summarise(stage, marks, results, plan["repeats"], plan["short"], plan["long"])
+                       for stage in plan["stages"]]}
+    report["elapsed_s"] = time.monotonic() - began
+    report["load_average"] = {"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]}
+    print_table(report)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(report, indent=2))
+    print(f"JSON written to {RESULTS.relative_to(REPO)}")
+    return report
+
+
+def print_table(report):
+    print(f"\noverlap: 2 hosts x 2 ranks at {report['rate_mbit']} Mbit/s, tiny GPT, micro-batch "
+          f"{report['micro_batch_per_rank']}, reduce_bucket_size {report['reduce_bucket_size']}, median of "
+          f"{report['repeats']} repeat(s), {report['elapsed_s']:.0f} s")
+    print(f"{'ZeRO':>4}  {'mode':<5} {'step ms':>8} {'exposed comm ms':>16} {'share':>6} {'slow-link MB':>13}")
+    for row in report["rows"]:
+        for mode in MODES:
+            m = row[mode]
+            print(f"{row['zero_stage']:>4}  {mode:<5} {1e3 * m['step_time_s']:>8.0f} {1e3 * m['comm_time_s']:>16.0f} "
+                  f"{m['comm_share']:>6.0%} {m['slow_link_bytes'] / 1e6:>13.2f}"
+                  f"{'  (overlapped)' if m['overlapped'] else ''}")
+        print(f"      overlap vs sync: step x{row['step_time_vs_sync']:.2f}, exposed comm "
+              f"x{row['exposed_comm_vs_sync']:.2f}; vs flat: step x{row['step_time_vs_flat']:.2f}; bitwise equal to "
+              f"sync: {'yes' if row['bitwise_overlap_vs_sync'] else 'NO'}")
+    print(f"load average start/end {report['load_average']['start']} / {report['load_average']['end']}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="ZeRO-2, one repeat")
+    arguments = parser.parse_args()
+    os.chdir(REPO)
+    run(arguments.quick)
