@@ -37,7 +37,8 @@ def test_on_two_hosts_every_part_in_force_is_named():
     assert parts == ["hierarchical reduction on",
                      "link-aware buckets reduce_bucket_size 1e+06, allgather_bucket_size 1e+06 elements "
                      "(50 ms at 200 Mbit/s)",
-                     "inter-host step compressed to bf16"]
+                     "inter-host step compressed to bf16",
+                     "ZeRO-1/2 buckets reduced during the backward where they can be captured"]
     assert status_line(settings(), TWO_HOSTS, ZERO2).startswith("Active (hierarchical reduction on; link-aware")
 
 
@@ -53,8 +54,8 @@ def test_on_two_hosts_every_part_in_force_is_named():
     ({"hierarchical_reduction": False}, Topology((0, 1, 1), (None, 25e6)),
      {"zero_optimization": {"stage": 1, "reduce_bucket_size": 1024, "allgather_bucket_size": 1024}}, False,
      ["hierarchical reduction off", "link-aware buckets off (the config sets every bucket size)"]),
-    ({"link_aware_buckets": False}, Topology((0, 0, 1)), ZERO2, True,
-     ["hierarchical reduction on", "link-aware buckets off"]),  # uneven hosts: through the leaders
+    ({"link_aware_buckets": False, "overlap": False}, Topology((0, 0, 1)), ZERO2, True,
+     ["hierarchical reduction on", "link-aware buckets off", "overlap off"]),  # uneven hosts: through the leaders
 ])
 def test_what_is_not_in_force_says_why(communication, topology, param_dict, active, expected):
     assert communication_status(settings(communication), topology, param_dict) == (active, expected)

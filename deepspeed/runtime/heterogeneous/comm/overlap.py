@@ -170,7 +170,7 @@ class BackgroundReduction:
         if not jobs:
             raise OverlapError("deepspeed-hetero: capturing a full gradient bucket reached no hierarchical reduction; "
                                "set heterogeneous_config.communication.overlap false")
-        if comm_clock.before_collective is not None:
+        if comm_clock.enabled and comm_clock.before_collective is not None:
             comm_clock.before_collective()  # time dilation: a slower device hands the bucket over later
         for job in jobs:
             self._queue.put(job)
