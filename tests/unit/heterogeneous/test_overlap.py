@@ -110,7 +110,23 @@ def _train(rank, hosts, stage, sizes, gas, overlap, fail_at=None):
             "deferred": deferred[0]}
 
 
-def _case(rank, world_size, hosts, stage, sizes, gas=1, fail_at=None):
+def _refused(rank, hosts, zero):
+    import deepspeed
+    from harness import patched_environ
+
+    config = _config(2, [2] * len(hosts), 1, True, zero=zero)
+    with patched_environ({"CROSS_RANK": hosts[rank]}):
+        model = _model()
+        try:
+            deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
+def _case(rank, world_size, hosts, stage, sizes, gas=1, fail_at=None, refused=None):
+    if refused is not None:
+        return _refused(rank, hosts, refused)
     if fail_at is not None:
         return _train(rank, hosts, stage, sizes, gas, True, fail_at=fail_at)
     return {"on": _train(rank, hosts, stage, sizes, gas, True), "off": _train(rank, hosts, stage, sizes, gas, False)}
@@ -179,13 +195,17 @@ def test_overlapped_buckets_train_bitwise_like_synchronous_ones_on_uneven_hosts(
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_a_failure_in_the_background_reaches_every_rank_as_one_error():
-    """Every rank's worker fails at its second reduction: each main thread raises, none hangs."""
-    cases = [dict(hosts=[0, 0, 1, 1], stage=2, sizes=[2, 2, 2, 2], fail_at=2)]
-    (per_rank, ) = run_subcases(_case, cases, world_size=4, timeout=240)
-    for result in per_rank:
+def test_a_failure_in_the_background_reaches_every_rank_as_one_error_and_true_where_it_cannot_apply_is_refused():
+    """Every rank's worker fails at its second reduction: each main thread raises, none hangs. And
+    ``overlap: true`` with ``reduce_scatter: false`` stops every rank with the same message."""
+    cases = [dict(hosts=[0, 0, 1, 1], stage=2, sizes=[2, 2, 2, 2], fail_at=2),
+             dict(hosts=[0, 0, 1, 1], stage=2, sizes=[2, 2, 2, 2], refused={"reduce_scatter": False})]
+    failed, refused = run_subcases(_case, cases, world_size=4, timeout=240)
+    for result in failed:
         assert result["error"] == ("OverlapError: deepspeed-hetero: the background gradient reduction failed: "
                                    "injected link failure"), result
+    assert refused == ["heterogeneous_config.communication.overlap is true, but zero_optimization.reduce_scatter "
+                       "is false; use \"auto\" (overlap where it applies) or false"] * 4, refused
 
 
 def test_overlap_takes_auto_true_false_and_defaults_to_auto():
@@ -198,10 +218,12 @@ def test_overlap_takes_auto_true_false_and_defaults_to_auto():
 
 def test_the_decision_names_why_and_true_where_it_cannot_apply_is_an_error():
     assert overlap_decision(False, None, None) == (False, None)
-    active, note = overlap_decision("auto", None, None)
-    assert not active and "hierarchical reduction is not in force" in note
-    with pytest.raises(ValueError, match=r"communication.overlap is true, but the hierarchical reduction is not in "
-                       r"force .*use \"auto\" \(overlap where it applies\) or false"):
-        overlap_decision(True, None, None)
+    for setting in ("auto", True):  # one host: nothing to overlap, as for hierarchical_reduction true
+        active, note = overlap_decision(setting, None, None)
+        assert not active and "hierarchical reduction is not in force" in note
     active, note = overlap_decision("auto", object(), object())
     assert not active and "ZeRO-1/2" in note
+    with pytest.raises(ValueError, match=r"communication.overlap is true, but it overlaps ZeRO-1/2's gradient "
+                       r"buckets, and this run uses another optimizer .*use \"auto\" \(overlap where it applies\) "
+                       r"or false"):
+        overlap_decision(True, object(), object())

@@ -335,7 +335,6 @@ def attach(engine):
             logger.warning(f"heterogeneous_config.communication: hierarchical reduction not in force: {note}")
         if previous is not None:
             overlap.attach(previous, False, None)  # stop its worker
-        overlap.overlap_decision(communication.overlap, None, engine.optimizer)  # true here is an error
         return None
     compress = communication.compress_inter_host
     topology = getattr(state, "topology", None)

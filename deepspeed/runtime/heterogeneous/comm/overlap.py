@@ -68,13 +68,15 @@ def overlap_decision(setting, reducer, optimizer):
         optimizer: the ZeRO-1/2 optimizer (``DeepSpeedZeroOptimizer``), or anything else.
 
     Every input is the same on every rank (the agreed settings, the model, the config), so every
-    rank decides alike. Raises ValueError naming the key when ``true`` cannot apply."""
+    rank decides alike. Raises ValueError naming the key when ``true`` cannot apply to the
+    optimizer; without the hierarchical reduction (one host, as for ``hierarchical_reduction:
+    true``) there is nothing to overlap and ``true`` is not an error."""
     if setting is False:
         return False, None
     why = _why_not(reducer, optimizer)
     if why is None:
         return True, None
-    if setting is True:
+    if setting is True and reducer is not None:
         raise ValueError(f"heterogeneous_config.communication.overlap is true, but {why}; use \"auto\" (overlap "
                          "where it applies) or false")
     return False, why
