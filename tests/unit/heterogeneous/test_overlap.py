@@ -37,8 +37,8 @@ def _data(train_batch_size):
             torch.randn(STEPS * train_batch_size, WIDTH, generator=generator))
 
 
-def _config(stage, sizes, gas, overlap, zero=None):
-    return {
+def _config(stage, sizes, gas, overlap, zero=None, memory=None):
+    config = {
         "train_batch_size": sum(sizes) * gas,
         "gradient_accumulation_steps": gas,
         "optimizer": {"type": "Adam", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}},
@@ -46,9 +46,14 @@ def _config(stage, sizes, gas, overlap, zero=None):
         "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "manual", "micro_batch_sizes": sizes,
                                  "communication": {"overlap": overlap}},
     }
+    if stage == 3:
+        config["zero_optimization"].update(stage3_param_persistence_threshold=0)  # every parameter sharded
+    if memory:
+        config["heterogeneous_memory"] = memory
+    return config
 
 
-def _train(rank, hosts, stage, sizes, gas, overlap, fail_at=None):
+def _train(rank, hosts, stage, sizes, gas, overlap, fail_at=None, memory=None):
     """Train STEPS steps; returns the parameters, this rank's collectives per thread and group, and
     how many buckets went to the background."""
     import deepspeed
@@ -59,7 +64,7 @@ def _train(rank, hosts, stage, sizes, gas, overlap, fail_at=None):
     with patched_environ({"CROSS_RANK": hosts[rank]}):
         model = _model()
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                               config=_config(stage, sizes, gas, overlap))
+                                               config=_config(stage, sizes, gas, overlap, memory=memory))
     reducer = hierarchical.reducer_for(engine.seq_data_parallel_group)
     background = reducer.background
     assert (background is not None) == overlap, background
@@ -106,8 +111,9 @@ def _train(rank, hosts, stage, sizes, gas, overlap, fail_at=None):
             # The leaders' all-to-all sends and receives different amounts on each leader.
             tensors = None if entry.op == "all_to_all_single" else entry.tensors
             per_group.setdefault((thread, entry.group), []).append((entry.op, tensors, entry.details))
-    return {"params": [p.detach().clone() for p in engine.module.parameters()], "collectives": per_group,
-            "deferred": deferred[0]}
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
+        params = [p.detach().clone() for p in engine.module.parameters()]
+    return {"params": params, "collectives": per_group, "deferred": deferred[0]}
 
 
 def _refused(rank, hosts, zero):
@@ -124,12 +130,13 @@ def _refused(rank, hosts, zero):
     return None
 
 
-def _case(rank, world_size, hosts, stage, sizes, gas=1, fail_at=None, refused=None):
+def _case(rank, world_size, hosts, stage, sizes, gas=1, fail_at=None, refused=None, memory=None):
     if refused is not None:
         return _refused(rank, hosts, refused)
     if fail_at is not None:
         return _train(rank, hosts, stage, sizes, gas, True, fail_at=fail_at)
-    return {"on": _train(rank, hosts, stage, sizes, gas, True), "off": _train(rank, hosts, stage, sizes, gas, False)}
+    return {"on": _train(rank, hosts, stage, sizes, gas, True, memory=memory),
+            "off": _train(rank, hosts, stage, sizes, gas, False, memory=memory)}
 
 
 def _reference(sizes, gas):
@@ -156,10 +163,13 @@ def _check_same_per_group(results):
 CASES = [
     dict(hosts=[0, 0, 1, 1], stage=2, sizes=[3, 2, 2, 1]),
     dict(hosts=[0, 0, 1, 1], stage=1, sizes=[1, 3, 2, 2], gas=2),
+    dict(hosts=[0, 0, 1, 1], stage=3, sizes=[2, 3, 1, 2], gas=2),
 ]
 
 UNEVEN_CASES = [
     dict(hosts=[0, 0, 1], stage=2, sizes=[2, 1, 3], gas=2),
+    # ZeRO-3 with memory-proportional shards: the uneven reduce-scatter goes through the reducer too.
+    dict(hosts=[0, 1, 1], stage=3, sizes=[3, 1, 2], memory={"zero_partitions": [0.5, 0.3, 0.2]}),
 ]
 
 
@@ -167,7 +177,7 @@ def _check(cases, results):
     for case, per_rank in zip(cases, results):
         expected = _reference(case["sizes"], case.get("gas", 1))
         buckets_per_backward = LAYERS - 1  # the last bucket goes in the epilogue, synchronously
-        backwards = STEPS * (case.get("gas", 1) if case["stage"] == 2 else 1)
+        backwards = STEPS * (case.get("gas", 1) if case["stage"] >= 2 else 1)
         for result in per_rank:
             on, off = result["on"], result["off"]
             for got, without in zip(on["params"], off["params"]):
@@ -223,7 +233,7 @@ def test_the_decision_names_why_and_true_where_it_cannot_apply_is_an_error():
         assert not active and "hierarchical reduction is not in force" in note
     active, note = overlap_decision("auto", object(), object())
     assert not active and "ZeRO-1/2" in note
-    with pytest.raises(ValueError, match=r"communication.overlap is true, but it overlaps ZeRO-1/2's gradient "
+    with pytest.raises(ValueError, match=r"communication.overlap is true, but it overlaps ZeRO-1/2/3's gradient "
                        r"buckets, and this run uses another optimizer .*use \"auto\" \(overlap where it applies\) "
                        r"or false"):
         overlap_decision(True, object(), object())

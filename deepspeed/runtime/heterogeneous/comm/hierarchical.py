@@ -158,6 +158,14 @@ class HierarchicalReducer:
         if flat.data_ptr() != tensor.data_ptr():
             tensor.copy_(flat.view_as(tensor))
 
+    def reduce(self, tensor, segments):
+        """``reduce_to_owners`` at upstream's call sites: while a ZeRO bucket is captured for, or
+        replayed from, the background reduction (``overlap.py``), it goes there instead."""
+        if self.background is not None and self.background.mode is not None:
+            self.background.intercept(tensor, segments)
+        else:
+            self.reduce_to_owners(tensor, segments)
+
     def _exchange_owned(self, flat, ranges):
         """Leaders only: send each other host the host partial of the slices it owns, receive the
         other hosts' partials of this host's slices, add them in host order."""
@@ -248,10 +256,8 @@ def all_reduce(tensor, group=None, owners=None):
         return dist.all_reduce(tensor, group=group)
     if owners is None:
         reducer.all_reduce(tensor)
-    elif reducer.background is not None and reducer.background.mode is not None:
-        reducer.background.intercept(tensor, owners)  # a bucket captured for, or replayed from, the background
     else:
-        reducer.reduce_to_owners(tensor, owners)
+        reducer.reduce(tensor, owners)
 
 
 def reduce_scatter(buffer, member, group=None):
@@ -267,7 +273,7 @@ def reduce_scatter(buffer, member, group=None):
         raise ValueError(f"reduce_scatter: a buffer of {buffer.numel()} elements is not {members} equal chunks, or "
                          f"member {member} is not this rank's ({reducer.member})")
     chunk = buffer.numel() // members
-    reducer.reduce_to_owners(buffer, [(chunk, owner) for owner in range(members)])
+    reducer.reduce(buffer, [(chunk, owner) for owner in range(members)])
     return True
 
 
@@ -358,7 +364,7 @@ def attach(engine):
               f"{[list(m) for m in layout.host_members]} ({scheme}"
               f"{', inter-host step in ' + compress if compress else ''}"
               f"{', overlapped with the backward' if reducer.background is not None else ''})", flush=True)
-        if overlap_note and communication.overlap == "auto" and stage in (1, 2):
+        if overlap_note and communication.overlap == "auto" and stage:
             print(f"[deepspeed-hetero] gradient buckets reduced after each other, not overlapped: {overlap_note}",
                   flush=True)
     return reducer

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``heterogeneous_config.communication.overlap``: ZeRO-1/2's hierarchical gradient reduction runs
-in a background thread while the backward pass goes on (docs/multihost.md, "Overlap").
+"""``heterogeneous_config.communication.overlap``: ZeRO's hierarchical gradient reduction (ZeRO-1/2
+buckets, ZeRO-3's reduce-scatter) runs in a background thread while the backward pass goes on
+(docs/multihost.md, "Overlap with the backward").
 
 On a GPU upstream overlaps a full bucket's reduction with the backward through a side stream; the
 CPU accelerator has no streams, so with gloo every full bucket stops the backward until its
@@ -12,21 +13,24 @@ is still on the wire when the backward ends.
 How, without touching upstream's bookkeeping (every step below is on the main thread except the
 worker's collectives):
 
-1. **Capture** (``bucket_full``, instead of upstream's ``reduce_ipg_grads`` when a bucket is full):
-   upstream's own ``average_tensor`` runs on a copy of the bucket with the reducer in capture mode,
-   so that each ``reduce_to_owners(tensor, segments)`` it reaches is queued, not run. The full
-   bucket object is set aside, intact (its gradients are views of its buffer), and the optimizer
-   gets a fresh bucket to fill.
+1. **Capture** (``bucket_full``, instead of upstream's reduction when a bucket is full): upstream's
+   own code runs on copies of the bucket's gradients with the reducer in capture mode, so that each
+   ``HierarchicalReducer.reduce(tensor, segments)`` it reaches is queued, not run: ZeRO-1/2's
+   ``average_tensor`` on a copy of the bucket, ZeRO-3's ``__avg_scatter_grads`` with each
+   parameter's gradient swapped for a copy (it may divide a lone gradient in place) and put back.
+   The full bucket object is set aside, intact (its gradients are views of its buffer), and the
+   optimizer gets a fresh bucket to fill.
 2. **Background**: the worker runs the queued reductions strictly in order, each exactly as the
    synchronous path would (``HierarchicalReducer.reduce_to_owners``). Every rank's worker takes the
    buckets in the same order and only the worker uses the reducer's groups while buckets are
    pending, so each group sees the same sequence of collectives on every member.
 3. **Replay** (at a later full bucket when ``DEPTH`` buckets are pending, and in ``drain`` at the
    backward's end, before upstream reduces the last, partial bucket): the set-aside bucket is put
-   back and upstream's unchanged ``reduce_ipg_grads`` runs with the reducer in replay mode. Each
-   ``reduce_to_owners`` call it makes is checked against the captured one (same size, same
-   owners) and receives the worker's result; upstream's tail (copying each rank's slices into its
-   gradient partition, clearing the others) runs as before, in the same order.
+   back and upstream's unchanged reduction (``reduce_ipg_grads``; ZeRO-3's
+   ``__reduce_and_partition_ipg_grads``) runs with the reducer in replay mode. Each reduction it
+   asks for is checked against the captured one (same size, same owners) and receives the
+   worker's result; upstream's tail (each rank's slices into its gradient partition, the others
+   cleared) runs as before, in the same order.
 
 The replayed values are the bits the synchronous path computes from the same inputs (the same
 division, flattening and reduction), so overlap on and off give bitwise-equal parameters
@@ -34,15 +38,17 @@ division, flattening and reduction), so overlap on and off give bitwise-equal pa
 before a bucket is handed to the worker, as a slower device would produce it later.
 
 Where the capture could not be exact the reduction stays synchronous, decided once from the
-optimizer and the same on every rank (``overlap_decision``): reduce_scatter false, no contiguous
-gradients, reduce-to-one-rank buckets (``use_multi_rank_bucket_allreduce`` false), MoE, ZeroFlow,
-Muon, CPU offload, fp32 accumulation of bf16 gradients (the compact partition buffer) and
-parameters larger than a bucket.
+optimizer and the same on every rank (``overlap_decision``): reduce_scatter false; for ZeRO-1/2 no
+contiguous gradients, reduce-to-one-rank buckets (``use_multi_rank_bucket_allreduce`` false), MoE,
+ZenFlow, Muon, CPU offload, fp32 accumulation of bf16 gradients (the compact partition buffer) and
+parameters larger than a bucket; for ZeRO-3 quantized gradients (qgZ), offload and ZenFlow.
 """
 
 import collections
 import queue
+import sys
 import threading
+import weakref
 
 import torch
 
@@ -60,12 +66,12 @@ class OverlapError(RuntimeError):
 
 
 def overlap_decision(setting, reducer, optimizer):
-    """Whether full ZeRO-1/2 buckets are reduced in the background, and a note saying why not.
+    """Whether full ZeRO buckets are reduced in the background, and a note saying why not.
 
     Args:
         setting: ``communication.overlap`` (True, False or "auto").
         reducer: the ``HierarchicalReducer`` in force for the optimizer's group, or None.
-        optimizer: the ZeRO-1/2 optimizer (``DeepSpeedZeroOptimizer``), or anything else.
+        optimizer: the ZeRO-1/2 or ZeRO-3 optimizer, or anything else.
 
     Every input is the same on every rank (the agreed settings, the model, the config), so every
     rank decides alike. Raises ValueError naming the key when ``true`` cannot apply to the
@@ -84,10 +90,25 @@ def overlap_decision(setting, reducer, optimizer):
 
 def _why_not(reducer, optimizer):
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     if reducer is None:
         return "the hierarchical reduction is not in force (one host, or hierarchical_reduction false)"
+    if isinstance(optimizer, (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3)) and \
+            getattr(sys.modules[type(optimizer).__module__], "overlap", None) is not sys.modules[__name__]:
+        return "this DeepSpeed build lacks its hooks (patches/comm-overlapped-reduction.patch)"
+    if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
+        checks = [
+            (not optimizer.reduce_scatter, "zero_optimization.reduce_scatter is false"),
+            (optimizer.all2all_process_group is not None, "ZeRO++'s quantized gradients (zero_quantized_gradients) "
+             "are on"),
+            (optimizer.offload_optimizer or getattr(optimizer, "offload_param", False),
+             "ZeRO-3 offloads the optimizer state or the parameters"),
+            (getattr(optimizer, "zenflow", False), "ZenFlow is on"),
+        ]
+        return next((why for failed, why in checks if failed), None)
     if not isinstance(optimizer, DeepSpeedZeroOptimizer):
-        return "it overlaps ZeRO-1/2's gradient buckets, and this run uses another optimizer (ZeRO-0, ZeRO-3, BF16)"
+        return ("it overlaps ZeRO-1/2/3's gradient buckets, and this run uses another optimizer (ZeRO-0, "
+                "BF16_Optimizer)")
     checks = [
         (not optimizer.reduce_scatter, "zero_optimization.reduce_scatter is false"),
         (not optimizer.contiguous_gradients, "zero_optimization.contiguous_gradients is false"),
@@ -121,8 +142,10 @@ class _Job:
 class BackgroundReduction:
     """One optimizer's buckets reduced by one worker thread through ``reducer`` (see the module)."""
 
-    def __init__(self, reducer, depth=DEPTH):
+    def __init__(self, reducer, stage, optimizer, depth=DEPTH):
         self.reducer = reducer
+        self.optimizer = weakref.ref(optimizer)
+        self.stage = stage  # 1 or 2 (DeepSpeedZeroOptimizer), 3 (DeepSpeedZeroOptimizer_Stage3)
         self.depth = depth
         self.mode = None  # "capture" | "replay" | None: what hierarchical.all_reduce does with owners
         self.pending = collections.deque()  # (dtype, bucket, jobs), oldest first
@@ -162,10 +185,11 @@ class BackgroundReduction:
         if len(self.pending) >= self.depth:
             self._replay_oldest(optimizer)
         bucket = optimizer.ipg_buckets[dtype]
-        copy = bucket.buffer[bucket.index].narrow(0, 0, bucket.elements).clone()
+        if self.stage == 3 and not bucket.params:
+            return
         self._captured, self.mode = [], "capture"
         try:
-            optimizer.average_tensor(copy, dtype)
+            self._capture(optimizer, bucket, dtype)
             jobs = self._captured
         finally:
             self._captured, self.mode = None, None
@@ -186,7 +210,7 @@ class BackgroundReduction:
             self._replay_oldest(optimizer)
 
     def intercept(self, tensor, segments):
-        """``hierarchical.all_reduce(tensor, owners=segments)`` while capturing or replaying."""
+        """``HierarchicalReducer.reduce(tensor, segments)`` while capturing or replaying."""
         if self.mode == "capture":
             self._captured.append(_Job(tensor, list(segments)))
             return
@@ -210,13 +234,33 @@ class BackgroundReduction:
             raise OverlapError(f"deepspeed-hetero: the background gradient reduction failed: {job.error}") \
                 from job.error
 
+    def _capture(self, optimizer, bucket, dtype):
+        """Run upstream's reduction of ``bucket`` on copies of its gradients, the reducer capturing."""
+        if self.stage != 3:
+            optimizer.average_tensor(bucket.buffer[bucket.index].narrow(0, 0, bucket.elements).clone(), dtype)
+            return
+        # ZeRO-3 reads each parameter's .grad (a view of the bucket's buffer) and may divide it in
+        # place: the capture works on copies, and the gradients are put back untouched.
+        params = sorted(bucket.params, key=lambda p: p.ds_id)
+        saved = [p.grad.data for p in params]
+        try:
+            for param, grad in zip(params, saved):
+                param.grad.data = grad.clone()
+            optimizer._DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(params, dtype)
+        finally:
+            for param, grad in zip(params, saved):
+                param.grad.data = grad
+
     def _replay_oldest(self, optimizer):
         dtype, bucket, jobs = self.pending.popleft()
         current = optimizer.ipg_buckets[dtype]
         optimizer.ipg_buckets[dtype] = bucket
         self._replaying, self.mode = collections.deque(jobs), "replay"
         try:
-            optimizer.reduce_ipg_grads(comm_dtype=dtype)
+            if self.stage == 3:
+                optimizer._DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads(dtype)
+            else:
+                optimizer.reduce_ipg_grads(comm_dtype=dtype)
             if self._replaying:
                 raise OverlapError(f"deepspeed-hetero: upstream's replay of a gradient bucket made "
                                    f"{len(jobs) - len(self._replaying)} of its {len(jobs)} reductions")
@@ -230,22 +274,24 @@ class BackgroundReduction:
         if spare:
             return spare.pop()
         bucket = type(full)()
+        if self.stage == 3:
+            bucket.buffer = None if full.buffer is None else torch.empty_like(full.buffer)
+            bucket.buffer_meta = full.buffer_meta
+            return bucket
         bucket.buffer = [torch.empty_like(buffer) for buffer in full.buffer]
         bucket.index = full.index
         return bucket
 
 
-def _background(optimizer):
-    from .hierarchical import reducer_for
-    reducer = reducer_for(getattr(optimizer, "dp_process_group", None))
-    return getattr(reducer, "background", None) if reducer is not None else None
+ATTRIBUTE = "_heterogeneous_background_reduction"
+"""The optimizer's ``BackgroundReduction``, set by ``attach`` (absent: upstream's synchronous path)."""
 
 
 def bucket_full(optimizer, dtype):
-    """Upstream's hook where a ZeRO-1/2 bucket is full: True when the bucket went to the background
+    """Upstream's hook where a ZeRO bucket is full: True when the bucket went to the background
     (``optimizer.ipg_buckets[dtype]`` is then a fresh one), False for upstream's synchronous
     reduction."""
-    background = _background(optimizer)
+    background = getattr(optimizer, ATTRIBUTE, None)
     if background is None:
         return False
     background.bucket_full(optimizer, dtype)
@@ -254,20 +300,28 @@ def bucket_full(optimizer, dtype):
 
 def drain(optimizer):
     """Upstream's hook where the backward's gradients are all in (``independent_gradient_partition_
-    epilogue``): finish every bucket still in the background, in order."""
-    background = _background(optimizer)
+    epilogue``), or before a bucket is reduced synchronously: finish every bucket still in the
+    background, in order."""
+    background = getattr(optimizer, ATTRIBUTE, None)
     if background is not None:
         background.drain(optimizer)
 
 
 def attach(reducer, setting, optimizer):
-    """Give ``reducer`` a ``BackgroundReduction`` when ``overlap_decision`` says so (every rank
-    alike), or none; a previous one's worker is stopped. Returns the note of why not, or None."""
+    """Give ``reducer`` and ``optimizer`` a ``BackgroundReduction`` when ``overlap_decision`` says so
+    (every rank alike), or none; a previous one's worker is stopped. Returns the note of why not,
+    or None."""
     previous = getattr(reducer, "background", None) if reducer is not None else None
     if previous is not None:
         previous.close()
         reducer.background = None
+        owner = previous.optimizer()
+        if owner is not None and getattr(owner, ATTRIBUTE, None) is previous:
+            delattr(owner, ATTRIBUTE)  # an earlier engine's optimizer reduces synchronously again
     active, note = overlap_decision(setting, reducer, optimizer)
     if active:
-        reducer.background = BackgroundReduction(reducer)
+        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+        stage = 3 if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3) else 2
+        reducer.background = BackgroundReduction(reducer, stage, optimizer)
+        setattr(optimizer, ATTRIBUTE, reducer.background)
     return note

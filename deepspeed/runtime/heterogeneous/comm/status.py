@@ -5,7 +5,7 @@
 The feature has four parts, decided where they act: the hierarchical reduction
 (``hierarchical.reduction_decision``, when the engine is built), link-aware buckets
 (``link_buckets.link_buckets_decision``, as the config is coordinated), and the inter-host compression and
-ZeRO-1/2's overlap (``overlap.overlap_decision``, which also needs the optimizer), which ride on the
+ZeRO-1/2/3's overlap (``overlap.overlap_decision``, which also needs the optimizer), which ride on the
 hierarchical reduction. All of them need the ranks to span more than one host, which
 only a running job knows (``topology.discover_topology``). A report made from a config alone, on
 one host, therefore says what ``auto`` (or ``true``) would switch on across hosts, and calls the
@@ -83,8 +83,8 @@ def communication_status(settings, topology=None, param_dict=None, link_sizes=No
             parts.append(f"inter-host step compressed to {compression}")
         else:
             parts.append(f"inter-host compression {compression}: with the hierarchical reduction")
-    if reducing and _zero_stage(param_dict) in (1, 2):
-        parts.append("ZeRO-1/2 buckets reduced during the backward where they can be captured" if config.overlap
+    if reducing and _zero_stage(param_dict) > 0:
+        parts.append("gradient buckets reduced during the backward where they can be captured" if config.overlap
                      is not False else "overlap off")
     return reducing or sizing, parts
 

@@ -175,7 +175,7 @@ def reduce_scatter(params, grads, group):
         buffer = torch.empty(sum(sizes), dtype=dtype, device=device)
         for owner in range(world):
             fill(buffer, owner, sum(sizes[:owner]))
-        reducer.reduce_to_owners(buffer.div_(world), [(sizes[r], r) for r in range(world)])
+        reducer.reduce(buffer.div_(world), [(sizes[r], r) for r in range(world)])
         mine = buffer.narrow(0, sum(sizes[:rank]), sizes[rank])
     elif choose_mode(sizes, world) == "pad":
         largest = max(sizes)
