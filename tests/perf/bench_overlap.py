@@ -13,7 +13,8 @@ with what overlap needs and the issue's share scenario asks for:
   gives 8 x 7.94e6 / (1.22 x 0.294) bit/s);
 - micro-batch ``MICRO_BATCH`` (12) per rank;
 - ``reduce_bucket_size`` ``BUCKET`` (131072 elements, 0.5 MB: 7 buckets), set for every mode, so that
-  there are buckets to overlap (the link-aware size at this rate is the model in one bucket).
+  there are buckets to overlap (the link-aware size at this rate is the model in one bucket);
+- ZeRO-1 with ``overlap_comm: true`` in every mode (without it ZeRO-1 reduces after the backward).
 
 One launch trains, per ZeRO stage and repeat, one engine per mode from the same weights on the same
 samples (``comm_train.py``, the order alternating by repeat): ``flat`` (upstream's reduction),
@@ -43,7 +44,7 @@ RATE_MBIT = 177
 MICRO_BATCH = 12
 BUCKET = 131072
 MODES = ("flat", "sync", "hier")
-FULL = dict(stages=(1, 2), repeats=2, warmup=1, short=1, long=4)
+FULL = dict(stages=(1, 2, 3), repeats=3, warmup=1, short=1, long=4)
 QUICK = dict(stages=(2, ), repeats=1, warmup=1, short=1, long=3)
 
 

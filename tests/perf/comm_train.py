@@ -67,6 +67,8 @@ def train(args, out, stage, mode, repeat, rank, world_size):
     communication = {"hierarchical_reduction": False if mode == "flat" else "auto",
                      "overlap": False if mode == "sync" else "auto"}
     zero = {"stage": stage, **({"reduce_bucket_size": args.reduce_bucket} if args.reduce_bucket else {})}
+    if stage == 1 and args.reduce_bucket:
+        zero["overlap_comm"] = True  # ZeRO-1 reduces during the backward (not after it) only with overlap_comm
     config = {"train_batch_size": global_batch, "steps_per_print": 10**6, "zero_optimization": zero,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
               "heterogeneous_config": {"enabled": mode != "off", "load_balancing_strategy": "uniform",

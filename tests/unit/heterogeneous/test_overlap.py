@@ -53,7 +53,7 @@ def _config(stage, sizes, gas, overlap, zero=None, memory=None):
     return config
 
 
-def _train(rank, hosts, stage, sizes, gas, overlap, fail_at=None, memory=None):
+def _train(rank, hosts, stage, sizes, gas, overlap, fail_at=None, memory=None, zero=None):
     """Train STEPS steps; returns the parameters, this rank's collectives per thread and group, and
     how many buckets went to the background."""
     import deepspeed
@@ -64,7 +64,7 @@ def _train(rank, hosts, stage, sizes, gas, overlap, fail_at=None, memory=None):
     with patched_environ({"CROSS_RANK": hosts[rank]}):
         model = _model()
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                               config=_config(stage, sizes, gas, overlap, memory=memory))
+                                               config=_config(stage, sizes, gas, overlap, zero=zero, memory=memory))
     reducer = hierarchical.reducer_for(engine.seq_data_parallel_group)
     background = reducer.background
     assert (background is not None) == overlap, background
@@ -130,13 +130,13 @@ def _refused(rank, hosts, zero):
     return None
 
 
-def _case(rank, world_size, hosts, stage, sizes, gas=1, fail_at=None, refused=None, memory=None):
+def _case(rank, world_size, hosts, stage, sizes, gas=1, fail_at=None, refused=None, memory=None, zero=None):
     if refused is not None:
         return _refused(rank, hosts, refused)
     if fail_at is not None:
         return _train(rank, hosts, stage, sizes, gas, True, fail_at=fail_at)
-    return {"on": _train(rank, hosts, stage, sizes, gas, True, memory=memory),
-            "off": _train(rank, hosts, stage, sizes, gas, False, memory=memory)}
+    return {"on": _train(rank, hosts, stage, sizes, gas, True, memory=memory, zero=zero),
+            "off": _train(rank, hosts, stage, sizes, gas, False, memory=memory, zero=zero)}
 
 
 def _reference(sizes, gas):
@@ -162,7 +162,8 @@ def _check_same_per_group(results):
 
 CASES = [
     dict(hosts=[0, 0, 1, 1], stage=2, sizes=[3, 2, 2, 1]),
-    dict(hosts=[0, 0, 1, 1], stage=1, sizes=[1, 3, 2, 2], gas=2),
+    # ZeRO-1 reduces during the backward only with overlap_comm (else after it: nothing to overlap).
+    dict(hosts=[0, 0, 1, 1], stage=1, sizes=[1, 3, 2, 2], gas=2, zero={"overlap_comm": True}),
     dict(hosts=[0, 0, 1, 1], stage=3, sizes=[2, 3, 1, 2], gas=2),
 ]
 

@@ -39,7 +39,8 @@ before a bucket is handed to the worker, as a slower device would produce it lat
 
 Where the capture could not be exact the reduction stays synchronous, decided once from the
 optimizer and the same on every rank (``overlap_decision``): reduce_scatter false; for ZeRO-1/2 no
-contiguous gradients, reduce-to-one-rank buckets (``use_multi_rank_bucket_allreduce`` false), MoE,
+contiguous gradients, ZeRO-1 without ``overlap_comm`` (it reduces after the backward, with nothing
+left to overlap), reduce-to-one-rank buckets (``use_multi_rank_bucket_allreduce`` false), MoE,
 ZenFlow, Muon, CPU offload, fp32 accumulation of bf16 gradients (the compact partition buffer) and
 parameters larger than a bucket; for ZeRO-3 quantized gradients (qgZ), offload and ZenFlow.
 """
@@ -111,6 +112,8 @@ def _why_not(reducer, optimizer):
                 "BF16_Optimizer)")
     checks = [
         (not optimizer.reduce_scatter, "zero_optimization.reduce_scatter is false"),
+        (not optimizer.partition_gradients and not optimizer.overlap_comm,
+         "ZeRO-1 reduces its buckets after the backward unless zero_optimization.overlap_comm is true"),
         (not optimizer.contiguous_gradients, "zero_optimization.contiguous_gradients is false"),
         (not optimizer.use_multi_rank_bucket_allreduce, "use_multi_rank_bucket_allreduce is false"),
         (optimizer.cpu_offload, "the optimizer state is offloaded to the CPU"),
