@@ -177,6 +177,10 @@ def compute_metrics(ranks, capacities=None, plan=None, device_names=None, events
         })
     utilization = math.fsum(r["compute_utilization"] for r in rank_metrics) / world
     communication = math.fsum(r["communication_share"] for r in rank_metrics) / world
+    # Each step's share: its time in collectives (the transfer and the waits, the ranks' mean) over
+    # the step; the window's share above is the same sum over the window's time.
+    step_shares = [_ratio(transfer + math.fsum(wait) / world, step_time)
+                   for transfer, wait, step_time in zip(transfers, waits, step_times)]
     balance = memory_balance([r["peak_memory_bytes"] for r in rank_metrics], capacities)
     samples = math.fsum(r["samples"] for entry in ranks for r in entry["records"])
     return {
@@ -188,6 +192,7 @@ def compute_metrics(ranks, capacities=None, plan=None, device_names=None, events
         "samples_per_s": _ratio(samples, total_time),
         "heterogeneous_utilization": utilization,
         "communication_share": communication,
+        "step_communication_share": step_shares,
         "transfer_share": math.fsum(r["transfer_share"] for r in rank_metrics) / world,
         "waiting_share": math.fsum(r["waiting_share"] for r in rank_metrics) / world,
         "memory_balance": balance,

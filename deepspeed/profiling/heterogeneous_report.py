@@ -68,6 +68,12 @@ def format_metrics(metrics):
                                               for name, value, target, key in targets])]
     lines.append(f"  (communication: transfer {_percent(metrics['transfer_share'])}, waiting for slower ranks "
                  f"{_percent(metrics['waiting_share'])})")
+    shares = metrics.get("step_communication_share")
+    if shares:
+        ordered = sorted(shares)
+        lines.append(f"  communication share per step: min {_percent(ordered[0])}, median "
+                     f"{_percent(ordered[len(ordered) // 2])}, max {_percent(ordered[-1])}, "
+                     f"{sum(share >= 0.25 for share in shares)} of {len(shares)} step(s) at 25% or more")
     if metrics.get("topology"):
         lines.append(f"topology: {metrics['topology']['describe']}")
     if metrics.get("plan") is not None:

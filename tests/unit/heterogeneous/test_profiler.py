@@ -55,6 +55,17 @@ def test_the_last_rank_to_arrive_sets_the_transfer_and_the_others_waited():
     assert [entry["waiting_s"] for entry in fast["timeline"]] == pytest.approx([0.65, 0.55])
 
 
+def test_each_step_has_its_communication_share_and_the_window_share_is_their_time_weighted_mean():
+    metrics = compute_metrics(two_ranks())
+    # Step 1: transfer 0.05, waits 0.65 and 0, step 1.0; step 2: 0.05, 0.55 and 0, step 0.95.
+    assert metrics["step_communication_share"] == pytest.approx([(0.05 + 0.65 / 2) / 1.0,
+                                                                 (0.05 + 0.55 / 2) / 0.95])
+    weighted = sum(share * time for share, time in zip(metrics["step_communication_share"], metrics["step_time_s"]))
+    assert metrics["communication_share"] == pytest.approx(weighted / sum(metrics["step_time_s"]))
+    assert "communication share per step: min 34.2%, median 37.5%, max 37.5%, 2 of 2 step(s) at 25% or more" in \
+        format_metrics(metrics)
+
+
 def test_memory_balance_of_peaks_or_of_utilisations():
     assert memory_balance([900, 1000]) == pytest.approx(0.9)
     # Equal peaks on devices of different sizes: the small one is fuller.
