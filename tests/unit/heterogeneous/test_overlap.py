@@ -37,7 +37,7 @@ def _data(train_batch_size):
             torch.randn(STEPS * train_batch_size, WIDTH, generator=generator))
 
 
-def _config(stage, sizes, gas, overlap, zero=None, memory=None):
+def _config(stage, sizes, gas, overlap, zero=None, memory=None, precision=None, speeds=None):
     config = {
         "train_batch_size": sum(sizes) * gas,
         "gradient_accumulation_steps": gas,
@@ -50,10 +50,15 @@ def _config(stage, sizes, gas, overlap, zero=None, memory=None):
         config["zero_optimization"].update(stage3_param_persistence_threshold=0)  # every parameter sharded
     if memory:
         config["heterogeneous_memory"] = memory
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    if speeds:  # time dilation: slower ranks hand their buckets over later
+        config["heterogeneous_config"]["emulation"] = {"speeds": speeds, "mode": "dilation"}
     return config
 
 
-def _train(rank, hosts, stage, sizes, gas, overlap, fail_at=None, memory=None, zero=None):
+def _train(rank, hosts, stage, sizes, gas, overlap, fail_at=None, memory=None, zero=None, precision=None,
+           speeds=None):
     """Train STEPS steps; returns the parameters, this rank's collectives per thread and group, and
     how many buckets went to the background."""
     import deepspeed
@@ -64,7 +69,8 @@ def _train(rank, hosts, stage, sizes, gas, overlap, fail_at=None, memory=None, z
     with patched_environ({"CROSS_RANK": hosts[rank]}):
         model = _model()
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                               config=_config(stage, sizes, gas, overlap, zero=zero, memory=memory))
+                                               config=_config(stage, sizes, gas, overlap, zero=zero, memory=memory,
+                                                              precision=precision, speeds=speeds))
     reducer = hierarchical.reducer_for(engine.seq_data_parallel_group)
     background = reducer.background
     assert (background is not None) == overlap, background
@@ -96,7 +102,8 @@ def _train(rank, hosts, stage, sizes, gas, overlap, fail_at=None, memory=None, z
                 for micro in range(gas):
                     start = step * train_batch_size + micro * sum(sizes) + offset
                     chunk = slice(start, start + sizes[rank])
-                    engine.backward(torch.nn.functional.mse_loss(engine(inputs[chunk]), targets[chunk]))
+                    outputs = engine(inputs[chunk].to(next(engine.module.parameters()).dtype))
+                    engine.backward(torch.nn.functional.mse_loss(outputs.float(), targets[chunk]))
                     engine.step()
         except Exception as exc:  # noqa: BLE001 -- the failure case returns what every rank saw
             if fail_at is None:
@@ -112,7 +119,7 @@ def _train(rank, hosts, stage, sizes, gas, overlap, fail_at=None, memory=None, z
             tensors = None if entry.op == "all_to_all_single" else entry.tensors
             per_group.setdefault((thread, entry.group), []).append((entry.op, tensors, entry.details))
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
-        params = [p.detach().clone() for p in engine.module.parameters()]
+        params = [p.detach().float().clone() for p in engine.module.parameters()]
     return {"params": params, "collectives": per_group, "deferred": deferred[0]}
 
 
@@ -130,13 +137,13 @@ def _refused(rank, hosts, zero):
     return None
 
 
-def _case(rank, world_size, hosts, stage, sizes, gas=1, fail_at=None, refused=None, memory=None, zero=None):
+def _case(rank, world_size, hosts, stage, sizes, gas=1, fail_at=None, refused=None, **options):
     if refused is not None:
         return _refused(rank, hosts, refused)
     if fail_at is not None:
         return _train(rank, hosts, stage, sizes, gas, True, fail_at=fail_at)
-    return {"on": _train(rank, hosts, stage, sizes, gas, True, memory=memory, zero=zero),
-            "off": _train(rank, hosts, stage, sizes, gas, False, memory=memory, zero=zero)}
+    return {"on": _train(rank, hosts, stage, sizes, gas, True, **options),
+            "off": _train(rank, hosts, stage, sizes, gas, False, **options)}
 
 
 def _reference(sizes, gas):
@@ -162,6 +169,9 @@ def _check_same_per_group(results):
 
 CASES = [
     dict(hosts=[0, 0, 1, 1], stage=2, sizes=[3, 2, 2, 1]),
+    # bf16, and time dilation: the slower ranks hand their buckets over later.
+    dict(hosts=[0, 0, 1, 1], stage=3, sizes=[2, 2, 2, 2], precision="bf16", speeds=[1.0, 0.5, 1.0, 0.7]),
+    dict(hosts=[0, 0, 1, 1], stage=2, sizes=[2, 2, 2, 2], precision="bf16"),  # bucket and gradients in bf16
     # ZeRO-1 reduces during the backward only with overlap_comm (else after it: nothing to overlap).
     dict(hosts=[0, 0, 1, 1], stage=1, sizes=[1, 3, 2, 2], gas=2, zero={"overlap_comm": True}),
     dict(hosts=[0, 0, 1, 1], stage=3, sizes=[2, 3, 1, 2], gas=2),
@@ -183,8 +193,9 @@ def _check(cases, results):
             on, off = result["on"], result["off"]
             for got, without in zip(on["params"], off["params"]):
                 assert torch.equal(got, without), case  # bitwise: the same reductions, in the background
-            for got, want in zip(on["params"], expected):
-                torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=lambda m: f"{case}: {m}")
+            if case.get("precision") is None:
+                for got, want in zip(on["params"], expected):
+                    torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=lambda m: f"{case}: {m}")
             assert on["deferred"] == buckets_per_backward * backwards and off["deferred"] == 0, (case, on["deferred"])
             assert any(thread == "background" for thread, _ in on["collectives"]), case
             assert not any(thread == "background" for thread, _ in off["collectives"]), case
