@@ -21,7 +21,9 @@ samples (``comm_train.py``, the order alternating by repeat): ``flat`` (upstream
 ``sync`` (the fork's hierarchical reduction, ``overlap: false``) and ``hier`` (``overlap: "auto"``).
 Per mode: slow-link bytes per step (``tc`` counters), step time, the exposed communication (the main
 thread's time in collectives and in waits for the background reduction, the comm clock) and its
-share of the step. ``hier`` must be bitwise equal to ``sync`` (recorded per repeat).
+share of the step, and the share the heterogeneous profiler reports for the same steps (its
+``communication_share``: transfer plus waits, over the slowest rank's step time). ``hier`` must be
+bitwise equal to ``sync`` (recorded per repeat).
 
     python tests/perf/bench_overlap.py           # ~3 min, root; JSON in tests/perf/results/overlap.json
     python tests/perf/bench_overlap.py --quick   # ZeRO-2, one repeat
@@ -59,11 +61,13 @@ def summarise(stage, marks, results, repeats, short, long):
             step = runs[0]["seconds"] / runs[0]["long_steps"]
             comm = sum(run["comm_seconds"] / run["long_steps"] for run in runs) / len(runs)
             link = bc.step_bytes([marks[f"{tag}-{x}"][1] for x in "abc"], short, long)
+            profiled = runs[0].get("profiler") or {}
             per_repeat.append({"step_time_s": step, "comm_time_s": comm, "comm_share": comm / step,
+                               "profiler_share": profiled.get("communication_share"),
                                "slow_link_bytes": link, "overlapped": all(run.get("overlapped") for run in runs),
                                "hierarchical": all(run["hierarchical"] for run in runs)})
         row[mode] = {key: bc.median([r[key] for r in per_repeat])
-                     for key in ("step_time_s", "comm_time_s", "comm_share", "slow_link_bytes")}
+                     for key in ("step_time_s", "comm_time_s", "comm_share", "slow_link_bytes", "profiler_share")}
         row[mode].update(repeats=per_repeat, overlapped=all(r["overlapped"] for r in per_repeat),
                          hierarchical=all(r["hierarchical"] for r in per_repeat))
     row["bitwise_overlap_vs_sync"] = all(result["runs"][f"zero{stage}-hier-r{r}"].get("bitwise_vs_sync")
@@ -81,7 +85,7 @@ def run(quick=False):
     scenario = bc.Scenario(f"2x2 at {RATE_MBIT} Mbit/s", (2, 2), (RATE_MBIT, RATE_MBIT), plan["stages"])
     marks, results, launch = bc.run_scenario(
         scenario, plan["stages"], plan["repeats"], plan["warmup"], plan["short"], plan["long"],
-        micro_batch=MICRO_BATCH, extra=["--modes", ",".join(MODES), "--reduce-bucket", BUCKET])
+        micro_batch=MICRO_BATCH, extra=["--modes", ",".join(MODES), "--reduce-bucket", BUCKET, "--profile"])
     report = {"quick": quick, "rate_mbit": RATE_MBIT, "micro_batch_per_rank": MICRO_BATCH,
               "reduce_bucket_size": BUCKET, "repeats": plan["repeats"], "launch": launch,
               "rows": [summarise(stage, marks, results, plan["repeats"], plan["short"], plan["long"])
@@ -99,12 +103,13 @@ def print_table(report):
     print(f"\noverlap: 2 hosts x 2 ranks at {report['rate_mbit']} Mbit/s, tiny GPT, micro-batch "
           f"{report['micro_batch_per_rank']}, reduce_bucket_size {report['reduce_bucket_size']}, median of "
           f"{report['repeats']} repeat(s), {report['elapsed_s']:.0f} s")
-    print(f"{'ZeRO':>4}  {'mode':<5} {'step ms':>8} {'exposed comm ms':>16} {'share':>6} {'slow-link MB':>13}")
+    print(f"{'ZeRO':>4}  {'mode':<5} {'step ms':>8} {'exposed comm ms':>16} {'share':>6} {'profiler':>9} "
+          f"{'slow-link MB':>13}")
     for row in report["rows"]:
         for mode in MODES:
             m = row[mode]
             print(f"{row['zero_stage']:>4}  {mode:<5} {1e3 * m['step_time_s']:>8.0f} {1e3 * m['comm_time_s']:>16.0f} "
-                  f"{m['comm_share']:>6.0%} {m['slow_link_bytes'] / 1e6:>13.2f}"
+                  f"{m['comm_share']:>6.0%} {m['profiler_share']:>9.0%} {m['slow_link_bytes'] / 1e6:>13.2f}"
                   f"{'  (overlapped)' if m['overlapped'] else ''}")
         print(f"      overlap vs sync: step x{row['step_time_vs_sync']:.2f}, exposed comm "
               f"x{row['exposed_comm_vs_sync']:.2f}; vs flat: step x{row['step_time_vs_flat']:.2f}; bitwise equal to "

@@ -96,6 +96,11 @@ def train(args, out, stage, mode, repeat, rank, world_size):
     for index in range(args.warmup, args.warmup + args.short):
         step(index)
     mark(out, f"{tag}-b")
+    profiler = None
+    if args.profile and mode != "off":  # the heterogeneous profiler's share of the same segment, to compare
+        from deepspeed.profiling.heterogeneous_profiler import HeterogeneousProfiler
+        profiler = HeterogeneousProfiler(engine)
+        profiler.start_heterogeneous_profile()
     # The runtime times collectives only in phases that read the clock; a uniform run is static.
     comm_clock.enable()
     started, comm_started = time.perf_counter(), comm_clock.seconds_in_collectives()
@@ -105,10 +110,17 @@ def train(args, out, stage, mode, repeat, rank, world_size):
     from deepspeed import comm as dist
     dist.barrier()  # the segment ends when the slowest rank is done
     seconds = time.perf_counter() - started
+    profiled = None
+    if profiler is not None:
+        profiler.stop_profile()
+        metrics = profiler.get_metrics()
+        profiled = {"communication_share": metrics["communication_share"],
+                    "step_communication_share": metrics["step_communication_share"]}
     mark(out, f"{tag}-c")
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
         params = [p.detach().clone() for p in engine.module.parameters()]
     result = {"build_seconds": build_seconds, "seconds": seconds, "comm_seconds": comm_seconds, "long_steps": args.long,
+              "profiler": profiled,
               "hierarchical": reducer is not None,
               "overlapped": reducer is not None and reducer.background is not None,
               "scheme": None if reducer is None else ("sharded" if reducer.layout.even else "through host leaders"),
@@ -133,6 +145,8 @@ def main():
                         help="flat, hier (overlap \"auto\"), sync (hier with overlap false), off (the fork "
                              "disabled: upstream itself; its collectives are timed only after a fork engine was "
                              "built in the process)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also run the heterogeneous profiler over the measured segment")
     parser.add_argument("--reduce-bucket", type=int, default=0,
                         help="zero_optimization.reduce_bucket_size (0: the fork's link-aware size)")
     parser.add_argument("--repeats", type=int, default=3)
