@@ -257,12 +257,17 @@ def run(quick=False, scenarios=None):
             row = summarise(scenario, stage, marks, results, plan["repeats"], short, long, numel_bytes)
             row.update(steps={"warmup": warmup, "short": short, "long": long}, launch=launch)
             report["rows"].append(row)
+    return finish_report(report, began, load_start, print_table, RESULTS)
+
+
+def finish_report(report, began, load_start, printer, path):
+    """Add the run's duration and load to ``report``, print it with ``printer``, write it to ``path``."""
     report["elapsed_s"] = time.monotonic() - began
     report["load_average"] = {"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]}
-    print_table(report)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=2))
-    print(f"JSON written to {RESULTS.relative_to(REPO)}")
+    printer(report)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    print(f"JSON written to {path.relative_to(REPO)}")
     return report
 
 

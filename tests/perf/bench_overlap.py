@@ -30,7 +30,6 @@ bitwise equal to ``sync`` (recorded per repeat).
 """
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -90,13 +89,7 @@ def run(quick=False):
               "reduce_bucket_size": BUCKET, "repeats": plan["repeats"], "launch": launch,
               "rows": [summarise(stage, marks, results, plan["repeats"], plan["short"], plan["long"])
                        for stage in plan["stages"]]}
-    report["elapsed_s"] = time.monotonic() - began
-    report["load_average"] = {"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]}
-    print_table(report)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=2))
-    print(f"JSON written to {RESULTS.relative_to(REPO)}")
-    return report
+    return bc.finish_report(report, began, load_start, print_table, RESULTS)
 
 
 def print_table(report):
