@@ -41,8 +41,14 @@ Where the capture could not be exact the reduction stays synchronous, decided on
 optimizer and the same on every rank (``overlap_decision``): reduce_scatter false; for ZeRO-1/2 no
 contiguous gradients, ZeRO-1 without ``overlap_comm`` (it reduces after the backward, with nothing
 left to overlap), reduce-to-one-rank buckets (``use_multi_rank_bucket_allreduce`` false), MoE,
-ZenFlow, Muon, CPU offload, fp32 accumulation of bf16 gradients (the compact partition buffer) and
-parameters larger than a bucket; for ZeRO-3 quantized gradients (qgZ), offload and ZenFlow.
+ZenFlow, Muon, CPU offload, fp32 accumulation of 16-bit gradients (the compact partition buffer) and
+parameters larger than a bucket; for ZeRO-3 quantized gradients (qgZ), offload, ZenFlow and
+parameters partitioned over a group the reducer does not serve; and everywhere an asynchronous
+accelerator (upstream's ``overlap_comm`` streams overlap there), a backend other than gloo and
+``comms_logger`` (its timers are shared between threads).
+
+A backward that raises leaves its buckets pending, as upstream leaves its own bucket state: the
+engine cannot go on training after it (a restart from a checkpoint can, ``elastic/``).
 """
 
 import collections
@@ -90,12 +96,26 @@ def overlap_decision(setting, reducer, optimizer):
 
 
 def _why_not(reducer, optimizer):
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.comm import comm as ds_comm
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     if reducer is None:
         return "the hierarchical reduction is not in force (one host, or hierarchical_reduction false)"
-    if isinstance(optimizer, (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3)) and \
-            getattr(sys.modules[type(optimizer).__module__], "overlap", None) is not sys.modules[__name__]:
+    if not isinstance(optimizer, (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3)):
+        return ("it overlaps ZeRO-1/2/3's gradient buckets, and this run uses another optimizer (ZeRO-0, "
+                "BF16_Optimizer)")
+    if not get_accelerator().is_synchronized_device():
+        # There upstream's overlap_comm reduces on its own stream; a second thread issuing collectives
+        # on the same device would need stream ordering this module does not do.
+        return "the accelerator is asynchronous (use upstream's zero_optimization.overlap_comm there)"
+    if torch.distributed.get_backend() != "gloo":
+        return f"the communication backend is {torch.distributed.get_backend()}, not gloo"
+    if ds_comm.comms_logger.enabled:
+        return "comms_logger is on (its per-operation timers are not thread-safe)"
+    if type(optimizer) not in (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3):
+        return f"the optimizer is {type(optimizer).__name__}, a variant of ZeRO's (MiCS, SuperOffload, ZenFlow)"
+    if getattr(sys.modules[type(optimizer).__module__], "overlap", None) is not sys.modules[__name__]:
         return "this DeepSpeed build lacks its hooks (patches/comm-overlapped-reduction.patch)"
     if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
         checks = [
@@ -105,11 +125,10 @@ def _why_not(reducer, optimizer):
             (optimizer.offload_optimizer or getattr(optimizer, "offload_param", False),
              "ZeRO-3 offloads the optimizer state or the parameters"),
             (getattr(optimizer, "zenflow", False), "ZenFlow is on"),
+            (not _zero3_groups_served(reducer, optimizer), "some parameters are partitioned over a group the "
+             "hierarchical reduction does not serve (MoE experts, AutoEP)"),
         ]
         return next((why for failed, why in checks if failed), None)
-    if not isinstance(optimizer, DeepSpeedZeroOptimizer):
-        return ("it overlaps ZeRO-1/2/3's gradient buckets, and this run uses another optimizer (ZeRO-0, "
-                "BF16_Optimizer)")
     checks = [
         (not optimizer.reduce_scatter, "zero_optimization.reduce_scatter is false"),
         (not optimizer.partition_gradients and not optimizer.overlap_comm,
@@ -120,12 +139,21 @@ def _why_not(reducer, optimizer):
         (getattr(optimizer, "zenflow", False), "ZenFlow is on"),
         (getattr(optimizer, "has_moe_layers", False), "the model has MoE layers"),
         (_uses_muon(optimizer), "the optimizer is Muon"),
-        (any(optimizer._use_compact_grad_partition_buffer(i) for i in range(len(optimizer.bit16_groups))),
-         "gradients accumulate in fp32 (the compact partition buffer)"),
+        # Decided from the dtypes alone, the same on every rank (upstream's own test also reads this
+        # rank's partition).
+        (getattr(optimizer, "gradient_accumulation_dtype", None) == torch.float32
+         and optimizer.dtype != torch.float32, "gradients of 16-bit parameters accumulate in fp32"),
         (any(p.numel() > optimizer.reduce_bucket_size for group in optimizer.bit16_groups for p in group),
          "a parameter is larger than reduce_bucket_size"),
     ]
     return next((why for failed, why in checks if failed), None)
+
+
+def _zero3_groups_served(reducer, optimizer):
+    from .hierarchical import zero3_reducer
+    groups = {id(optimizer._get_param_partition_group(p)): optimizer._get_param_partition_group(p)
+              for group in optimizer.fp16_groups for p in group}
+    return all(zero3_reducer(group) is reducer for group in groups.values())
 
 
 def _uses_muon(optimizer):
@@ -157,6 +185,7 @@ class BackgroundReduction:
         self._spare = {}  # dtype -> buckets whose buffers may be filled again
         self._queue = queue.SimpleQueue()
         self._failure = None
+        self._closed = False
         self._thread = threading.Thread(target=self._work, name="deepspeed-hetero-overlap", daemon=True)
         self._thread.start()
 
@@ -168,6 +197,10 @@ class BackgroundReduction:
             job = self._queue.get()
             if job is None:
                 return
+            if self._failure is None and self._closed:
+                # An engine built anew while buckets were pending (its backward raised): the new
+                # engine's worker owns the groups now, so these are never run.
+                self._failure = OverlapError("deepspeed-hetero: the background reduction was closed")
             if self._failure is None:
                 try:
                     self.reducer.reduce_to_owners(job.tensor, job.segments)
@@ -177,7 +210,8 @@ class BackgroundReduction:
             job.done.set()
 
     def close(self):
-        """Stop the worker once it has run what is queued (the reducer is replaced or dropped)."""
+        """Stop the worker (the reducer is replaced or dropped); what is still queued is not run."""
+        self._closed = True
         self._queue.put(None)
 
     # -- the main thread ----------------------------------------------------------------------

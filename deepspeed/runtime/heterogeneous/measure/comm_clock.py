@@ -142,8 +142,9 @@ class TimedWork:
 def timed_call(func, *args, **kwargs):
     """Run a collective inside the clock; a returned work handle (async_op=True) is wrapped so that
     its ``wait()`` counts too. Tensors and None pass through."""
-    if listener is not None:
-        listener(func, args, kwargs)
+    hear = listener  # read once: a recording may end on another thread meanwhile (comm/overlap.py's worker)
+    if hear is not None:
+        hear(func, args, kwargs)
         if not _timing:
             return func(*args, **kwargs)
     if before_collective is not None and _clock.depth == 0 and not _clock.background:
