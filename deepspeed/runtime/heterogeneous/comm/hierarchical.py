@@ -69,7 +69,7 @@ class HierarchicalReducer:
         if piece_elements is not None and piece_elements < 1:
             raise ValueError(f"piece_elements must be a positive number of elements or None, got {piece_elements}")
         self.piece_elements = piece_elements
-        self.background = None  # overlap.BackgroundReduction while ZeRO-1/2 buckets overlap the backward
+        self.background = None  # overlap.BackgroundReduction while ZeRO buckets are reduced during the backward
         self.layout = group_layout(hosts)
         self.group = group
         self.compress = COMPRESSION_DTYPES[compress] if compress else None
