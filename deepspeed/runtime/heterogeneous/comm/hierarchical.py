@@ -352,7 +352,8 @@ def attach(engine):
     else:
         reducer = HierarchicalReducer(hosts, group=group, compress=compress, piece_elements=pieces)
     _reducers[group] = reducer
-    overlap_note = overlap.attach(reducer, communication.overlap, engine.optimizer)
+    overlap_note = overlap.attach(reducer, communication.overlap, engine.optimizer,
+                                  serves=lambda partition_group: zero3_reducer(partition_group) is reducer)
     if dist.get_rank() == 0:
         layout = reducer.layout
         stage = engine.zero_optimization_stage()

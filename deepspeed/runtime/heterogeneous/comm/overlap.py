@@ -72,13 +72,15 @@ class OverlapError(RuntimeError):
     one captured (a change in upstream's bucket slicing)."""
 
 
-def overlap_decision(setting, reducer, optimizer):
+def overlap_decision(setting, reducer, optimizer, serves=None):
     """Whether full ZeRO buckets are reduced in the background, and a note saying why not.
 
     Args:
         setting: ``communication.overlap`` (True, False or "auto").
         reducer: the ``HierarchicalReducer`` in force for the optimizer's group, or None.
         optimizer: the ZeRO-1/2 or ZeRO-3 optimizer, or anything else.
+        serves: ``serves(group)``, whether ``reducer`` reduces ZeRO-3 gradients partitioned over
+            ``group`` (``hierarchical.zero3_reducer(group) is reducer``); None: not checked.
 
     Every input is the same on every rank (the agreed settings, the model, the config), so every
     rank decides alike. Raises ValueError naming the key when ``true`` cannot apply to the
@@ -86,7 +88,7 @@ def overlap_decision(setting, reducer, optimizer):
     true``) there is nothing to overlap and ``true`` is not an error."""
     if setting is False:
         return False, None
-    why = _why_not(reducer, optimizer)
+    why = _why_not(reducer, optimizer, serves)
     if why is None:
         return True, None
     if setting is True and reducer is not None:
@@ -95,7 +97,7 @@ def overlap_decision(setting, reducer, optimizer):
     return False, why
 
 
-def _why_not(reducer, optimizer):
+def _why_not(reducer, optimizer, serves):
     from deepspeed.accelerator import get_accelerator
     from deepspeed.comm import comm as ds_comm
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
@@ -125,7 +127,7 @@ def _why_not(reducer, optimizer):
             (optimizer.offload_optimizer or getattr(optimizer, "offload_param", False),
              "ZeRO-3 offloads the optimizer state or the parameters"),
             (getattr(optimizer, "zenflow", False), "ZenFlow is on"),
-            (not _zero3_groups_served(reducer, optimizer), "some parameters are partitioned over a group the "
+            (serves is not None and not _zero3_groups_served(serves, optimizer), "some parameters are partitioned over a group the "
              "hierarchical reduction does not serve (MoE experts, AutoEP)"),
         ]
         return next((why for failed, why in checks if failed), None)
@@ -149,11 +151,10 @@ def _why_not(reducer, optimizer):
     return next((why for failed, why in checks if failed), None)
 
 
-def _zero3_groups_served(reducer, optimizer):
-    from .hierarchical import zero3_reducer
+def _zero3_groups_served(serves, optimizer):
     groups = {id(optimizer._get_param_partition_group(p)): optimizer._get_param_partition_group(p)
               for group in optimizer.fp16_groups for p in group}
-    return all(zero3_reducer(group) is reducer for group in groups.values())
+    return all(serves(group) for group in groups.values())
 
 
 def _uses_muon(optimizer):
@@ -344,7 +345,7 @@ def drain(optimizer):
         background.drain(optimizer)
 
 
-def attach(reducer, setting, optimizer):
+def attach(reducer, setting, optimizer, serves=None):
     """Give ``reducer`` and ``optimizer`` a ``BackgroundReduction`` when ``overlap_decision`` says so
     (every rank alike), or none; a previous one's worker is stopped. Returns the note of why not,
     or None."""
@@ -355,7 +356,7 @@ def attach(reducer, setting, optimizer):
         owner = previous.optimizer()
         if owner is not None and getattr(owner, ATTRIBUTE, None) is previous:
             delattr(owner, ATTRIBUTE)  # an earlier engine's optimizer reduces synchronously again
-    active, note = overlap_decision(setting, reducer, optimizer)
+    active, note = overlap_decision(setting, reducer, optimizer, serves)
     if active:
         from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
         stage = 3 if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3) else 2
