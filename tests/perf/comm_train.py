@@ -67,7 +67,7 @@ def train(args, out, stage, mode, repeat, rank, world_size):
     communication = {"hierarchical_reduction": False if mode == "flat" else "auto",
                      "overlap": False if mode == "sync" else "auto"}
     zero = {"stage": stage, **({"reduce_bucket_size": args.reduce_bucket} if args.reduce_bucket else {})}
-    if stage == 1 and args.reduce_bucket:
+    if str(stage) in args.overlap_comm_stages.split(","):
         zero["overlap_comm"] = True  # ZeRO-1 reduces during the backward (not after it) only with overlap_comm
     config = {"train_batch_size": global_batch, "steps_per_print": 10**6, "zero_optimization": zero,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
@@ -147,6 +147,8 @@ def main():
                              "built in the process)")
     parser.add_argument("--profile", action="store_true",
                         help="also run the heterogeneous profiler over the measured segment")
+    parser.add_argument("--overlap-comm-stages", default="",
+                        help="ZeRO stages run with zero_optimization.overlap_comm true, e.g. 1")
     parser.add_argument("--reduce-bucket", type=int, default=0,
                         help="zero_optimization.reduce_bucket_size (0: the fork's link-aware size)")
     parser.add_argument("--repeats", type=int, default=3)

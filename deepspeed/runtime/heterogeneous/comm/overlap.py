@@ -179,7 +179,7 @@ class BackgroundReduction:
         self.optimizer = weakref.ref(optimizer)
         self.stage = stage  # 1 or 2 (DeepSpeedZeroOptimizer), 3 (DeepSpeedZeroOptimizer_Stage3)
         self.depth = depth
-        self.mode = None  # "capture" | "replay" | None: what hierarchical.all_reduce does with owners
+        self.mode = None  # "capture" | "replay" | None: what HierarchicalReducer.reduce does
         self.pending = collections.deque()  # (dtype, bucket, jobs), oldest first
         self._captured = None
         self._replaying = None
@@ -222,9 +222,7 @@ class BackgroundReduction:
         ``optimizer.ipg_buckets[dtype]`` is then a fresh bucket."""
         if len(self.pending) >= self.depth:
             self._replay_oldest(optimizer)
-        bucket = optimizer.ipg_buckets[dtype]
-        if self.stage == 3 and not bucket.params:
-            return
+        bucket = optimizer.ipg_buckets[dtype]  # never empty: upstream calls only when it holds elements
         self._captured, self.mode = [], "capture"
         try:
             self._capture(optimizer, bucket, dtype)
