@@ -37,6 +37,7 @@ On load:
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
+from .comm.low_communication import refuse_checkpoint
 from .data.sampler import resume_sampler
 from .elastic.resize import finish_load
 from .planning.planner import Plan
@@ -51,6 +52,7 @@ def save_state(engine, client_state):
     ``client_state`` itself when the fork is off. Every rank calls it (one gather)."""
     if engine.heterogeneous_plan is None:
         return client_state
+    refuse_checkpoint(engine._config.heterogeneous, "save_checkpoint")
     if KEY in client_state:
         raise KeyError(f"client_state contains the key {KEY!r}, which deepspeed-hetero uses for its own state; "
                        f"rename that entry")

@@ -81,6 +81,18 @@ class HeterogeneousEngineMixin:
                                "each replica's micro-batches when it starts, so the replicas keep their start-up plan")
         return runtime.reschedule(utilization_metrics)
 
+    def synchronise_replicas(self):
+        """``communication.mode: "low_communication"``: synchronise the hosts' replicas now (the outer
+        step, with the samples since the last one), e.g. before exporting the model; every rank calls
+        it at the same step boundary (a collective). Returns the number of synchronisations so far."""
+        low = self._config.heterogeneous.low_communication
+        if low is None:
+            raise RuntimeError("synchronise_replicas() needs heterogeneous_config.communication.mode "
+                               "\"low_communication\"; in mode \"exact\" every rank holds the same model")
+        if low.inner_steps:
+            low.synchronise()
+        return low.synchronisations
+
     def _heterogeneous_refuse(self, method):
         if self.heterogeneous_plan is not None:
             raise RuntimeError(f"{method}() is not supported with heterogeneous_config enabled: every rank's "

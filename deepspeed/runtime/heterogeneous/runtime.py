@@ -230,6 +230,8 @@ class HeterogeneousRuntime:
 
     def step_end(self):
         self._step_completed = True
+        if self.state.low_communication is not None:  # the hosts' replicas meet: part of this step's time
+            self.state.low_communication.after_step(self.plan)
         timing = self.timer.end_step()
         self.memory.report_own_peak()
         if self.recording:

@@ -76,6 +76,9 @@ class HeterogeneousState:
     the plan's. A loss over returned outputs needs none: the exchange rescales its gradient."""
     runtime: Optional[object] = field(default=None, repr=False)
     """The engine's ``HeterogeneousRuntime``, created at its first hook."""
+    low_communication: Optional[object] = field(default=None, repr=False)
+    """``comm/low_communication.LowCommunication`` in ``communication.mode: "low_communication"``
+    (each host trains a replica; the hosts meet every ``sync_every`` steps); None: exact training."""
     user_load_universal: Optional[bool] = None
     """The config's ``checkpoint.load_universal``, kept as the first ``load_checkpoint`` starts: a
     load re-partitioned onto this world (``elastic/resize.py``) turns upstream's flag on for its
@@ -117,7 +120,7 @@ class HeterogeneousState:
         # Upstream pickles the whole config where it hands it to another process (the decoupled
         # checkpoint writer, spawned as the engine starts): the runtime controller holds the
         # engine, which does not pickle and means nothing there.
-        return {**self.__dict__, "runtime": None}
+        return {**self.__dict__, "runtime": None, "low_communication": None}  # (and process groups)
 
     @property
     def enabled(self):
@@ -136,9 +139,10 @@ class HeterogeneousState:
         that average into the mean over the global batch, whatever each rank's share n_i is."""
         if self.plan is None:
             return 1.0
-        if self.weight_override is not None:  # a loss over the rows this rank was fed (re-split)
-            return self.weight_override
-        return self.plan.loss_weights[self.dp_rank]
+        weight = self.plan.loss_weights[self.dp_rank] if self.weight_override is None else self.weight_override
+        if self.low_communication is not None:  # the mean over the host's samples, not the world's
+            weight *= self.low_communication.loss_scale(self.plan, self.dp_rank)
+        return weight
 
     @property
     def partition_share(self):
@@ -218,8 +222,10 @@ class HeterogeneousState:
         deferred to now (``pipeline.build_stages``) with its replicas' plan, and keep the start-up
         plan within memory now that the model is known (``startup.cap_startup_plan``). Nothing when
         the fork is off, except refusing a deferred PipelineModule, which only the fork can build."""
-        from .pipeline.build import PARTITION_METHOD, is_deferred
+        from .comm.low_communication import start as start_low_communication
+        from .pipeline.build import PARTITION_METHOD, is_deferred, is_pipeline
         if not self.enabled:
+            start_low_communication(self, ds_config, engine, model, False)  # clears an earlier engine's groups
             if is_deferred(model):
                 raise ValueError(f"PipelineModule(partition_method='{PARTITION_METHOD}') needs heterogeneous_config."
                                  "enabled: true in the DeepSpeed config (its stages are sized from the devices the "
@@ -230,7 +236,7 @@ class HeterogeneousState:
         from .emulation.emulator import start_memory_limit
         # Before the engine allocates.
         self.memory_cgroup = start_memory_limit(self.settings.config.emulation, self.emulated_rank)
-        from .pipeline.build import is_pipeline
+        self.low_communication = start_low_communication(self, ds_config, engine, model, is_pipeline(model))
         if is_pipeline(model):
             from .pipeline.build import build_stages, check_pipeline_settings, replica_plan
             from .startup import apply_plan

@@ -331,6 +331,11 @@ def attach(engine):
     previous = _reducers.pop(group, None) if _reducers else None
     if not state.enabled:
         return None
+    if state.low_communication is not None:  # each host a replica: nothing is reduced between hosts
+        if previous is not None:
+            overlap.attach(previous, False, None)
+        state.low_communication.attach(engine)
+        return None
     world_size = dist.get_world_size(group=group)
     hosts = engine_hosts(state, world_size)
     communication = state.settings.config.communication

@@ -101,6 +101,22 @@ AutoOrBool = Annotated[Union[Literal["auto"], bool], BeforeValidator(_auto_or_bo
 """true / false / "auto" (on when the fork is enabled and the ranks span more than one host)."""
 
 
+class LowCommunicationConfig(DeepSpeedConfigModel):
+    """``heterogeneous_config.communication.low_communication``: how the hosts' replicas meet in
+    ``mode: "low_communication"`` (``comm/low_communication.py``, docs/multihost.md). Not exact."""
+
+    sync_every: PositiveInt = 50
+    """Optimizer steps each host takes on its own between two synchronisations (H)."""
+    outer_lr: PositiveFloat = 0.7
+    """The outer step's learning rate: the replicas move by ``outer_lr`` times the (Nesterov) mean of
+    their pseudo-gradients. 1.0 with momentum 0 is plain averaging of the replicas."""
+    outer_momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    """The outer Nesterov momentum (0: none)."""
+    pseudo_gradient_dtype: Literal["fp32", "bf16"] = "fp32"
+    """What crosses the link: each host's pseudo-gradient in fp32, or rounded to bf16 (half the bytes);
+    the mean and the outer step are computed in fp32 either way."""
+
+
 class CommunicationConfig(DeepSpeedConfigModel):
     """``heterogeneous_config.communication``: how gradients travel on a cluster of several hosts.
 
@@ -128,6 +144,14 @@ class CommunicationConfig(DeepSpeedConfigModel):
     every rank, and a size the config sets itself is kept. ``auto``: on when the fork is enabled and
     the ranks span more than one host."""
 
+    mode: Literal["exact", "low_communication"] = "exact"
+    """exact: every step's gradients are reduced over every rank (the trained model is single-process
+    training's). low_communication: each host trains its own replica (exact and balanced inside the
+    host) and the hosts synchronise every ``low_communication.sync_every`` steps through an outer
+    optimizer step, DiLoCo-style: far fewer bytes between hosts, **not** the single-process model."""
+    low_communication: Optional[LowCommunicationConfig] = None
+    """The outer synchronisation of ``mode: "low_communication"`` (None: its defaults)."""
+
     @field_validator("compress_inter_host", mode="before")
     @classmethod
     def _known_compression(cls, value):
@@ -138,6 +162,25 @@ class CommunicationConfig(DeepSpeedConfigModel):
         if self.compress_inter_host and self.hierarchical_reduction is False:
             raise ValueError(f"compress_inter_host '{self.compress_inter_host}' compresses the inter-host step of "
                              "the hierarchical reduction, which hierarchical_reduction false turns off: drop one")
+        return self
+
+    @model_validator(mode="after")
+    def _low_communication_alone(self):
+        if self.mode == "exact":
+            if self.low_communication is not None:
+                raise ValueError("low_communication is set, but mode is \"exact\"; set mode: \"low_communication\" "
+                                 "(synchronise the hosts every sync_every steps, not exact) or drop low_communication")
+            return self
+        if self.low_communication is None:
+            self.low_communication = LowCommunicationConfig()
+        exact_parts = [f"{key} {value!r}".replace("True", "true") for key, value in
+                       (("hierarchical_reduction", self.hierarchical_reduction), ("overlap", self.overlap),
+                        ("compress_inter_host", self.compress_inter_host)) if value is True or
+                       (key == "compress_inter_host" and value)]
+        if exact_parts:
+            raise ValueError(f"mode \"low_communication\" reduces gradients inside each host only, so "
+                             f"{' and '.join(exact_parts)} has nothing to act on; leave it \"auto\" or false "
+                             "(pseudo_gradient_dtype \"bf16\" halves what crosses the link)")
         return self
 
 

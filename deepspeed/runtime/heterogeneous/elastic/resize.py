@@ -38,6 +38,7 @@ import torch
 
 from deepspeed import comm as dist
 
+from ..comm.low_communication import refuse_checkpoint
 from ..memory.partitions import PartitionLayoutError, check_checkpoint_layout, saved_bounds
 from ..memory.zero3_shards import CHECKPOINT_SHARES_KEY, ShardLayoutError, check_checkpoint_shares
 
@@ -57,6 +58,7 @@ def prepare_load(engine, load_dir, tag, load_optimizer_states=True, load_module_
     optimizer state was cut for another world or other shares. Every rank calls it, with the same
     arguments; it runs collectives only when the fork and ZeRO are on."""
     state = engine._config.heterogeneous
+    refuse_checkpoint(state, "load_checkpoint")
     if state.user_load_universal is None:
         state.user_load_universal = bool(engine._config.load_universal_checkpoint)
     engine._config.load_universal_checkpoint = state.user_load_universal  # a failed load may have left it set

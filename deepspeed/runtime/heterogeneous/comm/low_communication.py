@@ -1,0 +1,355 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Low-communication training between hosts (``communication.mode: "low_communication"``): opt-in,
+and **not exact**.
+
+Below a few hundred Mbit/s between hosts no exact scheme keeps the communication share of a step
+small: every step's gradients must cross the link. In this mode each host trains its own replica of
+the model, exact and balanced inside the host (ZeRO-0/1/2 over the host's ranks, the plan's
+per-rank micro-batches), and the hosts meet every H = ``sync_every`` optimizer steps, as in DiLoCo
+(Douillard et al., 2023):
+
+- every host h forms its pseudo-gradient ``delta_h = theta_outer - theta_h`` over the fp32 master
+  weights (``theta_outer``: the model at the last synchronisation);
+- the host leaders gather them (in fp32 or bf16: ``pseudo_gradient_dtype``) and each computes, in
+  host order and in fp32, ``mean = sum_h w_h * delta_h`` with ``w_h`` the share of the samples host
+  h was planned since the last synchronisation;
+- the outer Nesterov step: ``m = mu * m + mean``; ``theta_outer -= lr * (mean + mu * m)``
+  (``outer_update``); with ``mu = 0`` and ``lr = 1`` that is the samples-weighted average of the
+  replicas;
+- every rank writes ``theta_outer`` into its replica: the module's parameters and the optimizer's
+  fp32 master fragments. The inner optimizer's state (Adam's moments) and the learning-rate
+  schedule stay each host's own.
+
+Inside a host the gradient of a step is the mean over the host's samples: the engine's loss weight
+(``W * n_i / B``, which makes the world's average the global-batch mean) is scaled by
+``P_h * B / (W * B_h)`` (``host_loss_scales``). With inner SGD, H = 1, ``lr = 1`` and ``mu = 0`` the
+mode is exact data-parallel training (the average of ``theta - eta * g_h`` weighted by ``B_h / B``
+is ``theta - eta * g``); the tests use that as their anchor.
+
+How the engine is made a replica per host: DeepSpeed asks ``deepspeed.utils.groups`` for its
+data-parallel group, and ``groups.mpu`` answers where one is set (upstream's hook for a
+model-parallel unit). ``HostReplicas`` is such a unit whose data-parallel group is the rank's host
+(model-parallel size 1); it is set from ``HeterogeneousState.engine_starting``, before the engine
+asks, and cleared by the next engine that is not in this mode. The hosts start from global rank 0's
+weights (``LowCommunication.attach``, after the optimizer is built).
+
+Costs: the host leaders keep ``theta_outer`` and the momentum in fp32 (8 bytes per parameter;
+every other rank holds a transient fp32 copy of the model at a synchronisation); a
+synchronisation moves N bytes (fp32; N/2 in bf16) per direction of each host's link when there are
+two hosts, against about 3 N per step for an exact ZeRO-2 step (docs/benchmarks.md).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from deepspeed import comm as dist
+from deepspeed.utils import logger
+
+from .host_groups import group_layout
+
+PSEUDO_GRADIENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_ABSENT = object()  # a parameter no optimizer maps to fp32 fragments (its module copy is the master)
+
+
+# -- pure parts ---------------------------------------------------------------------------------
+
+
+def host_loss_scales(samples_per_rank, hosts):
+    """Per rank: the factor that turns the engine's loss weight ``W * n_i / B`` (the world's average
+    is the global-batch mean) into one whose average over the rank's host is the mean over the
+    host's samples, ``P_h * B / (W * B_h)``. ``samples_per_rank``: each rank's samples per optimizer
+    step (the plan's ``mbs_i * gas_i``); ``hosts``: each rank's host."""
+    layout = group_layout(hosts)
+    world, total = len(hosts), sum(samples_per_rank)
+    host_samples = [sum(samples_per_rank[r] for r in members) for members in layout.host_members]
+    return tuple(len(layout.host_members[layout.hosts[r]]) * total / (world * host_samples[layout.hosts[r]])
+                 for r in range(world))
+
+
+def host_samples(samples_per_rank, hosts):
+    """Samples per host in one optimizer step, in host order."""
+    layout = group_layout(hosts)
+    return tuple(sum(samples_per_rank[r] for r in members) for members in layout.host_members)
+
+
+def weighted_mean(deltas, weights):
+    """``sum_h weights[h] * deltas[h]`` in fp32, added in host order (the same bits on every leader)."""
+    total = torch.zeros(deltas[0].numel(), dtype=torch.float32, device=deltas[0].device)
+    for delta, weight in zip(deltas, weights):
+        total.add_(delta.float(), alpha=weight)
+    return total
+
+
+def outer_update(theta, momentum, mean, lr, mu):
+    """The outer Nesterov step, in place: ``m = mu * m + mean``; ``theta -= lr * (mean + mu * m)``.
+    ``momentum`` is None when ``mu`` is 0."""
+    if momentum is None:
+        theta.sub_(mean, alpha=lr)
+        return
+    momentum.mul_(mu).add_(mean)
+    theta.sub_(mean.add(momentum, alpha=mu), alpha=lr)
+
+
+@dataclass(frozen=True)
+class OuterSettings:
+    sync_every: int
+    lr: float
+    momentum: float
+    dtype: torch.dtype
+
+    @classmethod
+    def from_config(cls, block):
+        return cls(block.sync_every, block.outer_lr, block.outer_momentum,
+                   PSEUDO_GRADIENT_DTYPES[block.pseudo_gradient_dtype])
+
+    def describe(self):
+        dtype = "bf16" if self.dtype is torch.bfloat16 else "fp32"
+        momentum = f"Nesterov momentum {self.momentum:g}" if self.momentum else "no momentum"
+        return f"every {self.sync_every} steps, outer lr {self.lr:g} with {momentum}, pseudo-gradients in {dtype}"
+
+
+def refusal(settings, state, zero_stage, pipeline, model_parallel, has_moe, hosts):
+    """Why ``mode: "low_communication"`` cannot run here (one message naming the key), or None."""
+    key = "heterogeneous_config.communication.mode \"low_communication\""
+    if pipeline:
+        return f"{key} does not cover pipeline parallelism (its stages exchange activations every micro-step)"
+    if model_parallel:
+        return f"{key} makes each host a data-parallel replica, which model, tensor or sequence parallelism " \
+               "already divides; use mode \"exact\""
+    if has_moe:
+        return f"{key} does not cover mixture-of-experts layers (their expert groups span the hosts)"
+    if hosts is None or group_layout(hosts).num_hosts < 2:
+        return f"{key} synchronises hosts, and every rank runs on one host; use mode \"exact\""
+    if zero_stage == 3:
+        return f"{key} covers ZeRO stages 0-2 (ZeRO-3 would partition each parameter over its host only); " \
+               "use zero_optimization.stage 2, or mode \"exact\""
+    memory = settings.memory
+    if isinstance(memory.zero_partitions, list):
+        return f"{key} partitions ZeRO state evenly inside each host; heterogeneous_memory.zero_partitions " \
+               "lists shares over every rank: leave it \"auto\""
+    if settings.config.loss_items is not None:
+        return f"{key} weighs each host's loss by its samples; heterogeneous_config.loss_items weighs items " \
+               "over every rank: drop loss_items"
+    if settings.config.elastic.checkpoint is not None:
+        return f"{key} does not save checkpoints yet; drop heterogeneous_config.elastic.checkpoint"
+    if state.offloaded_ranks:
+        return f"{key} does not cover zero_optimization.heterogeneous_offload yet"
+    return None
+
+
+# -- the groups DeepSpeed asks for ------------------------------------------------------------
+
+
+class HostReplicas:
+    """A model-parallel unit for ``deepspeed.utils.groups``: the data-parallel group is this rank's
+    host, model-parallel size 1. Created on every rank alike (the same group creations in the same
+    order)."""
+
+    def __init__(self, hosts):
+        self.layout = group_layout(hosts)
+        rank = dist.get_rank()
+        members = [list(m) for m in self.layout.host_members]
+        self.host_group, _ = torch.distributed.new_subgroups_by_enumeration(members)
+        self.leader_group = dist.new_group(ranks=list(self.layout.leaders))
+        self.single_group, _ = torch.distributed.new_subgroups_by_enumeration([[r] for r in range(len(hosts))])
+        self.host = self.layout.hosts[rank]
+        self.members = self.layout.host_members[self.host]
+        self.leader = self.members[0]
+
+    def get_data_parallel_group(self):
+        return self.host_group
+
+    def get_data_parallel_world_size(self):
+        return len(self.members)
+
+    def get_data_parallel_rank(self):
+        return self.members.index(dist.get_rank())
+
+    def get_data_parallel_group_ranks(self):
+        return list(self.members)
+
+    def get_model_parallel_group(self):
+        return self.single_group
+
+    def get_model_parallel_world_size(self):
+        return 1
+
+    def get_model_parallel_rank(self):
+        return 0
+
+
+def set_groups(replicas):
+    """Make ``replicas`` the groups DeepSpeed's engines ask for (None: clear ours, keep a user's)."""
+    from deepspeed.utils import groups
+    if replicas is not None:
+        groups.mpu = replicas
+    elif isinstance(groups.mpu, HostReplicas):
+        groups.mpu = None
+
+
+# -- the synchronisation ----------------------------------------------------------------------
+
+
+def _trainable(module):
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+class LowCommunication:
+    """One engine's replicas and their outer state. ``state.low_communication`` while in force."""
+
+    def __init__(self, replicas, settings):
+        self.replicas = replicas
+        self.settings = settings
+        self.engine = None
+        self.params = []
+        self.theta = None  # theta_outer, on the host leaders (fp32, flat)
+        self.momentum = None
+        self.inner_steps = 0  # since the last synchronisation
+        self.samples = [0] * replicas.layout.num_hosts  # planned since the last synchronisation
+        self.synchronisations = 0
+        self._scales = None  # (plan samples, per-rank loss scales)
+
+    @property
+    def is_leader(self):
+        return dist.get_rank() == self.replicas.leader
+
+    def loss_scale(self, plan, rank):
+        """``host_loss_scales`` of ``plan`` for global rank ``rank`` (cached per plan)."""
+        samples = plan.samples_per_rank
+        if self._scales is None or self._scales[0] != samples:
+            self._scales = (samples, host_loss_scales(samples, self.replicas.layout.hosts))
+        return self._scales[1][rank]
+
+    def attach(self, engine):
+        """After the optimizer is built, on every rank: check that the fp32 master weights can be
+        reached, then start every host from global rank 0's weights."""
+        self.engine = engine
+        self.params = list(engine.module.parameters())
+        if engine.fp16_enabled() or engine.bfloat16_enabled():
+            unreachable = [p for p in _trainable(engine.module) if not hasattr(p, "_hp_mapping")]
+            if unreachable:
+                raise ValueError("heterogeneous_config.communication.mode \"low_communication\" writes the outer "
+                                 "step into the optimizer's fp32 master weights, which this optimizer does not "
+                                 f"expose ({type(engine.optimizer).__name__}); use ZeRO stage 1 or 2, or bf16")
+        theta = self._gather_replica()
+        if self.is_leader:
+            dist.broadcast(theta, src=0, group=self.replicas.leader_group)
+            self.theta = theta
+            if self.settings.momentum:
+                self.momentum = torch.zeros_like(theta)
+        self._write_replica(theta)
+        if dist.get_rank() == 0:
+            layout = self.replicas.layout
+            print(f"[deepspeed-hetero] low-communication training (not exact): {layout.num_hosts} hosts "
+                  f"{[list(m) for m in layout.host_members]} each train a replica, synchronised "
+                  f"{self.settings.describe()}", flush=True)
+
+    def after_step(self, plan):
+        """An optimizer step is done on this rank: count its planned samples per host, and
+        synchronise the replicas every ``sync_every`` steps. Returns True when it did."""
+        for host, samples in enumerate(host_samples(plan.samples_per_rank, self.replicas.layout.hosts)):
+            self.samples[host] += samples
+        self.inner_steps += 1
+        if self.inner_steps < self.settings.sync_every:
+            return False
+        self.synchronise()
+        return True
+
+    def synchronise(self):
+        """The outer step now (a collective on every rank: in-host reduce, leaders' all-gather,
+        in-host broadcast)."""
+        theta_h = self._gather_replica()
+        if self.is_leader:
+            delta = (self.theta - theta_h).to(self.settings.dtype)
+            deltas = [torch.empty_like(delta) for _ in range(self.replicas.layout.num_hosts)]
+            dist.all_gather(deltas, delta, group=self.replicas.leader_group)
+            total = sum(self.samples)
+            mean = weighted_mean(deltas, [s / total for s in self.samples])
+            outer_update(self.theta, self.momentum, mean, self.settings.lr, self.settings.momentum)
+            theta_h.copy_(self.theta)
+        self._write_replica(theta_h)
+        self.inner_steps = 0
+        self.samples = [0] * len(self.samples)
+        self.synchronisations += 1
+
+    def _gather_replica(self):
+        """The host's fp32 master weights, flat in ``module.parameters()`` order, on the host leader
+        (a transient buffer on the other ranks): each rank adds the fragments its optimizer holds,
+        the leader a parameter no optimizer fragment covers (the module's own copy)."""
+        rank = dist.get_rank()
+        numel = sum(p.numel() for p in self.params)
+        device = self.params[0].device
+        flat = torch.zeros(numel, dtype=torch.float32, device=device)
+        offset = 0
+        for param in self.params:
+            mapping = getattr(param, "_hp_mapping", _ABSENT)
+            if mapping is _ABSENT:
+                if rank == self.replicas.leader:
+                    flat.narrow(0, offset, param.numel()).copy_(param.detach().reshape(-1))
+            elif mapping is not None:
+                address = mapping.lp_fragment_address
+                flat.narrow(0, offset + address.start, address.numel).copy_(mapping.get_hp_fragment().reshape(-1))
+            offset += param.numel()
+        if len(self.replicas.members) > 1:
+            dist.reduce(flat, dst=self.replicas.leader, group=self.replicas.host_group)
+        return flat
+
+    def _write_replica(self, flat):
+        """Broadcast ``flat`` (on the leader) inside the host and write it into this rank's module
+        parameters and optimizer fp32 fragments."""
+        if len(self.replicas.members) > 1:
+            dist.broadcast(flat, src=self.replicas.leader, group=self.replicas.host_group)
+        offset = 0
+        with torch.no_grad():
+            for param in self.params:
+                values = flat.narrow(0, offset, param.numel())
+                param.data.copy_(values.view_as(param.data))
+                mapping = getattr(param, "_hp_mapping", None)
+                if mapping is not None:
+                    address = mapping.lp_fragment_address
+                    mapping.get_hp_fragment().data.copy_(
+                        values.narrow(0, address.start, address.numel).view_as(mapping.get_hp_fragment()))
+                offset += param.numel()
+
+
+def refuse_checkpoint(state, what):
+    """``save_checkpoint`` / ``load_checkpoint`` in this mode: refused on every rank alike, before a
+    file is written or read (v1: each host's replica and the leaders' outer state would need their
+    own files)."""
+    if getattr(state, "low_communication", None) is None:
+        return
+    from ..config.settings import HeterogeneousConfigError
+    raise HeterogeneousConfigError(
+        f"{what} is not supported with heterogeneous_config.communication.mode \"low_communication\" yet (each host "
+        "holds its own replica and the host leaders the outer state); call engine.synchronise_replicas() and save "
+        "engine.module's state_dict, or train with mode \"exact\"")
+
+
+def start(state, ds_config, engine, model, pipeline):
+    """From ``HeterogeneousState.engine_starting`` (every rank alike, after the config is
+    coordinated, before the engine asks for its groups): in ``mode: "low_communication"``, refuse
+    what it cannot cover, create the host groups and set them for the engine; else clear a unit an
+    earlier engine set. Returns the ``LowCommunication`` or None."""
+    communication = state.settings.config.communication if state.enabled else None
+    if communication is None or communication.mode != "low_communication":
+        set_groups(None)
+        return None
+    from deepspeed.moe.layer import MoE
+    from deepspeed.utils import groups
+    topology = getattr(state, "topology", None)
+    hosts = None if topology is None else tuple(topology.hosts)
+    model_parallel = (getattr(engine, "mpu", None) is not None or
+                      (groups.mpu is not None and not isinstance(groups.mpu, HostReplicas)))
+    reason = refusal(state.settings, state, ds_config.zero_optimization_stage, pipeline,
+                     model_parallel, model is not None and any(isinstance(m, MoE) for m in model.modules()), hosts)
+    if reason is not None:
+        from ..config.settings import HeterogeneousConfigError
+        raise HeterogeneousConfigError(reason)
+    replicas = HostReplicas(hosts)
+    set_groups(replicas)
+    if state.dp_rank == 0:
+        logger.warning("deepspeed-hetero: communication.mode \"low_communication\": each host trains its own replica "
+                       "and the hosts meet every %d steps; the result is not single-process training's",
+                       communication.low_communication.sync_every)
+    return LowCommunication(replicas, OuterSettings.from_config(communication.low_communication))
