@@ -66,6 +66,10 @@ def train(args, out, stage, mode, repeat, rank, world_size):
     global_batch = args.micro_batch * world_size
     communication = {"hierarchical_reduction": False if mode == "flat" else "auto",
                      "overlap": False if mode == "sync" else "auto"}
+    if mode == "lowcomm":
+        outer = {"sync_every": args.sync_every, "pseudo_gradient_dtype": args.pseudo_dtype,
+                 "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
+        communication = {"mode": "low_communication", "low_communication": outer}
     zero = {"stage": stage, **({"reduce_bucket_size": args.reduce_bucket} if args.reduce_bucket else {})}
     if str(stage) in args.overlap_comm_stages.split(","):
         zero["overlap_comm"] = True  # ZeRO-1 reduces during the backward (not after it) only with overlap_comm
@@ -103,10 +107,13 @@ def train(args, out, stage, mode, repeat, rank, world_size):
         profiler.start_heterogeneous_profile()
     # The runtime times collectives only in phases that read the clock; a uniform run is static.
     comm_clock.enable()
+    low = engine._config.heterogeneous.low_communication
+    sync_started = low.sync_seconds if low is not None else 0.0
     started, comm_started = time.perf_counter(), comm_clock.seconds_in_collectives()
     for index in range(args.warmup + args.short, steps):
         step(index)
     comm_seconds = comm_clock.seconds_in_collectives() - comm_started
+    sync_seconds = low.sync_seconds - sync_started if low is not None else None
     from deepspeed import comm as dist
     dist.barrier()  # the segment ends when the slowest rank is done
     seconds = time.perf_counter() - started
@@ -117,6 +124,16 @@ def train(args, out, stage, mode, repeat, rank, world_size):
         profiled = {"communication_share": metrics["communication_share"],
                     "step_communication_share": metrics["step_communication_share"]}
     mark(out, f"{tag}-c")
+    eval_loss = None
+    if args.eval_samples:  # the final model (low-communication: the replicas synchronised) on held-out samples
+        if mode == "lowcomm":
+            engine.synchronise_replicas()
+        held_out = TokenDataset(seq_len=model.config.seq_len, num_samples=args.eval_samples, seed=1)
+        engine.module.eval()
+        with torch.no_grad():
+            inputs, targets = split_batch(torch.stack([held_out[i] for i in range(args.eval_samples)]))
+            eval_loss = float(engine.module(inputs, targets))
+        engine.module.train()
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
         params = [p.detach().clone() for p in engine.module.parameters()]
     result = {"build_seconds": build_seconds, "seconds": seconds, "comm_seconds": comm_seconds, "long_steps": args.long,
@@ -124,7 +141,7 @@ def train(args, out, stage, mode, repeat, rank, world_size):
               "hierarchical": reducer is not None,
               "overlapped": reducer is not None and reducer.background is not None,
               "scheme": None if reducer is None else ("sharded" if reducer.layout.even else "through host leaders"),
-              "losses": losses}
+              "sync_seconds": sync_seconds, "losses": losses, "eval_loss": eval_loss}
     engine.destroy()
     return result, params
 
@@ -144,7 +161,13 @@ def main():
     parser.add_argument("--modes", default="flat,hier",
                         help="flat, hier (overlap \"auto\"), sync (hier with overlap false), off (the fork "
                              "disabled: upstream itself; its collectives are timed only after a fork engine was "
-                             "built in the process)")
+                             "built in the process), lowcomm (communication.mode \"low_communication\")")
+    parser.add_argument("--sync-every", type=int, default=50, help="lowcomm: low_communication.sync_every")
+    parser.add_argument("--pseudo-dtype", default="bf16", help="lowcomm: low_communication.pseudo_gradient_dtype")
+    parser.add_argument("--outer-lr", type=float, default=0.7, help="lowcomm: low_communication.outer_lr")
+    parser.add_argument("--outer-momentum", type=float, default=0.9, help="lowcomm: low_communication.outer_momentum")
+    parser.add_argument("--eval-samples", type=int, default=0,
+                        help="evaluate the final model on this many held-out samples (0: no evaluation)")
     parser.add_argument("--profile", action="store_true",
                         help="also run the heterogeneous profiler over the measured segment")
     parser.add_argument("--overlap-comm-stages", default="",

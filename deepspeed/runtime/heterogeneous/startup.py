@@ -293,6 +293,8 @@ def configure_link_buckets(state, param_dict, user_zero):
     written (None when none)."""
     from deepspeed.utils import logger
     setting = state.settings.config.communication.link_aware_buckets
+    if state.settings.config.communication.mode == "low_communication" and setting == "auto":
+        setting = False  # the buckets never cross the link: each host reduces its own
     sizes, note = apply_link_aware_buckets(param_dict, setting, state.enabled, state.topology, user_zero,
                                            state.chunk_sizes)
     if note and setting is True:

@@ -123,6 +123,25 @@ def _case(rank, world_size, **case):
     return _train(rank, world_size, **case)
 
 
+def _refused(rank, world_size, hosts, stage, save=False):
+    """The message every rank raised: at ``deepspeed.initialize``, or at ``save_checkpoint``."""
+    import tempfile
+    import deepspeed
+    from harness import patched_environ
+
+    with patched_environ({"CROSS_RANK": hosts[rank]}):
+        model = _model()
+        try:
+            engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                   config=_config(stage, [2] * world_size, OUTER))
+            if save:
+                with tempfile.TemporaryDirectory() as folder:
+                    engine.save_checkpoint(folder)
+        except Exception as exc:  # noqa: BLE001 -- the message is the result
+            return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 OUTER = {"sync_every": 3, "outer_lr": 0.7, "outer_momentum": 0.9}
 CASES = [
     # Even hosts, ZeRO-2, an uneven plan inside the hosts and between them (host 0: 5 samples, host 1: 3).
@@ -130,6 +149,10 @@ CASES = [
     dict(hosts=[0, 0, 1, 1], stage=1, sizes=[2, 2, 3, 1], outer={**OUTER, "pseudo_gradient_dtype": "bf16"}, steps=6),
     dict(hosts=[0, 0, 1, 1], stage=0, sizes=[2, 2, 2, 2], outer={**OUTER, "sync_every": 2}, steps=5),
 ]
+# bf16 (ZeRO-1's fp32 masters behind bf16 parameters): after the last step's synchronisation every
+# rank of both hosts holds the same fp32 masters, and its bf16 parameters are their rounding.
+BF16_CASES = [dict(hosts=[0, 0, 1, 1], stage=1, sizes=[3, 2, 2, 1], outer={**OUTER, "sync_every": 2}, steps=4,
+                   precision="bf16")]
 UNEVEN_CASES = [
     dict(hosts=[0, 0, 1], stage=2, sizes=[2, 1, 3], outer={**OUTER, "sync_every": 2}, steps=5),
     # The anchor: inner SGD, H = 1, outer lr 1, no momentum is exact data-parallel training.
@@ -172,6 +195,19 @@ def _check(cases, results):
 @pytest.mark.timeout(600)
 def test_each_host_trains_a_replica_and_the_outer_step_is_the_documented_one_on_even_hosts():
     _check(CASES, run_subcases(_case, CASES, world_size=4, timeout=480))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_in_bf16_the_replicas_meet_in_their_fp32_masters():
+    (per_rank, ) = run_subcases(_case, BF16_CASES, world_size=4, timeout=240)
+    first = per_rank[0]["masters"]
+    assert not all(torch.equal(a, b) for a, b in zip(first, [p.detach().float() for p in _model().parameters()]))
+    for result in per_rank:
+        for master, param, reference in zip(result["masters"], result["params"], first):
+            assert torch.equal(master, reference)
+            assert torch.equal(param, master.to(torch.bfloat16).float())
+        assert result["syncs"] == 2
 
 
 @pytest.mark.multiprocess
@@ -219,3 +255,18 @@ def test_the_settings_name_what_is_wrong():
         CommunicationConfig(mode="low_communication", compress_inter_host="bf16")
     with pytest.raises(ValueError, match="outer_momentum"):
         CommunicationConfig(mode="low_communication", low_communication={"outer_momentum": 1.0})
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_what_it_cannot_cover_stops_every_rank_with_one_named_reason():
+    cases = [dict(hosts=[0, 0], stage=2), dict(hosts=[0, 1], stage=3), dict(hosts=[0, 1], stage=2, save=True)]
+    one_host, zero3, save = run_subcases(_refused, cases, world_size=2, timeout=240)
+    key = 'HeterogeneousConfigError: heterogeneous_config.communication.mode "low_communication"'
+    assert one_host == [f'{key} synchronises hosts, and every rank runs on one host; use mode "exact"'] * 2
+    assert zero3 == [f"{key} covers ZeRO stages 0-2 (ZeRO-3 would partition each parameter over its host only); "
+                     'use zero_optimization.stage 2, or mode "exact"'] * 2
+    assert save == ['HeterogeneousConfigError: save_checkpoint is not supported with heterogeneous_config.'
+                    'communication.mode "low_communication" yet (each host holds its own replica and the host leaders the outer '
+                    'state); call engine.synchronise_replicas() and save engine.module\'s state_dict, or train with '
+                    'mode "exact"'] * 2

@@ -39,6 +39,7 @@ synchronisation moves N bytes (fp32; N/2 in bf16) per direction of each host's l
 two hosts, against about 3 N per step for an exact ZeRO-2 step (docs/benchmarks.md).
 """
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -208,6 +209,7 @@ class LowCommunication:
         self.inner_steps = 0  # since the last synchronisation
         self.samples = [0] * replicas.layout.num_hosts  # planned since the last synchronisation
         self.synchronisations = 0
+        self.sync_seconds = 0.0  # wall time in synchronisations (this rank), for the profiler and benchmarks
         self._scales = None  # (plan samples, per-rank loss scales)
 
     @property
@@ -259,6 +261,7 @@ class LowCommunication:
     def synchronise(self):
         """The outer step now (a collective on every rank: in-host reduce, leaders' all-gather,
         in-host broadcast)."""
+        started = time.perf_counter()
         theta_h = self._gather_replica()
         if self.is_leader:
             delta = (self.theta - theta_h).to(self.settings.dtype)
@@ -272,6 +275,7 @@ class LowCommunication:
         self.inner_steps = 0
         self.samples = [0] * len(self.samples)
         self.synchronisations += 1
+        self.sync_seconds += time.perf_counter() - started
 
     def _gather_replica(self):
         """The host's fp32 master weights, flat in ``module.parameters()`` order, on the host leader
@@ -319,7 +323,9 @@ def refuse_checkpoint(state, what):
     own files)."""
     if getattr(state, "low_communication", None) is None:
         return
+    from ..config.errors import one_line_config_errors
     from ..config.settings import HeterogeneousConfigError
+    one_line_config_errors()  # every rank raises it: one line, from global rank 0
     raise HeterogeneousConfigError(
         f"{what} is not supported with heterogeneous_config.communication.mode \"low_communication\" yet (each host "
         "holds its own replica and the host leaders the outer state); call engine.synchronise_replicas() and save "
@@ -344,7 +350,9 @@ def start(state, ds_config, engine, model, pipeline):
     reason = refusal(state.settings, state, ds_config.zero_optimization_stage, pipeline,
                      model_parallel, model is not None and any(isinstance(m, MoE) for m in model.modules()), hosts)
     if reason is not None:
+        from ..config.errors import one_line_config_errors
         from ..config.settings import HeterogeneousConfigError
+        one_line_config_errors()
         raise HeterogeneousConfigError(reason)
     replicas = HostReplicas(hosts)
     set_groups(replicas)

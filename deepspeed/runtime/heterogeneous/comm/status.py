@@ -14,6 +14,7 @@ feature Active only for a topology of several hosts where a part is in force.
 
 from .host_groups import reduction_decision
 from .link_buckets import describe_link_buckets, link_bucket_sizes, link_buckets_decision
+from .low_communication import OuterSettings
 
 ACROSS_HOSTS = "on when the data-parallel ranks span more than one host"
 
@@ -40,6 +41,11 @@ def communication_status(settings, topology=None, param_dict=None, link_sizes=No
     parts = []
     known = topology is not None
     hosts = tuple(topology.hosts) if known else None
+    if config.mode == "low_communication":
+        outer = OuterSettings.from_config(config.low_communication).describe()
+        where = "" if not known or topology.num_hosts > 1 else " (refused: every rank runs on one host)"
+        return True, [f"low-communication training, not exact: each host trains a replica, synchronised {outer}"
+                      f"{where}; gradients reduced inside each host, upstream's buckets"]
 
     reduction = config.hierarchical_reduction
     if reduction is False:
