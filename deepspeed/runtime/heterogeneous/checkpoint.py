@@ -37,7 +37,7 @@ On load:
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
-from .comm.low_communication import refuse_checkpoint
+from .comm.low_communication import host_tag, load_low_communication
 from .data.sampler import resume_sampler
 from .elastic.resize import finish_load
 from .planning.planner import Plan
@@ -47,12 +47,14 @@ KEY = "deepspeed_hetero"
 VERSION = 1
 
 
-def save_state(engine, client_state):
-    """``save_checkpoint``'s hook: ``client_state`` with the fork's record added under ``KEY``, or
-    ``client_state`` itself when the fork is off. Every rank calls it (one gather)."""
+def save_state(engine, client_state, tag):
+    """``save_checkpoint``'s hook: ``(client_state, tag)``, the first with the fork's record added
+    under ``KEY``, or both as given when the fork is off. The tag is the user's, except in the
+    low-communication mode: each host writes its replica under ``<tag>/host<h>``
+    (``comm/low_communication.host_tag``). Every rank calls it (one gather)."""
     if engine.heterogeneous_plan is None:
-        return client_state
-    refuse_checkpoint(engine._config.heterogeneous, "save_checkpoint")
+        return client_state, tag
+    low = engine._config.heterogeneous.low_communication
     if KEY in client_state:
         raise KeyError(f"client_state contains the key {KEY!r}, which deepspeed-hetero uses for its own state; "
                        f"rename that entry")
@@ -79,7 +81,10 @@ def save_state(engine, client_state):
         "samplers": mine["samplers"],
         "pipeline_parts": _pipeline_parts(engine._config.heterogeneous.pipeline),
     }
-    return {**client_state, KEY: record}
+    if low is not None:
+        record["low_communication"] = low.state_dict()
+        tag = host_tag(tag, low.replicas.host)
+    return {**client_state, KEY: record}, tag
 
 
 def _pipeline_parts(layout):
@@ -126,6 +131,9 @@ def restore(engine, record, elastic=None):
             _log(engine, f"the checkpoint's replica plan {list(saved.micro_batch_sizes)} differs from this run's "
                  f"{list(current.micro_batch_sizes)}, which stays (a pipeline keeps its start-up plan)")
         saved = current
+    low = state.low_communication
+    if low is not None or "low_communication" in record:
+        load_low_communication(low, record.get("low_communication"))
     same_shape = (saved.world_size == current.world_size and saved.train_batch_size == current.train_batch_size
                   and (runtime.per_rank_gas_allowed or not saved.per_rank_gas))
     same_cluster = same_shape and record["cluster"] == cluster_signature(state)

@@ -123,26 +123,57 @@ def _case(rank, world_size, **case):
     return _train(rank, world_size, **case)
 
 
-def _refused(rank, world_size, hosts, stage, save=False):
-    """The message every rank raised: at ``deepspeed.initialize``, or at ``save_checkpoint``."""
-    import tempfile
+def _refused(rank, world_size, hosts, stage):
+    """The message every rank raised at ``deepspeed.initialize``."""
     import deepspeed
     from harness import patched_environ
 
     with patched_environ({"CROSS_RANK": hosts[rank]}):
         model = _model()
         try:
-            engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                   config=_config(stage, [2] * world_size, OUTER))
-            if save:
-                with tempfile.TemporaryDirectory() as folder:
-                    engine.save_checkpoint(folder)
+            deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                 config=_config(stage, [2] * world_size, OUTER))
         except Exception as exc:  # noqa: BLE001 -- the message is the result
             return f"{type(exc).__name__}: {exc}"
     return None
 
 
+def _resume(rank, world_size, hosts, stage, sizes, outer, steps, save_at, folder):
+    """Train ``steps`` steps, saving after ``save_at`` (mid-period); then a new engine loads that
+    checkpoint and trains the rest. Returns both runs' parameters and what was written."""
+    import os
+    import deepspeed
+    from harness import patched_environ
+
+    inputs, targets = _data(steps, sum(sizes))
+    offset = sum(sizes[:rank])
+
+    def engine_and_steps(first, last, save=False, load=False):
+        with patched_environ({"CROSS_RANK": hosts[rank]}):
+            model = _model()
+            engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                   config=_config(stage, sizes, outer))
+        if load:
+            engine.load_checkpoint(folder)
+        for step in range(first, last):
+            start = step * sum(sizes) + offset
+            chunk = slice(start, start + sizes[rank])
+            engine.backward(torch.nn.functional.mse_loss(engine(inputs[chunk]), targets[chunk]))
+            engine.step()
+            if save and step + 1 == save_at:
+                engine.save_checkpoint(folder, tag="ckpt")
+        return [p.detach().clone() for p in engine.module.parameters()]
+
+    uninterrupted = engine_and_steps(0, steps, save=True)
+    resumed = engine_and_steps(save_at, steps, load=True)
+    with open(os.path.join(folder, "latest")) as handle:
+        latest = handle.read()
+    return {"uninterrupted": uninterrupted, "resumed": resumed, "latest": latest,
+            "folders": sorted(os.listdir(os.path.join(folder, "ckpt")))}
+
+
 OUTER = {"sync_every": 3, "outer_lr": 0.7, "outer_momentum": 0.9}
+OUTER_RESUME = {"sync_every": 2, "outer_lr": 0.7, "outer_momentum": 0.9}
 CASES = [
     # Even hosts, ZeRO-2, an uneven plan inside the hosts and between them (host 0: 5 samples, host 1: 3).
     dict(hosts=[0, 0, 1, 1], stage=2, sizes=[3, 2, 2, 1], outer=OUTER, steps=7, perturb=True),
@@ -260,13 +291,24 @@ def test_the_settings_name_what_is_wrong():
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_what_it_cannot_cover_stops_every_rank_with_one_named_reason():
-    cases = [dict(hosts=[0, 0], stage=2), dict(hosts=[0, 1], stage=3), dict(hosts=[0, 1], stage=2, save=True)]
-    one_host, zero3, save = run_subcases(_refused, cases, world_size=2, timeout=240)
+    cases = [dict(hosts=[0, 0], stage=2), dict(hosts=[0, 1], stage=3)]
+    one_host, zero3 = run_subcases(_refused, cases, world_size=2, timeout=240)
     key = 'HeterogeneousConfigError: heterogeneous_config.communication.mode "low_communication"'
     assert one_host == [f'{key} synchronises hosts, and every rank runs on one host; use mode "exact"'] * 2
     assert zero3 == [f"{key} covers ZeRO stages 0-2 (ZeRO-3 would partition each parameter over its host only); "
                      'use zero_optimization.stage 2, or mode "exact"'] * 2
-    assert save == ['HeterogeneousConfigError: save_checkpoint is not supported with heterogeneous_config.'
-                    'communication.mode "low_communication" yet (each host holds its own replica and the host leaders the outer '
-                    'state); call engine.synchronise_replicas() and save engine.module\'s state_dict, or train with '
-                    'mode "exact"'] * 2
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_run_saved_between_synchronisations_resumes_bitwise(tmp_path):
+    """Saved after step 3 of periods of 2 (one inner step into a period), loaded by new engines:
+    the last steps and their synchronisation equal the uninterrupted run's bit for bit; each host
+    wrote its replica under <tag>/host<h>."""
+    case = dict(hosts=[0, 0, 1], stage=2, sizes=[2, 1, 3], outer=OUTER_RESUME, steps=6, save_at=3,
+                folder=str(tmp_path))
+    (per_rank, ) = run_subcases(_resume, [case], world_size=3, timeout=240)
+    for result in per_rank:
+        assert result["folders"] == ["host0", "host1"] and result["latest"] == "ckpt/host0"
+        for got, want in zip(result["resumed"], result["uninterrupted"]):
+            assert torch.equal(got, want)

@@ -39,6 +39,7 @@ synchronisation moves N bytes (fp32; N/2 in bf16) per direction of each host's l
 two hosts, against about 3 N per step for an exact ZeRO-2 step (docs/benchmarks.md).
 """
 
+import re
 import time
 from dataclasses import dataclass
 
@@ -133,7 +134,8 @@ def refusal(settings, state, zero_stage, pipeline, model_parallel, has_moe, host
         return f"{key} weighs each host's loss by its samples; heterogeneous_config.loss_items weighs items " \
                "over every rank: drop loss_items"
     if settings.config.elastic.checkpoint is not None:
-        return f"{key} does not save checkpoints yet; drop heterogeneous_config.elastic.checkpoint"
+        return f"{key} does not take periodic checkpoints yet (engine.save_checkpoint does: each host writes its " \
+               "replica under <tag>/host<h>); drop heterogeneous_config.elastic.checkpoint"
     if state.offloaded_ranks:
         return f"{key} does not cover zero_optimization.heterogeneous_offload yet"
     return None
@@ -277,6 +279,27 @@ class LowCommunication:
         self.synchronisations += 1
         self.sync_seconds += time.perf_counter() - started
 
+    def state_dict(self):
+        """What a checkpoint keeps: the counters (every rank) and, on the host leader, whose record
+        its host's model-states file holds, ``theta_outer`` and the momentum."""
+        return {"hosts": [list(m) for m in self.replicas.layout.host_members], "inner_steps": self.inner_steps,
+                "samples": list(self.samples), "synchronisations": self.synchronisations,
+                "theta": self.theta if self.is_leader else None,
+                "momentum": self.momentum if self.is_leader else None}
+
+    def load_state_dict(self, saved):
+        hosts = [list(m) for m in self.replicas.layout.host_members]
+        if saved["hosts"] != hosts:
+            from ..config.settings import HeterogeneousConfigError
+            raise HeterogeneousConfigError(f"this low-communication checkpoint was saved on hosts {saved['hosts']}, "
+                                           f"and this run has {hosts}: resume on the same hosts")
+        self.inner_steps, self.samples = saved["inner_steps"], list(saved["samples"])
+        self.synchronisations = saved["synchronisations"]
+        if self.is_leader:
+            self.theta.copy_(saved["theta"])
+            if self.momentum is not None:
+                self.momentum.copy_(saved["momentum"])
+
     def _gather_replica(self):
         """The host's fp32 master weights, flat in ``module.parameters()`` order, on the host leader
         (a transient buffer on the other ranks): each rank adds the fragments its optimizer holds,
@@ -317,19 +340,44 @@ class LowCommunication:
                 offset += param.numel()
 
 
-def refuse_checkpoint(state, what):
-    """``save_checkpoint`` / ``load_checkpoint`` in this mode: refused on every rank alike, before a
-    file is written or read (v1: each host's replica and the leaders' outer state would need their
-    own files)."""
-    if getattr(state, "low_communication", None) is None:
-        return
+def host_tag(tag, host):
+    """The tag host ``host`` writes or reads its replica under: ``<tag>/host<h>`` (a tag that already
+    names a host, as ``latest`` does, is re-pointed)."""
+    return f"{re.sub(r'/host[0-9]+$', '', str(tag))}/host{host}"
+
+
+def replica_folder(low, load_dir, tag, load_module_only=False):
+    """``load_checkpoint``'s tag in this mode: the host's own replica, ``<tag>/host<h>``. Every rank
+    checks its host's folder and the verdicts are gathered, so that a checkpoint of another mode or
+    of fewer hosts stops every rank with one message (a collective on the world)."""
+    import os
+    import torch
     from ..config.errors import one_line_config_errors
     from ..config.settings import HeterogeneousConfigError
-    one_line_config_errors()  # every rank raises it: one line, from global rank 0
-    raise HeterogeneousConfigError(
-        f"{what} is not supported with heterogeneous_config.communication.mode \"low_communication\" yet (each host "
-        "holds its own replica and the host leaders the outer state); call engine.synchronise_replicas() and save "
-        "engine.module's state_dict, or train with mode \"exact\"")
+    mine = host_tag(tag, low.replicas.host)
+    found = torch.tensor([int(os.path.isdir(os.path.join(load_dir, mine)))], dtype=torch.int32)
+    dist.all_reduce(found, op=dist.ReduceOp.MIN)
+    if not int(found.item()):
+        one_line_config_errors()
+        raise HeterogeneousConfigError(
+            f"load_checkpoint with heterogeneous_config.communication.mode \"low_communication\" reads each host's "
+            f"replica from <tag>/host<h>, and {os.path.join(load_dir, mine)} (or another host's) does not exist: "
+            f"load a checkpoint this mode saved on the same hosts"
+            f"{' (module weights: load them into the model before deepspeed.initialize)' if load_module_only else ''}")
+    return mine
+
+
+def load_low_communication(low, saved):
+    """Restore the outer state a checkpoint of this mode saved (``LowCommunication.state_dict``), on
+    a run in the same mode on the same hosts."""
+    from ..config.settings import HeterogeneousConfigError
+    if low is None:
+        raise HeterogeneousConfigError("this checkpoint was saved with heterogeneous_config.communication.mode "
+                                       "\"low_communication\" (one replica per host); load it in that mode")
+    if saved is None:
+        raise HeterogeneousConfigError("this checkpoint holds no low-communication state: it was saved in mode "
+                                       "\"exact\"; load it in that mode")
+    low.load_state_dict(saved)
 
 
 def start(state, ds_config, engine, model, pipeline):

@@ -38,7 +38,7 @@ import torch
 
 from deepspeed import comm as dist
 
-from ..comm.low_communication import refuse_checkpoint
+from ..comm.low_communication import replica_folder
 from ..memory.partitions import PartitionLayoutError, check_checkpoint_layout, saved_bounds
 from ..memory.zero3_shards import CHECKPOINT_SHARES_KEY, ShardLayoutError, check_checkpoint_shares
 
@@ -58,11 +58,12 @@ def prepare_load(engine, load_dir, tag, load_optimizer_states=True, load_module_
     optimizer state was cut for another world or other shares. Every rank calls it, with the same
     arguments; it runs collectives only when the fork and ZeRO are on."""
     state = engine._config.heterogeneous
-    refuse_checkpoint(state, "load_checkpoint")
     if state.user_load_universal is None:
         state.user_load_universal = bool(engine._config.load_universal_checkpoint)
     engine._config.load_universal_checkpoint = state.user_load_universal  # a failed load may have left it set
     state.elastic_load = None
+    if state.low_communication is not None:  # each host loads its own replica, on the same hosts
+        return load_dir, replica_folder(state.low_communication, load_dir, tag, load_module_only)
     if (engine.heterogeneous_plan is None or not engine.zero_optimization() or state.user_load_universal
             or load_module_only or not load_optimizer_states or tag is None):
         return load_dir, tag
