@@ -27,7 +27,7 @@ step it reaches at 20 Mbit/s in the time low-communication training took for all
 per step and share for both. Targets (issue 41): share < 10% and a held-out loss within 2% of exact
 training's at equal samples.
 
-    python tests/perf/bench_low_communication.py           # ~8 min, root; JSON in tests/perf/results/
+    python tests/perf/bench_low_communication.py           # ~6 min, root; JSON in tests/perf/results/
     python tests/perf/bench_low_communication.py --quick   # fewer steps (sync_every 10): the plumbing only
 """
 
