@@ -27,6 +27,7 @@ bitwise equal to ``sync`` (recorded per repeat).
 
     python tests/perf/bench_overlap.py           # ~2.5 min, root; JSON in tests/perf/results/overlap.json
     python tests/perf/bench_overlap.py --quick   # ZeRO-2, one repeat
+    python tests/perf/bench_overlap.py --quick --stages 3   # ZeRO-3 (with hpZ), one repeat
 """
 
 import argparse
@@ -45,14 +46,21 @@ RATE_MBIT = 177
 MICRO_BATCH = 12
 BUCKET = 131072
 MODES = ("flat", "sync", "hier")
+ZERO3_MODES = MODES + ("hpz", )
+"""ZeRO-3 also runs upstream's hpZ (``zero_hpz_partition_size`` 2: the flat reduction, backward
+gathers from a secondary copy inside the host), last in each repeat (``comm_train.py``)."""
 FULL = dict(stages=(1, 2, 3), repeats=3, warmup=1, short=1, long=4)
 QUICK = dict(stages=(2, ), repeats=1, warmup=1, short=1, long=3)
+
+
+def modes_of(stage):
+    return ZERO3_MODES if stage == 3 else MODES
 
 
 def summarise(stage, marks, results, repeats, short, long):
     """Medians per mode and the ratios the table prints."""
     row = {"zero_stage": stage}
-    for mode in MODES:
+    for mode in modes_of(stage):
         per_repeat = []
         for repeat in range(repeats):
             tag = f"zero{stage}-{mode}-r{repeat}"
@@ -77,15 +85,17 @@ def summarise(stage, marks, results, repeats, short, long):
     return row
 
 
-def run(quick=False):
+def run(quick=False, stages=None):
     plan = dict(FULL, **(QUICK if quick else {}))
+    if stages:
+        plan["stages"] = stages
     load_start = [round(x, 2) for x in os.getloadavg()]
     began = time.monotonic()
     scenario = bc.Scenario(f"2x2 at {RATE_MBIT} Mbit/s", (2, 2), (RATE_MBIT, RATE_MBIT), plan["stages"])
     marks, results, launch = bc.run_scenario(
         scenario, plan["stages"], plan["repeats"], plan["warmup"], plan["short"], plan["long"],
         micro_batch=MICRO_BATCH,
-        extra=["--modes", ",".join(MODES), "--reduce-bucket", BUCKET, "--overlap-comm-stages", "1", "--profile"])
+        extra=["--modes", ",".join(ZERO3_MODES), "--reduce-bucket", BUCKET, "--overlap-comm-stages", "1", "--profile"])
     report = {"quick": quick, "rate_mbit": RATE_MBIT, "micro_batch_per_rank": MICRO_BATCH,
               "reduce_bucket_size": BUCKET, "repeats": plan["repeats"], "launch": launch,
               "rows": [summarise(stage, marks, results, plan["repeats"], plan["short"], plan["long"])
@@ -100,7 +110,7 @@ def print_table(report):
     print(f"{'ZeRO':>4}  {'mode':<5} {'step ms':>8} {'exposed comm ms':>16} {'share':>6} {'profiler':>9} "
           f"{'slow-link MB':>13}")
     for row in report["rows"]:
-        for mode in MODES:
+        for mode in modes_of(row["zero_stage"]):
             m = row[mode]
             print(f"{row['zero_stage']:>4}  {mode:<5} {1e3 * m['step_time_s']:>8.0f} {1e3 * m['comm_time_s']:>16.0f} "
                   f"{m['comm_share']:>6.0%} {m['profiler_share']:>9.0%} {m['slow_link_bytes'] / 1e6:>13.2f}"
@@ -114,6 +124,7 @@ def print_table(report):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="ZeRO-2, one repeat")
+    parser.add_argument("--stages", default=None, help="ZeRO stages to run, e.g. 3 (default: 1,2,3; --quick: 2)")
     arguments = parser.parse_args()
     os.chdir(REPO)
-    run(arguments.quick)
+    run(arguments.quick, tuple(int(s) for s in arguments.stages.split(",")) if arguments.stages else None)

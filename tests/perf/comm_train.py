@@ -73,6 +73,9 @@ def train(args, out, stage, mode, repeat, rank, world_size):
     zero = {"stage": stage, **({"reduce_bucket_size": args.reduce_bucket} if args.reduce_bucket else {})}
     if str(stage) in args.overlap_comm_stages.split(","):
         zero["overlap_comm"] = True  # ZeRO-1 reduces during the backward (not after it) only with overlap_comm
+    if mode == "hpz":  # upstream's flat reduction with ZeRO++'s secondary partition inside each host
+        communication = {"hierarchical_reduction": False, "overlap": False}
+        zero["zero_hpz_partition_size"] = int(os.environ.get("LOCAL_SIZE", "1"))
     config = {"train_batch_size": global_batch, "steps_per_print": 10**6, "zero_optimization": zero,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
               "heterogeneous_config": {"enabled": mode != "off", "load_balancing_strategy": "uniform",
@@ -161,7 +164,8 @@ def main():
     parser.add_argument("--modes", default="flat,hier",
                         help="flat, hier (overlap \"auto\"), sync (hier with overlap false), off (the fork "
                              "disabled: upstream itself; its collectives are timed only after a fork engine was "
-                             "built in the process), lowcomm (communication.mode \"low_communication\")")
+                             "built in the process), lowcomm (communication.mode \"low_communication\"), hpz (ZeRO-3 only, "
+                             "run last: flat with zero_hpz_partition_size the ranks per host)")
     parser.add_argument("--sync-every", type=int, default=50, help="lowcomm: low_communication.sync_every")
     parser.add_argument("--pseudo-dtype", default="bf16", help="lowcomm: low_communication.pseudo_gradient_dtype")
     parser.add_argument("--outer-lr", type=float, default=0.7, help="lowcomm: low_communication.outer_lr")
@@ -193,8 +197,12 @@ def main():
     for stage in map(int, args.stages.split(",")):
         for repeat in range(args.repeats):
             modes = args.modes.split(",")
+            modes = modes if repeat % 2 == 0 else modes[::-1]  # alternate: no order bias
+            # hpZ is ZeRO-3's, and last: upstream keeps its group in a module global that later
+            # ZeRO-3 engines of the process would use (bench_zero3_link_bytes.py).
+            modes = [m for m in modes if m != "hpz"] + (["hpz"] if "hpz" in modes and stage == 3 else [])
             params = {}
-            for mode in modes if repeat % 2 == 0 else modes[::-1]:  # alternate: no order bias
+            for mode in modes:
                 run, params[mode] = train(args, out, stage, mode, repeat, rank, world_size)
                 result["runs"][f"zero{stage}-{mode}-r{repeat}"] = run
             if "flat" in params and "hier" in params:

@@ -123,16 +123,18 @@ def _case(rank, world_size, **case):
     return _train(rank, world_size, **case)
 
 
-def _refused(rank, world_size, hosts, stage):
+def _refused(rank, world_size, hosts, stage, precision=None, extra=None):
     """The message every rank raised at ``deepspeed.initialize``."""
     import deepspeed
     from harness import patched_environ
 
+    config = _config(stage, [2] * world_size, OUTER, precision=precision)
+    for block, values in (extra or {}).items():
+        config.setdefault(block, {}).update(values)
     with patched_environ({"CROSS_RANK": hosts[rank]}):
         model = _model()
         try:
-            deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                 config=_config(stage, [2] * world_size, OUTER))
+            deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         except Exception as exc:  # noqa: BLE001 -- the message is the result
             return f"{type(exc).__name__}: {exc}"
     return None
@@ -265,12 +267,12 @@ def test_the_outer_step_is_nesterov_on_the_weighted_mean():
     deltas = [torch.tensor([0.2, 0.4]), torch.tensor([-0.2, 0.0])]
     mean = weighted_mean(deltas, [0.75, 0.25])
     torch.testing.assert_close(mean, torch.tensor([0.75 * 0.2 - 0.25 * 0.2, 0.75 * 0.4]))
-    outer_update(theta, momentum, mean, lr=0.5, mu=0.9)
+    outer_update(theta, momentum, mean.clone(), lr=0.5, mu=0.9)
     m = torch.tensor([0.9 * 0.5, 0.9 * -0.5]) + mean
     torch.testing.assert_close(momentum, m)
     torch.testing.assert_close(theta, torch.tensor([1.0, 2.0]) - 0.5 * (mean + 0.9 * m))
     plain = torch.tensor([1.0, 2.0])
-    outer_update(plain, None, mean, lr=1.0, mu=0.0)  # lr 1, no momentum: the weighted average of replicas
+    outer_update(plain, None, mean.clone(), lr=1.0, mu=0.0)  # lr 1, no momentum: the weighted average of replicas
     torch.testing.assert_close(plain, torch.tensor([1.0, 2.0]) - mean)
 
 
@@ -291,12 +293,19 @@ def test_the_settings_name_what_is_wrong():
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_what_it_cannot_cover_stops_every_rank_with_one_named_reason():
-    cases = [dict(hosts=[0, 0], stage=2), dict(hosts=[0, 1], stage=3)]
-    one_host, zero3 = run_subcases(_refused, cases, world_size=2, timeout=240)
+    cases = [dict(hosts=[0, 0], stage=2), dict(hosts=[0, 1], stage=3), dict(hosts=[0, 1], stage=0, precision="bf16"),
+             dict(hosts=[0, 1], stage=2, extra={"heterogeneous_memory": {"enabled": True}}),
+             dict(hosts=[0, 1], stage=2, extra={"heterogeneous_config": {"resplit_fed_batches": True}})]
+    one_host, zero3, zero0_bf16, memory, resplit = run_subcases(_refused, cases, world_size=2, timeout=240)
     key = 'HeterogeneousConfigError: heterogeneous_config.communication.mode "low_communication"'
     assert one_host == [f'{key} synchronises hosts, and every rank runs on one host; use mode "exact"'] * 2
     assert zero3 == [f"{key} covers ZeRO stages 0-2 (ZeRO-3 would partition each parameter over its host only); "
                      'use zero_optimization.stage 2, or mode "exact"'] * 2
+    assert zero0_bf16 == [f"{key} writes the outer step into the optimizer's fp32 master weights, which ZeRO stage 0 "
+                          "in fp16/bf16 does not expose; use zero_optimization.stage 1 or 2"] * 2
+    assert memory == [f"{key} splits ZeRO state evenly inside each host; heterogeneous_memory (enabled, or a "
+                      "zero_partitions list) plans it over every rank: turn it off"] * 2
+    assert all(message.startswith(f"{key} keeps every sample on the host it was fed on") for message in resplit)
 
 
 @pytest.mark.multiprocess

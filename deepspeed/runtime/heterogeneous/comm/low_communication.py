@@ -33,8 +33,10 @@ model-parallel unit). ``HostReplicas`` is such a unit whose data-parallel group 
 asks, and cleared by the next engine that is not in this mode. The hosts start from global rank 0's
 weights (``LowCommunication.attach``, after the optimizer is built).
 
-Costs: the host leaders keep ``theta_outer`` and the momentum in fp32 (8 bytes per parameter;
-every other rank holds a transient fp32 copy of the model at a synchronisation); a
+Costs: the host leaders keep ``theta_outer`` and the momentum in fp32 on the device (8 bytes per
+parameter); at a synchronisation a leader also holds the flat replica, the gathered pseudo-gradients
+and their mean for a moment (about 16 + 4 x hosts bytes per parameter in all with fp32
+pseudo-gradients, 16 + 2 x hosts in bf16) and every other rank a flat fp32 copy (4); a
 synchronisation moves N bytes (fp32; N/2 in bf16) per direction of each host's link when there are
 two hosts, against about 3 N per step for an exact ZeRO-2 step (docs/benchmarks.md).
 """
@@ -85,12 +87,11 @@ def weighted_mean(deltas, weights):
 
 def outer_update(theta, momentum, mean, lr, mu):
     """The outer Nesterov step, in place: ``m = mu * m + mean``; ``theta -= lr * (mean + mu * m)``.
-    ``momentum`` is None when ``mu`` is 0."""
-    if momentum is None:
-        theta.sub_(mean, alpha=lr)
-        return
-    momentum.mul_(mu).add_(mean)
-    theta.sub_(mean.add(momentum, alpha=mu), alpha=lr)
+    ``momentum`` is None when ``mu`` is 0. ``mean`` is overwritten (no temporary of the model's size)."""
+    if momentum is not None:
+        momentum.mul_(mu).add_(mean)
+        mean.add_(momentum, alpha=mu)
+    theta.sub_(mean, alpha=lr)
 
 
 @dataclass(frozen=True)
@@ -111,14 +112,18 @@ class OuterSettings:
         return f"every {self.sync_every} steps, outer lr {self.lr:g} with {momentum}, pseudo-gradients in {dtype}"
 
 
-def refusal(settings, state, zero_stage, pipeline, model_parallel, has_moe, hosts):
-    """Why ``mode: "low_communication"`` cannot run here (one message naming the key), or None."""
+def refusal(settings, zero_stage, pipeline, model_parallel, has_moe, hosts, low_precision=False,
+            checkpoint_writer=False):
+    """Why ``mode: "low_communication"`` cannot run here (one message naming the key), or None.
+    ``model_parallel``: an mpu, a device mesh or AutoTP (their groups would replace the hosts');
+    ``low_precision``: fp16 or bf16."""
     key = "heterogeneous_config.communication.mode \"low_communication\""
+    config = settings.config
     if pipeline:
         return f"{key} does not cover pipeline parallelism (its stages exchange activations every micro-step)"
     if model_parallel:
         return f"{key} makes each host a data-parallel replica, which model, tensor or sequence parallelism " \
-               "already divides; use mode \"exact\""
+               "(an mpu, a device mesh, AutoTP) already divides; use mode \"exact\""
     if has_moe:
         return f"{key} does not cover mixture-of-experts layers (their expert groups span the hosts)"
     if hosts is None or group_layout(hosts).num_hosts < 2:
@@ -126,18 +131,26 @@ def refusal(settings, state, zero_stage, pipeline, model_parallel, has_moe, host
     if zero_stage == 3:
         return f"{key} covers ZeRO stages 0-2 (ZeRO-3 would partition each parameter over its host only); " \
                "use zero_optimization.stage 2, or mode \"exact\""
-    memory = settings.memory
-    if isinstance(memory.zero_partitions, list):
-        return f"{key} partitions ZeRO state evenly inside each host; heterogeneous_memory.zero_partitions " \
-               "lists shares over every rank: leave it \"auto\""
-    if settings.config.loss_items is not None:
+    if zero_stage == 0 and low_precision:
+        return f"{key} writes the outer step into the optimizer's fp32 master weights, which ZeRO stage 0 in " \
+               "fp16/bf16 does not expose; use zero_optimization.stage 1 or 2"
+    if settings.memory.enabled or isinstance(settings.memory.zero_partitions, list):
+        return f"{key} splits ZeRO state evenly inside each host; heterogeneous_memory (enabled, or a " \
+               "zero_partitions list) plans it over every rank: turn it off"
+    if settings.offload.cpu_offload or settings.offload.nvme_offload:
+        return f"{key} does not cover zero_optimization.heterogeneous_offload yet"
+    if config.loss_items is not None:
         return f"{key} weighs each host's loss by its samples; heterogeneous_config.loss_items weighs items " \
                "over every rank: drop loss_items"
-    if settings.config.elastic.checkpoint is not None:
+    if config.resplit_fed_batches is True:
+        return f"{key} keeps every sample on the host it was fed on; heterogeneous_config.resplit_fed_batches " \
+               "true would move rows between hosts every step: feed each rank its plan (the engine's loader " \
+               "or heterogeneous_sampler)"
+    if config.elastic.checkpoint is not None:
         return f"{key} does not take periodic checkpoints yet (engine.save_checkpoint does: each host writes its " \
                "replica under <tag>/host<h>); drop heterogeneous_config.elastic.checkpoint"
-    if state.offloaded_ranks:
-        return f"{key} does not cover zero_optimization.heterogeneous_offload yet"
+    if checkpoint_writer:
+        return f"{key} does not cover checkpoint.writer (its data-parallel writers assume one replica)"
     return None
 
 
@@ -230,12 +243,20 @@ class LowCommunication:
         reached, then start every host from global rank 0's weights."""
         self.engine = engine
         self.params = list(engine.module.parameters())
+        from ..config.settings import HeterogeneousConfigError
+        if dist.get_world_size(group=engine.seq_data_parallel_group) != len(self.replicas.members):
+            raise HeterogeneousConfigError(
+                "heterogeneous_config.communication.mode \"low_communication\": the engine's data-parallel group "
+                f"has {dist.get_world_size(group=engine.seq_data_parallel_group)} ranks, not this host's "
+                f"{len(self.replicas.members)} (something set other groups); use mode \"exact\"")
         if engine.fp16_enabled() or engine.bfloat16_enabled():
             unreachable = [p for p in _trainable(engine.module) if not hasattr(p, "_hp_mapping")]
             if unreachable:
-                raise ValueError("heterogeneous_config.communication.mode \"low_communication\" writes the outer "
-                                 "step into the optimizer's fp32 master weights, which this optimizer does not "
-                                 f"expose ({type(engine.optimizer).__name__}); use ZeRO stage 1 or 2, or bf16")
+                raise HeterogeneousConfigError(
+                    "heterogeneous_config.communication.mode \"low_communication\" writes the outer step into the "
+                    f"optimizer's fp32 master weights, which {type(engine.optimizer).__name__} does not expose; "
+                    "use zero_optimization.stage 1 or 2")
+        self._check_coverage()
         theta = self._gather_replica()
         if self.is_leader:
             dist.broadcast(theta, src=0, group=self.replicas.leader_group)
@@ -266,12 +287,15 @@ class LowCommunication:
         started = time.perf_counter()
         theta_h = self._gather_replica()
         if self.is_leader:
-            delta = (self.theta - theta_h).to(self.settings.dtype)
+            delta = theta_h.neg_().add_(self.theta).to(self.settings.dtype)  # in place where fp32
             deltas = [torch.empty_like(delta) for _ in range(self.replicas.layout.num_hosts)]
             dist.all_gather(deltas, delta, group=self.replicas.leader_group)
+            del delta
             total = sum(self.samples)
             mean = weighted_mean(deltas, [s / total for s in self.samples])
+            del deltas
             outer_update(self.theta, self.momentum, mean, self.settings.lr, self.settings.momentum)
+            del mean
             theta_h.copy_(self.theta)
         self._write_replica(theta_h)
         self.inner_steps = 0
@@ -299,6 +323,24 @@ class LowCommunication:
             self.theta.copy_(saved["theta"])
             if self.momentum is not None:
                 self.momentum.copy_(saved["momentum"])
+
+    def _check_coverage(self):
+        """The host's ranks' fp32 fragments cover every element of the model exactly once (a stale
+        mapping of an earlier engine on the same module would leave holes)."""
+        covered = 0
+        for param in self.params:
+            mapping = getattr(param, "_hp_mapping", _ABSENT)
+            if mapping is _ABSENT:
+                covered += param.numel() if dist.get_rank() == self.replicas.leader else 0
+            elif mapping is not None:
+                covered += mapping.lp_fragment_address.numel
+        total = torch.tensor([covered], dtype=torch.int64, device=self.params[0].device)
+        if len(self.replicas.members) > 1:
+            dist.all_reduce(total, group=self.replicas.host_group)
+        expected = sum(p.numel() for p in self.params)
+        if int(total.item()) != expected:
+            raise RuntimeError(f"deepspeed-hetero: low-communication: the optimizer's fp32 fragments on this host "
+                               f"cover {int(total.item())} of the model's {expected} elements")
 
     def _gather_replica(self):
         """The host's fp32 master weights, flat in ``module.parameters()`` order, on the host leader
@@ -390,18 +432,26 @@ def start(state, ds_config, engine, model, pipeline):
         set_groups(None)
         return None
     from deepspeed.moe.layer import MoE
+    from deepspeed.runtime.model_checkpointing.constants import CHECKPOINT_WRITER
     from deepspeed.utils import groups
     topology = getattr(state, "topology", None)
     hosts = None if topology is None else tuple(topology.hosts)
-    model_parallel = (getattr(engine, "mpu", None) is not None or
-                      (groups.mpu is not None and not isinstance(groups.mpu, HostReplicas)))
-    reason = refusal(state.settings, state, ds_config.zero_optimization_stage, pipeline,
-                     model_parallel, model is not None and any(isinstance(m, MoE) for m in model.modules()), hosts)
+    autotp = getattr(getattr(ds_config, "tensor_parallel_config", None), "autotp_size", 0) or 0
+    model_parallel = (getattr(engine, "mpu", None) is not None or groups.mesh_device is not None or autotp > 1
+                      or getattr(ds_config, "sequence_parallel_size", 1) not in (None, 1)
+                      or (groups.mpu is not None and not isinstance(groups.mpu, HostReplicas)))
+    writer = (getattr(ds_config, "checkpoint_config", None) or {}).get(CHECKPOINT_WRITER) is not None
+    reason = refusal(state.settings, ds_config.zero_optimization_stage, pipeline, model_parallel,
+                     model is not None and any(isinstance(m, MoE) for m in model.modules()), hosts,
+                     low_precision=bool(ds_config.float16_config.enabled or ds_config.bfloat16_config.enabled),
+                     checkpoint_writer=writer)
     if reason is not None:
         from ..config.errors import one_line_config_errors
         from ..config.settings import HeterogeneousConfigError
         one_line_config_errors()
         raise HeterogeneousConfigError(reason)
+    if communication.low_communication is not None and state.settings.config.resplit_fed_batches == "auto":
+        state.settings.config.resplit_fed_batches = False  # agreed on every rank: rows stay on their host
     replicas = HostReplicas(hosts)
     set_groups(replicas)
     if state.dp_rank == 0:
