@@ -146,6 +146,9 @@ def train(args, out, stage, mode, repeat, rank, world_size):
               "scheme": None if reducer is None else ("sharded" if reducer.layout.even else "through host leaders"),
               "sync_seconds": sync_seconds, "losses": losses, "eval_loss": eval_loss}
     engine.destroy()
+    if mode == "hpz":  # destroy() leaves the hpZ group in a module global that later ZeRO-3 engines would use
+        from deepspeed.utils import groups
+        groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
     return result, params
 
 
@@ -198,8 +201,7 @@ def main():
         for repeat in range(args.repeats):
             modes = args.modes.split(",")
             modes = modes if repeat % 2 == 0 else modes[::-1]  # alternate: no order bias
-            # hpZ is ZeRO-3's, and last: upstream keeps its group in a module global that later
-            # ZeRO-3 engines of the process would use (bench_zero3_link_bytes.py).
+            # hpZ is ZeRO-3's, and last in its repeat (``train`` clears the hpZ group it leaves).
             modes = [m for m in modes if m != "hpz"] + (["hpz"] if "hpz" in modes and stage == 3 else [])
             params = {}
             for mode in modes:
