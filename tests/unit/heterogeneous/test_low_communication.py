@@ -36,9 +36,11 @@ def _data(steps, train_batch_size):
             torch.randn(steps * train_batch_size, WIDTH, generator=generator))
 
 
-def _config(stage, sizes, outer, optimizer="Adam", precision=None):
+def _config(stage, sizes, outer, optimizer="Adam", precision=None, gas=1, clip=0.0):
     config = {
-        "train_batch_size": sum(sizes),
+        "train_batch_size": sum(sizes) * gas,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": clip,
         "zero_optimization": {"stage": stage},
         "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "manual", "micro_batch_sizes": sizes,
                                  "communication": {"mode": "low_communication", "low_communication": outer}},
@@ -52,7 +54,8 @@ def _config(stage, sizes, outer, optimizer="Adam", precision=None):
     return config
 
 
-def _train(rank, world_size, hosts, stage, sizes, outer, steps, optimizer="Adam", precision=None, perturb=False):
+def _train(rank, world_size, hosts, stage, sizes, outer, steps, optimizer="Adam", precision=None, perturb=False, gas=1,
+           clip=0.0):
     import deepspeed
     from harness import patched_environ
     from deepspeed.runtime.heterogeneous.measure.collective_log import recording
@@ -65,17 +68,18 @@ def _train(rank, world_size, hosts, stage, sizes, outer, steps, optimizer="Adam"
                     p.add_(0.1 * rank)
         client = torch.optim.SGD(model.parameters(), lr=LR) if optimizer == "SGD" else None
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), optimizer=client,
-                                               config=_config(stage, sizes, outer, optimizer, precision))
-    inputs, targets = _data(steps, sum(sizes))
+                                               config=_config(stage, sizes, outer, optimizer, precision, gas, clip))
+    inputs, targets = _data(steps, sum(sizes) * gas)
     offset = sum(sizes[:rank])
     dtype = next(engine.module.parameters()).dtype
     with recording() as entries:
         for step in range(steps):
-            start = step * sum(sizes) + offset
-            chunk = slice(start, start + sizes[rank])
-            outputs = engine(inputs[chunk].to(dtype))
-            engine.backward(torch.nn.functional.mse_loss(outputs.float(), targets[chunk]))
-            engine.step()
+            for micro in range(gas):
+                start = (step * gas + micro) * sum(sizes) + offset
+                chunk = slice(start, start + sizes[rank])
+                outputs = engine(inputs[chunk].to(dtype))
+                engine.backward(torch.nn.functional.mse_loss(outputs.float(), targets[chunk]))
+                engine.step()
     groups = sorted({tuple(entry.group) for entry in entries})
     params = [p.detach().float().clone() for p in engine.module.parameters()]
     masters = None
@@ -85,9 +89,10 @@ def _train(rank, world_size, hosts, stage, sizes, outer, steps, optimizer="Adam"
     return {"params": params, "masters": masters, "groups": groups, "syncs": engine.synchronise_replicas()}
 
 
-def _simulate(hosts, sizes, outer, steps, optimizer="Adam"):
+def _simulate(hosts, sizes, outer, steps, optimizer="Adam", gas=1, clip=0.0):
     """One process: a model and an inner optimizer per host, each on its host's samples (the mean
-    over them), and the documented outer step every ``sync_every`` steps."""
+    over them, the host's gradient norm clipped to ``clip``), and the documented outer step every
+    ``sync_every`` steps."""
     members = {}
     for rank, host in enumerate(hosts):
         members.setdefault(host, []).append(rank)
@@ -97,14 +102,17 @@ def _simulate(hosts, sizes, outer, steps, optimizer="Adam"):
     inners = [make(model.parameters()) for model in replicas]
     theta = torch.cat([p.detach().reshape(-1) for p in replicas[0].parameters()]).clone()
     momentum = torch.zeros_like(theta) if outer.get("outer_momentum", 0.9) else None
-    inputs, targets = _data(steps, sum(sizes))
+    inputs, targets = _data(steps, sum(sizes) * gas)
     samples = [0] * len(order)
     for step in range(steps):
         for index, host in enumerate(order):
-            rows = torch.cat([torch.arange(step * sum(sizes) + sum(sizes[:r]), step * sum(sizes) + sum(sizes[:r + 1]))
-                              for r in members[host]])
+            firsts = [(step * gas + micro) * sum(sizes) for micro in range(gas)]
+            rows = torch.cat([torch.arange(first + sum(sizes[:r]), first + sum(sizes[:r + 1]))
+                              for first in firsts for r in members[host]])
             inners[index].zero_grad()
             torch.nn.functional.mse_loss(replicas[index](inputs[rows]), targets[rows]).backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(replicas[index].parameters(), clip)
             inners[index].step()
             samples[index] += len(rows)
         if (step + 1) % outer["sync_every"] == 0:
@@ -181,6 +189,8 @@ CASES = [
     dict(hosts=[0, 0, 1, 1], stage=2, sizes=[3, 2, 2, 1], outer=OUTER, steps=7, perturb=True),
     dict(hosts=[0, 0, 1, 1], stage=1, sizes=[2, 2, 3, 1], outer={**OUTER, "pseudo_gradient_dtype": "bf16"}, steps=6),
     dict(hosts=[0, 0, 1, 1], stage=0, sizes=[2, 2, 2, 2], outer={**OUTER, "sync_every": 2}, steps=5),
+    # Gradient accumulation, and clipping of each host's gradient norm (over the host's partitions).
+    dict(hosts=[0, 0, 1, 1], stage=2, sizes=[1, 2, 2, 2], outer=OUTER, steps=4, gas=2, clip=0.05),
 ]
 # bf16 (ZeRO-1's fp32 masters behind bf16 parameters): after the last step's synchronisation every
 # rank of both hosts holds the same fp32 masters, and its bf16 parameters are their rounding.
@@ -196,7 +206,8 @@ UNEVEN_CASES = [
 
 def _check(cases, results):
     for case, per_rank in zip(cases, results):
-        expected = _simulate(case["hosts"], case["sizes"], case["outer"], case["steps"], case.get("optimizer", "Adam"))
+        expected = _simulate(case["hosts"], case["sizes"], case["outer"], case["steps"], case.get("optimizer", "Adam"),
+                             case.get("gas", 1), case.get("clip", 0.0))
         syncs = case["steps"] // case["outer"]["sync_every"]
         for rank, result in enumerate(per_rank):
             want = expected[case["hosts"][rank]]
