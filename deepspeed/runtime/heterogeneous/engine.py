@@ -81,6 +81,18 @@ class HeterogeneousEngineMixin:
                                "each replica's micro-batches when it starts, so the replicas keep their start-up plan")
         return runtime.reschedule(utilization_metrics)
 
+    def _heterogeneous_eval_sampler(self, dataset, route, data_sampler):
+        """``deepspeed_io``'s sampler for an evaluation or prediction loader in the low-communication
+        mode: every rank one shard of the world's (upstream would pair the host's size with the
+        global rank); else ``data_sampler`` as given."""
+        from deepspeed import comm as dist
+        from deepspeed.runtime.constants import ROUTE_EVAL, ROUTE_PREDICT
+        if (data_sampler is not None or route not in (ROUTE_EVAL, ROUTE_PREDICT)
+                or self._config.heterogeneous.low_communication is None):
+            return data_sampler
+        return torch.utils.data.DistributedSampler(dataset, num_replicas=dist.get_world_size(), rank=dist.get_rank(),
+                                                   shuffle=False)
+
     def synchronise_replicas(self):
         """``communication.mode: "low_communication"``: synchronise the hosts' replicas now (the outer
         step, with the samples since the last one), e.g. before exporting the model; every rank calls

@@ -81,12 +81,15 @@ def _train(rank, world_size, hosts, stage, sizes, outer, steps, optimizer="Adam"
                 engine.backward(torch.nn.functional.mse_loss(outputs.float(), targets[chunk]))
                 engine.step()
     groups = sorted({tuple(entry.group) for entry in entries})
+    from deepspeed.runtime.constants import ROUTE_EVAL
+    sampler = engine.deepspeed_io(torch.utils.data.TensorDataset(inputs), route=ROUTE_EVAL).data_sampler
     params = [p.detach().float().clone() for p in engine.module.parameters()]
     masters = None
     if stage:
         from deepspeed.utils import safe_get_full_fp32_param
         masters = [safe_get_full_fp32_param(p).clone() for p in engine.module.parameters()]
-    return {"params": params, "masters": masters, "groups": groups, "syncs": engine.synchronise_replicas()}
+    return {"params": params, "masters": masters, "groups": groups, "syncs": engine.synchronise_replicas(),
+            "eval_shard": (sampler.num_replicas, sampler.rank)}
 
 
 def _simulate(hosts, sizes, outer, steps, optimizer="Adam", gas=1, clip=0.0):
@@ -221,6 +224,7 @@ def _check(cases, results):
             world = tuple(range(len(case["hosts"])))
             assert set(result["groups"]) <= {tuple(members), tuple(leaders), world}, (case, result["groups"])
             assert result["syncs"] == syncs + (case["steps"] % case["outer"]["sync_every"] > 0)
+            assert result["eval_shard"] == (len(case["hosts"]), rank)  # an evaluation loader: one shard per rank
         if case.get("optimizer") == "SGD":  # the anchor: exact data-parallel SGD on the global batch
             model = _model()
             sgd = torch.optim.SGD(model.parameters(), lr=LR)
