@@ -29,6 +29,7 @@ training's at equal samples.
 
     python tests/perf/bench_low_communication.py           # ~6 min, root; JSON in tests/perf/results/
     python tests/perf/bench_low_communication.py --quick   # fewer steps (sync_every 10): the plumbing only
+    python tests/perf/bench_low_communication.py --outer 0.7,0.5 --outer 1,0.5 --sync-every 25   # other settings
 """
 
 import argparse
@@ -48,8 +49,9 @@ FAST_MBIT = 200
 MICRO_BATCH = 8
 STAGE = 2
 EVAL_SAMPLES = 64
-FULL = dict(sync_every=50, warmup=150, exact_steps=(1, 1, 3), window=50)
-QUICK = dict(sync_every=10, warmup=10, exact_steps=(1, 1, 2), window=10)
+FULL = dict(sync_every=50, steps=300, exact_steps=(1, 1, 3), window=50)
+QUICK = dict(sync_every=10, steps=40, exact_steps=(1, 1, 2), window=10)
+"""The warm-up is what ``steps`` leaves before the marks, which lie sync_every and 2 x sync_every apart."""
 TARGETS = {"share": 0.10, "loss_gap": 0.02}
 OUTER_SETTINGS = (("Nesterov lr 0.7 momentum 0.9", {"lr": 0.7, "momentum": 0.9}),  # DiLoCo's, the defaults
                   ("averaging (lr 1, no momentum)", {"lr": 1.0, "momentum": 0.0}))
@@ -82,13 +84,24 @@ def mean(values):
     return sum(values) / len(values)
 
 
-def run(quick=False):
+def parse_outer(text):
+    """``--outer LR,MOMENTUM`` -> a named outer setting."""
+    lr, momentum = (float(x) for x in text.split(","))
+    return (f"outer lr {lr:g} momentum {momentum:g}", {"lr": lr, "momentum": momentum})
+
+
+def run(quick=False, outer_settings=OUTER_SETTINGS, sync_every=None):
     plan = dict(FULL, **(QUICK if quick else {}))
+    if sync_every:
+        plan["sync_every"] = sync_every
     load_start = [round(x, 2) for x in os.getloadavg()]
     began = time.monotonic()
     h = plan["sync_every"]
     exact_slow = segment("exact, slow link", SLOW_MBIT, "hier", *plan["exact_steps"])
-    exact_curve = segment("exact, loss curve", FAST_MBIT, "hier", plan["warmup"], h, 2 * h)
+    warmup = plan["steps"] - 3 * h
+    if warmup < 1:
+        raise ValueError(f"sync_every {h} leaves no warm-up in {plan['steps']} steps")
+    exact_curve = segment("exact, loss curve", FAST_MBIT, "hier", warmup, h, 2 * h)
     steps, window = exact_curve["steps"], plan["window"]
     exact_train = mean(exact_curve["losses"][-window:])
     report = {
@@ -98,8 +111,8 @@ def run(quick=False):
         "exact_at_20mbit": {k: v for k, v in exact_slow.items() if k != "losses"},
         "exact_loss_curve": {k: v for k, v in exact_curve.items() if k != "losses"},
         "losses": {"exact": exact_curve["losses"]}, "low_communication": []}
-    for name, outer in OUTER_SETTINGS:
-        low = segment(f"low-communication, {name}", SLOW_MBIT, "lowcomm", plan["warmup"], h, 2 * h, sync_every=h,
+    for name, outer in outer_settings:
+        low = segment(f"low-communication, {name}", SLOW_MBIT, "lowcomm", warmup, h, 2 * h, sync_every=h,
                       outer=outer)
         low_train = mean(low["losses"][-window:])
         # Equal wall time: the step exact training reaches at 20 Mbit/s in the time low-communication
@@ -151,6 +164,9 @@ def print_table(report):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="sync_every 10 and fewer steps")
+    parser.add_argument("--outer", action="append", type=parse_outer, metavar="LR,MOMENTUM",
+                        help="an outer setting to run instead of OUTER_SETTINGS (repeatable)")
+    parser.add_argument("--sync-every", type=int, default=None, help="instead of 50 (the marks follow it)")
     arguments = parser.parse_args()
     os.chdir(REPO)
-    run(arguments.quick)
+    run(arguments.quick, tuple(arguments.outer or OUTER_SETTINGS), arguments.sync_every)
