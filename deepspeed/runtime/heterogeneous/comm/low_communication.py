@@ -4,8 +4,8 @@ and **not exact**.
 
 Below a few hundred Mbit/s between hosts no exact scheme keeps the communication share of a step
 small: every step's gradients must cross the link. In this mode each host trains its own replica of
-the model, exact and balanced inside the host (ZeRO-0/1/2 over the host's ranks, the plan's
-per-rank micro-batches), and the hosts meet every H = ``sync_every`` optimizer steps, as in DiLoCo
+the model, exact and balanced inside the host (ZeRO-1/2, or ZeRO-0 in fp32, over the host's
+ranks; the plan's per-rank micro-batches), and the hosts meet every H = ``sync_every`` optimizer steps, as in DiLoCo
 (Douillard et al., 2023):
 
 - every host h forms its pseudo-gradient ``delta_h = theta_outer - theta_h`` over the fp32 master
