@@ -171,8 +171,8 @@ def main():
                              "run last: flat with zero_hpz_partition_size the ranks per host)")
     parser.add_argument("--sync-every", type=int, default=50, help="lowcomm: low_communication.sync_every")
     parser.add_argument("--pseudo-dtype", default="bf16", help="lowcomm: low_communication.pseudo_gradient_dtype")
-    parser.add_argument("--outer-lr", type=float, default=0.7, help="lowcomm: low_communication.outer_lr")
-    parser.add_argument("--outer-momentum", type=float, default=0.9, help="lowcomm: low_communication.outer_momentum")
+    parser.add_argument("--outer-lr", type=float, default=1.0, help="lowcomm: low_communication.outer_lr")
+    parser.add_argument("--outer-momentum", type=float, default=0.5, help="lowcomm: low_communication.outer_momentum")
     parser.add_argument("--eval-samples", type=int, default=0,
                         help="evaluate the final model on this many held-out samples (0: no evaluation)")
     parser.add_argument("--profile", action="store_true",

@@ -104,7 +104,7 @@ def _simulate(hosts, sizes, outer, steps, optimizer="Adam", gas=1, clip=0.0):
     make = (lambda ps: torch.optim.Adam(ps, lr=LR)) if optimizer == "Adam" else (lambda ps: torch.optim.SGD(ps, lr=LR))
     inners = [make(model.parameters()) for model in replicas]
     theta = torch.cat([p.detach().reshape(-1) for p in replicas[0].parameters()]).clone()
-    momentum = torch.zeros_like(theta) if outer.get("outer_momentum", 0.9) else None
+    momentum = torch.zeros_like(theta) if outer.get("outer_momentum", 0.5) else None
     inputs, targets = _data(steps, sum(sizes) * gas)
     samples = [0] * len(order)
     for step in range(steps):
@@ -123,7 +123,7 @@ def _simulate(hosts, sizes, outer, steps, optimizer="Adam", gas=1, clip=0.0):
             if outer.get("pseudo_gradient_dtype") == "bf16":
                 deltas = [d.to(torch.bfloat16) for d in deltas]
             mean = weighted_mean(deltas, [s / sum(samples) for s in samples])
-            outer_update(theta, momentum, mean, outer.get("outer_lr", 0.7), outer.get("outer_momentum", 0.9))
+            outer_update(theta, momentum, mean, outer.get("outer_lr", 1.0), outer.get("outer_momentum", 0.5))
             for model in replicas:
                 torch.nn.utils.vector_to_parameters(theta.clone(), model.parameters())  # not views of theta
             samples = [0] * len(order)
@@ -294,7 +294,8 @@ def test_the_outer_step_is_nesterov_on_the_weighted_mean():
 def test_the_settings_name_what_is_wrong():
     assert CommunicationConfig().mode == "exact"
     config = CommunicationConfig(mode="low_communication")
-    assert config.low_communication.sync_every == 50 and config.low_communication.outer_lr == 0.7
+    outer = config.low_communication
+    assert (outer.sync_every, outer.outer_lr, outer.outer_momentum, outer.pseudo_gradient_dtype) == (50, 1.0, 0.5, "fp32")
     with pytest.raises(ValueError, match=r"low_communication is set, but mode is \"exact\""):
         CommunicationConfig(low_communication={"sync_every": 10})
     with pytest.raises(ValueError, match=r"overlap true has nothing to act on"):

@@ -107,11 +107,13 @@ class LowCommunicationConfig(DeepSpeedConfigModel):
 
     sync_every: PositiveInt = 50
     """Optimizer steps each host takes on its own between two synchronisations (H)."""
-    outer_lr: PositiveFloat = 0.7
+    outer_lr: PositiveFloat = 1.0
     """The outer step's learning rate: the replicas move by ``outer_lr`` times the (Nesterov) mean of
     their pseudo-gradients. 1.0 with momentum 0 is plain averaging of the replicas."""
-    outer_momentum: float = Field(0.9, ge=0.0, lt=1.0)
-    """The outer Nesterov momentum (0: none)."""
+    outer_momentum: float = Field(0.5, ge=0.0, lt=1.0)
+    """The outer Nesterov momentum (0: none). The defaults (lr 1, momentum 0.5) were the closest to
+    exact training of the settings tried on two hosts (tests/perf/bench_low_communication.py);
+    DiLoCo's (lr 0.7, momentum 0.9) suit many workers and long periods."""
     pseudo_gradient_dtype: Literal["fp32", "bf16"] = "fp32"
     """What crosses the link: each host's pseudo-gradient in fp32, or rounded to bf16 (half the bytes);
     the mean and the outer step are computed in fp32 either way."""
