@@ -225,18 +225,24 @@ class LowCommunication:
         self.samples = [0] * replicas.layout.num_hosts  # planned since the last synchronisation
         self.synchronisations = 0
         self.sync_seconds = 0.0  # wall time in synchronisations (this rank), for the profiler and benchmarks
-        self._scales = None  # (plan samples, per-rank loss scales)
+        self._per_plan = None  # (plan samples, per-rank loss scales, samples per host): once per plan
 
     @property
     def is_leader(self):
         return dist.get_rank() == self.replicas.leader
 
-    def loss_scale(self, plan, rank):
-        """``host_loss_scales`` of ``plan`` for global rank ``rank`` (cached per plan)."""
+    def _plan_facts(self, plan):
+        """(loss scales per rank, samples per host) of ``plan``, computed once per plan: read at
+        every backward and every step."""
         samples = plan.samples_per_rank
-        if self._scales is None or self._scales[0] != samples:
-            self._scales = (samples, host_loss_scales(samples, self.replicas.layout.hosts))
-        return self._scales[1][rank]
+        if self._per_plan is None or self._per_plan[0] != samples:
+            hosts = self.replicas.layout.hosts
+            self._per_plan = (samples, host_loss_scales(samples, hosts), host_samples(samples, hosts))
+        return self._per_plan[1:]
+
+    def loss_scale(self, plan, rank):
+        """``host_loss_scales`` of ``plan`` for global rank ``rank``."""
+        return self._plan_facts(plan)[0][rank]
 
     def attach(self, engine):
         """After the optimizer is built, on every rank: check that the fp32 master weights can be
@@ -273,7 +279,7 @@ class LowCommunication:
     def after_step(self, plan):
         """An optimizer step is done on this rank: count its planned samples per host, and
         synchronise the replicas every ``sync_every`` steps. Returns True when it did."""
-        for host, samples in enumerate(host_samples(plan.samples_per_rank, self.replicas.layout.hosts)):
+        for host, samples in enumerate(self._plan_facts(plan)[1]):
             self.samples[host] += samples
         self.inner_steps += 1
         if self.inner_steps < self.settings.sync_every:
@@ -397,7 +403,9 @@ def replica_folder(low, load_dir, tag, load_module_only=False):
     from ..config.errors import one_line_config_errors
     from ..config.settings import HeterogeneousConfigError
     mine = host_tag(tag, low.replicas.host)
-    found = torch.tensor([int(os.path.isdir(os.path.join(load_dir, mine)))], dtype=torch.int32)
+    from deepspeed.accelerator import get_accelerator
+    found = torch.tensor([int(os.path.isdir(os.path.join(load_dir, mine)))], dtype=torch.int32,
+                         device=get_accelerator().current_device_name())
     dist.all_reduce(found, op=dist.ReduceOp.MIN)
     if not int(found.item()):
         one_line_config_errors()
@@ -450,7 +458,7 @@ def start(state, ds_config, engine, model, pipeline):
         from ..config.settings import HeterogeneousConfigError
         one_line_config_errors()
         raise HeterogeneousConfigError(reason)
-    if communication.low_communication is not None and state.settings.config.resplit_fed_batches == "auto":
+    if state.settings.config.resplit_fed_batches == "auto":
         state.settings.config.resplit_fed_batches = False  # agreed on every rank: rows stay on their host
     replicas = HostReplicas(hosts)
     set_groups(replicas)
