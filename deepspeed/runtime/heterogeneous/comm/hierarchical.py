@@ -40,7 +40,7 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
-from . import overlap
+from . import host_shards, overlap
 from .host_groups import (group_layout, host_ranges, pack, piece, piece_elements_for, ranges_numel,
                           reduction_decision, scatter_into, shard_size, unpack)
 
@@ -330,6 +330,7 @@ def attach(engine):
     group = engine.seq_data_parallel_group
     previous = _reducers.pop(group, None) if _reducers else None
     if not state.enabled:
+        host_shards.attach(engine, None, False)  # parameters an earlier engine gave host shards gather flat again
         return None
     if state.low_communication is not None:  # each host a replica: nothing is reduced between hosts
         if previous is not None:
@@ -346,6 +347,7 @@ def attach(engine):
             logger.warning(f"heterogeneous_config.communication: hierarchical reduction not in force: {note}")
         if previous is not None:
             overlap.attach(previous, False, None)  # stop its worker
+        host_shards.attach(engine, None, False)
         return None
     compress = communication.compress_inter_host
     topology = getattr(state, "topology", None)
@@ -359,6 +361,7 @@ def attach(engine):
     _reducers[group] = reducer
     overlap_note = overlap.attach(reducer, communication.overlap, engine.optimizer,
                                   serves=lambda partition_group: zero3_reducer(partition_group) is reducer)
+    shards, shards_note = host_shards.attach(engine, reducer, communication.zero3_host_shards)
     if dist.get_rank() == 0:
         layout = reducer.layout
         stage = engine.zero_optimization_stage()
@@ -369,7 +372,11 @@ def attach(engine):
         print(f"[deepspeed-hetero] hierarchical gradient reduction over {layout.num_hosts} hosts "
               f"{[list(m) for m in layout.host_members]} ({scheme}"
               f"{', inter-host step in ' + compress if compress else ''}"
-              f"{', overlapped with the backward' if reducer.background is not None else ''})", flush=True)
+              f"{', overlapped with the backward' if reducer.background is not None else ''}"
+              f"{', parameters gathered inside each host' if shards is not None else ''})", flush=True)
+        if shards_note and communication.zero3_host_shards == "auto" and stage == 3:
+            print(f"[deepspeed-hetero] ZeRO-3 parameters gathered over every rank, not inside each host: {shards_note}",
+                  flush=True)
         if overlap_note and communication.overlap == "auto" and stage:
             print(f"[deepspeed-hetero] gradient buckets reduced after each other, not overlapped: {overlap_note}",
                   flush=True)

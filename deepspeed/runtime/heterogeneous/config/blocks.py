@@ -140,6 +140,13 @@ class CommunicationConfig(DeepSpeedConfigModel):
     (``comm/overlap.py``). Bitwise equal to the reduction without overlap. ``auto``: on wherever
     the hierarchical reduction is in force for ZeRO-1/2 and the buckets can be captured exactly;
     ``true`` where it cannot apply is an error naming why."""
+    zero3_host_shards: AutoOrBool = "auto"
+    """ZeRO-3: each host keeps a copy of the parameters cut among its ranks, refreshed once after each
+    step, so parameter gathers run inside the host instead of over every rank
+    (``comm/host_shards.py``). Bitwise equal to the flat gather; costs about ``N / ranks_per_host``
+    more parameter memory per rank. ``auto``: on wherever the hierarchical reduction is in force for
+    ZeRO-3 (and neither hpZ, parameter offload, quantized weights nor MoE is used); ``true`` where it
+    cannot apply is an error naming why."""
     link_aware_buckets: AutoOrBool = "auto"
     """ZeRO's gradient bucket size from the slowest measured inter-host link
     (``comm/link_buckets.py``) instead of upstream's one default for every link; the same size on

@@ -1,0 +1,294 @@
+# SPDX-License-Identifier: Apache-2.0
+"""ZeRO-3 parameter gathers that stay inside the host.
+
+Upstream ZeRO-3 gathers every parameter from the primary shards of every rank, so each forward
+(and each backward re-gather) crosses the slow inter-host link. Here each host keeps one full copy
+of the bit16 (or fp32) parameters, cut among its ranks: the **host shard** of a rank is a
+contiguous span of each parameter (``host_spans``). A gather then runs inside the host only.
+
+- **Refresh.** After the primaries change (the optimizer step writes them, a checkpoint loads them,
+  ``GatheredParameters`` writes a modified parameter back), the host shards are stale; the next
+  gather refreshes them first, with one ``all_to_all_single`` over the data-parallel group: rank j
+  sends rank r the part of its primary slices that lies in r's host spans (``exchange_plan``).
+  Each element crosses the link once per other host: on 2 hosts x 2 ranks, N/2 each way, where
+  upstream's forward all-gather moves 1.5 N over gloo. Every rank reaches that gather at the same
+  point (ZeRO-3's gathers are collective), and staleness is set by the same events on every rank,
+  so every rank runs the same collectives.
+- **Gather.** Upstream's ``all_gather_coalesced`` hands a bucket over (``serves``) when every
+  parameter in it has a host shard: one all-gather on a dedicated in-host group (not the
+  reducer's groups, which the overlapped reduction may be using on its thread); a host of one
+  rank copies its shard. The result is the same bits as the flat gather: values are only copied.
+- **Spans.** A host's span of each parameter is cut among its ranks in proportion to their
+  primary slices (equal for upstream's equal slices, the memory shares with
+  ``heterogeneous_memory.zero_partitions``), so a rank holds about
+  ``numel * share / host share`` more elements: ``memory/model_state.py`` counts them.
+
+Configured by ``heterogeneous_config.communication.zero3_host_shards`` (``host_shards_decision``).
+"""
+
+import torch
+
+from deepspeed.utils import logger
+
+from ..memory.zero3_shards import param_spans
+from .uneven_shards import UnevenGatherHandle, choose_mode
+
+ATTRIBUTE = "ds_host_shards"
+"""The ``HostShards`` a parameter belongs to (None or absent: gathered flat)."""
+
+
+def host_spans(numel, weights):
+    """Cut ``numel`` elements into contiguous ``(start, size)`` spans, one per weight, in proportion
+    to ``weights`` (non-negative, not all zero); the spans cover ``[0, numel)`` exactly."""
+    total = sum(weights)
+    if total <= 0:
+        raise ValueError(f"weights {list(weights)} must have a positive sum")
+    bounds, cumulative = [0], 0
+    for weight in weights:
+        cumulative += weight
+        bounds.append(numel * cumulative // total)
+    return tuple((bounds[i], bounds[i + 1] - bounds[i]) for i in range(len(weights)))
+
+
+def param_host_spans(numel, primary, members):
+    """Each member's span of one parameter inside its host: the host's members (indices into
+    ``primary``, the ``(start, size)`` primary slice of every rank) share the whole parameter in
+    proportion to the elements their primary slices hold."""
+    weights = [valid_numel_of(numel, *primary[m]) for m in members]
+    if sum(weights) == 0:
+        weights = [1] * len(members)
+    return host_spans(numel, weights)
+
+
+def valid_numel_of(numel, start, size):
+    return max(0, min(size, numel - start))
+
+
+def exchange_plan(numels, primaries, host_members):
+    """What the refresh moves, computed alike on every rank.
+
+    Args:
+        numels: elements of each parameter.
+        primaries: for each parameter, every rank's ``(start, size)`` primary slice (``size`` may
+            reach past the parameter: upstream's padding).
+        host_members: the ranks (indices of the data-parallel group) of each host.
+
+    Returns ``(spans, pieces)``: ``spans[k][r]`` is rank r's ``(start, size)`` host span of
+    parameter k; ``pieces[j][r]`` lists ``(k, source_offset, target_offset, length)``: the elements
+    of parameter k that rank j holds (from ``source_offset`` in its primary slice) and rank r's host
+    span needs (from ``target_offset`` in r's host shard), in parameter order."""
+    world = sum(len(m) for m in host_members)
+    spans = []
+    for numel, primary in zip(numels, primaries):
+        if len(primary) != world:
+            raise ValueError(f"{len(primary)} primary slices for a group of {world} ranks")
+        of_rank = [None] * world
+        for members in host_members:
+            for member, span in zip(members, param_host_spans(numel, primary, members)):
+                of_rank[member] = span
+        spans.append(tuple(of_rank))
+    pieces = [[[] for _ in range(world)] for _ in range(world)]
+    for k, (numel, primary) in enumerate(zip(numels, primaries)):
+        for j in range(world):
+            start, size = primary[j]
+            end = start + valid_numel_of(numel, start, size)
+            for r in range(world):
+                span_start, span_size = spans[k][r]
+                low, high = max(start, span_start), min(end, span_start + span_size)
+                if high > low:
+                    pieces[j][r].append((k, low - start, low - span_start, high - low))
+    return spans, pieces
+
+
+def link_elements(pieces, hosts):
+    """Elements the refresh sends across hosts, per host (both directions summed): the model the
+    benchmark's link counters are checked against."""
+    crossing = [0] * (max(hosts) + 1)
+    for j, row in enumerate(pieces):
+        for r, listed in enumerate(row):
+            if hosts[j] != hosts[r]:
+                n = sum(length for *_, length in listed)
+                crossing[hosts[j]] += n
+                crossing[hosts[r]] += n
+    return crossing
+
+
+def host_shards_decision(setting, stage, reducer, hpz, offload_param, quantized, moe):
+    """Whether ZeRO-3 parameters are gathered inside the host, and a note saying why not.
+
+    Every input is the same on every rank (agreed settings, the config, the model). ``true`` where
+    it cannot apply raises ValueError naming the key; with one host (no reducer) there is nothing to
+    keep inside a host and ``true`` is not an error, as for ``hierarchical_reduction``."""
+    if setting is False or stage != 3:
+        return False, None
+    why = None
+    if reducer is None:
+        why = "the hierarchical reduction is not in force (one host, or hierarchical_reduction false)"
+    elif hpz:
+        why = "zero_hpz_partition_size keeps upstream's secondary shards (set it to 1, or this to false)"
+    elif offload_param:
+        why = "offload_param keeps the parameters off the accelerator (host shards would put N/ranks-per-host back)"
+    elif quantized:
+        why = "quantized weights gather through upstream's quantizer"
+    elif moe:
+        why = "expert parameters are partitioned over the expert data-parallel groups"
+    if why is None:
+        return True, None
+    if setting is True and reducer is not None:
+        raise ValueError(f"heterogeneous_config.communication.zero3_host_shards is true, but {why}; use \"auto\" "
+                         "(host shards where they apply) or false")
+    return False, why
+
+
+class HostShards:
+    """The host shards of one engine's ZeRO-3 parameters (see the module docstring)."""
+
+    def __init__(self, params, group, layout, gather_group, device):
+        from deepspeed import comm as dist
+        self.group, self.gather_group, self.device = group, gather_group, device
+        self.world = dist.get_world_size(group=group)
+        self.rank = dist.get_rank(group=group)
+        self.host_members = layout.host_members
+        self.members = self.host_members[layout.host_of(self.rank)]
+        self.local = self.members.index(self.rank)
+        self.params = sorted(params, key=lambda p: p.ds_id)
+        self.fresh = False
+        self.refreshes = 0
+        self.plans = {}  # dtype -> (params, pieces)
+        by_dtype = {}
+        for param in self.params:
+            by_dtype.setdefault(param.ds_tensor.dtype, []).append(param)
+        for dtype, listed in by_dtype.items():
+            spans, pieces = exchange_plan([p.ds_numel for p in listed],
+                                          [param_spans(p, self.world) for p in listed], self.host_members)
+            self.plans[dtype] = (listed, pieces)
+            for param, param_spans_ in zip(listed, spans):
+                param.ds_host_spans = tuple(param_spans_[m] for m in self.members)
+                param.ds_host_shard = torch.empty(param_spans_[self.rank][1], dtype=dtype, device=device)
+                setattr(param, ATTRIBUTE, self)
+
+    def held_elements(self):
+        return sum(p.ds_host_shard.numel() for p in self.params)
+
+    @torch.no_grad()
+    def refresh(self):
+        """Rebuild every host shard from the primary slices (one all-to-all per dtype)."""
+        from deepspeed import comm as dist
+        for dtype, (listed, pieces) in self.plans.items():
+            out_sizes = [sum(n for *_, n in pieces[j][self.rank]) for j in range(self.world)]
+            in_sizes = [sum(n for *_, n in pieces[self.rank][r]) for r in range(self.world)]
+            send = torch.empty(sum(in_sizes), dtype=dtype, device=self.device)
+            offset = 0
+            for r in range(self.world):
+                for k, source, _, n in pieces[self.rank][r]:
+                    send.narrow(0, offset, n).copy_(listed[k].ds_tensor.view(-1).narrow(0, source, n))
+                    offset += n
+            received = torch.empty(sum(out_sizes), dtype=dtype, device=self.device)
+            dist.all_to_all_single(received, send, output_split_sizes=out_sizes, input_split_sizes=in_sizes,
+                                   group=self.group)
+            offset = 0
+            for j in range(self.world):
+                for k, _, target, n in pieces[j][self.rank]:
+                    listed[k].ds_host_shard.narrow(0, target, n).copy_(received.narrow(0, offset, n))
+                    offset += n
+        self.fresh = True
+        self.refreshes += 1
+
+    @torch.no_grad()
+    def gather(self, params, available_status):
+        """All-gather ``params`` (in flight, sorted by ``ds_id``, all served by this instance) from
+        the host shards; returns a handle as upstream's ``all_gather_coalesced`` does."""
+        from deepspeed import comm as dist
+        if not self.fresh:
+            self.refresh()
+        handles = []
+        by_dtype = {}
+        for param in params:
+            by_dtype.setdefault(param.ds_tensor.dtype, []).append(param)
+        for dtype, listed in by_dtype.items():
+            spans = [p.ds_host_spans for p in listed]
+            sizes = [sum(s[m][1] for s in spans) for m in range(len(self.members))]
+            own = [p.ds_host_shard for p in listed]
+            if len(self.members) == 1:
+                pieces, works = [torch.cat(own)], []
+            elif choose_mode(sizes, len(self.members)) == "pad":
+                largest = max(sizes)
+                flat = torch.empty(largest * len(self.members), dtype=dtype, device=self.device)
+                pieces = [flat.narrow(0, m * largest, largest) for m in range(len(self.members))]
+                torch.cat(own, out=pieces[self.local].narrow(0, 0, sizes[self.local]))
+                works = [dist.allgather_fn(flat, pieces[self.local], group=self.gather_group, async_op=True)]
+            else:
+                pieces = [torch.empty(sizes[m], dtype=dtype, device=self.device) for m in range(len(self.members))]
+                torch.cat(own, out=pieces[self.local])
+                works = [
+                    dist.broadcast(pieces[m], dist.get_global_rank(self.gather_group, m), group=self.gather_group,
+                                   async_op=True) for m in range(len(self.members))
+                ]
+            handles.append(UnevenGatherHandle(listed, spans, pieces, works, available_status))
+        if len(handles) == 1:
+            return handles[0]
+        from .uneven_shards import MultipleHandles
+        return MultipleHandles(handles)
+
+    def release(self):
+        for param in self.params:
+            if getattr(param, ATTRIBUTE, None) is self:
+                setattr(param, ATTRIBUTE, None)
+                param.ds_host_shard = None
+                param.ds_host_spans = None
+
+
+def serves(params):
+    """The ``HostShards`` that gathers every one of ``params``, or None (upstream's gather)."""
+    owner = getattr(params[0], ATTRIBUTE, None)
+    if owner is None or any(getattr(p, ATTRIBUTE, None) is not owner for p in params):
+        return None
+    return owner
+
+
+def invalidate(params):
+    """The primary slices of ``params`` changed: their host shards are refreshed before the next
+    gather (called on every rank alike: the optimizer step, a load, a modified parameter written
+    back)."""
+    for param in params:
+        owner = getattr(param, ATTRIBUTE, None)
+        if owner is not None:
+            owner.fresh = False
+
+
+def _gather_group(reducer):
+    """A dedicated in-host group per reducer (created once, on every rank alike)."""
+    group = getattr(reducer, "host_gather_group", None)
+    if group is None:
+        members = [[reducer.ranks[m] for m in host] for host in reducer.layout.host_members]
+        group, _ = torch.distributed.new_subgroups_by_enumeration(members)
+        reducer.host_gather_group = group
+    return group
+
+
+def attach(engine, reducer, setting):
+    """Give the ZeRO-3 engine's partitioned parameters host shards when ``host_shards_decision``
+    says so (every rank alike); parameters an earlier engine gave host shards go back to the flat
+    gather first. Returns the ``HostShards`` or None, and the note of why not."""
+    from deepspeed.accelerator import get_accelerator
+    module = engine.module
+    for param in module.parameters():
+        owner = getattr(param, ATTRIBUTE, None)
+        if owner is not None:
+            owner.release()
+    stage = engine.zero_optimization_stage()
+    zero = engine._config.zero_config
+    offload = zero.offload_param is not None and zero.offload_param.device != "none"
+    quantized = bool(zero.zero_quantized_weights or zero.zero_quantized_nontrainable_weights)
+    moe = any(getattr(p, "allreduce", True) is False for p in module.parameters())
+    active, note = host_shards_decision(setting, stage, reducer, zero.zero_hpz_partition_size > 1, offload,
+                                        quantized, moe)
+    if not active:
+        return None, note
+    group = reducer.group
+    params = [p for p in module.parameters() if hasattr(p, "ds_id") and getattr(p, "ds_tensor", None) is not None]
+    if not params:
+        return None, "no partitioned parameters"
+    shards = HostShards(params, group, reducer.layout, _gather_group(reducer), get_accelerator().current_device_name())
+    logger.debug(f"host shards: {shards.held_elements()} elements on this rank")
+    return shards, None

@@ -1,0 +1,294 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``communication.zero3_host_shards`` (``comm/host_shards.py``): ZeRO-3 parameter gathers from a
+copy each host keeps, refreshed once after each step by one all-to-all.
+
+On real gloo ranks with faked hosts (``CROSS_RANK``): the parameters are bitwise equal to the same
+run gathering over every rank and equal one process's Adam on the global batch; no parameter
+gather runs on the whole group while training; the shards are refreshed once per step; a parameter
+written back through ``GatheredParameters`` and a checkpoint loaded into the running engine are
+seen by the next forward; every group's collectives are one sequence on each member. The pure
+layout is checked without ranks: each host's spans cover every parameter once, and the refresh
+moves exactly the elements a host lacks.
+"""
+
+import os
+
+import pytest
+import torch
+
+from deepspeed.runtime.heterogeneous.comm.host_shards import (exchange_plan, host_shards_decision, host_spans,
+                                                              link_elements)
+from deepspeed.runtime.heterogeneous.config.blocks import CommunicationConfig
+
+from harness import run_subcases
+from references import adam_mse_reference
+
+WIDTH = 24
+LAYERS = 4
+STEPS = 3
+LR = 1e-2
+
+
+def _model():
+    torch.manual_seed(20261206)
+    layers = []
+    for _ in range(LAYERS):
+        layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh()]
+    layers.append(torch.nn.Linear(WIDTH, 3))  # 75 elements: slices that do not divide evenly
+    return torch.nn.Sequential(*layers)
+
+
+def _data(train_batch_size):
+    generator = torch.Generator().manual_seed(7)
+    return (torch.randn(STEPS * train_batch_size, WIDTH, generator=generator),
+            torch.randn(STEPS * train_batch_size, 3, generator=generator))
+
+
+def _config(sizes, gas, shards, precision=None, memory=None, zero=None):
+    config = {
+        "train_batch_size": sum(sizes) * gas,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "Adam", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}},
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": 1000, "stage3_param_persistence_threshold": 0,
+                              **(zero or {})},
+        "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "manual", "micro_batch_sizes": sizes,
+                                 "communication": {"zero3_host_shards": shards}},
+    }
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    if memory:
+        config["heterogeneous_memory"] = memory
+    return config
+
+
+def _train(rank, hosts, sizes, gas, shards, precision=None, memory=None, zero=None, write_back=False,
+           checkpoint=None):
+    """Train STEPS steps; returns the parameters, this rank's collectives per group, the refresh
+    count and the elements this rank's host shards hold."""
+    import deepspeed
+    from harness import patched_environ
+    from deepspeed.runtime.heterogeneous.comm import host_shards
+    from deepspeed.runtime.heterogeneous.measure.collective_log import recording
+
+    with patched_environ({"CROSS_RANK": hosts[rank]}):
+        model = _model()
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                               config=_config(sizes, gas, shards, precision, memory, zero))
+    owner = host_shards.serves(list(engine.module.parameters()))
+    assert (owner is not None) == shards, owner
+    dtype = next(engine.module.parameters()).dtype
+    train_batch_size = sum(sizes) * gas
+    inputs, targets = _data(train_batch_size)
+    offset = sum(sizes[:rank])
+
+    def step(k):
+        for micro in range(gas):
+            start = k * train_batch_size + micro * sum(sizes) + offset
+            chunk = slice(start, start + sizes[rank])
+            outputs = engine(inputs[chunk].to(dtype))
+            engine.backward(torch.nn.functional.mse_loss(outputs.float(), targets[chunk]))
+            engine.step()
+
+    def probe():
+        """A forward after the step: the host shards are fresh when the primaries then change."""
+        with torch.no_grad():
+            engine(inputs[offset:offset + sizes[rank]].to(dtype))
+
+    with recording() as entries:
+        k = 0
+        while k < STEPS:
+            step(k)
+            if write_back and k == 0:  # rank 0 rescales a weight; every rank takes the written-back value
+                probe()
+                weight = engine.module[0].weight
+                with deepspeed.zero.GatheredParameters([weight], modifier_rank=0):
+                    if rank == 0:
+                        weight.data.mul_(0.5)
+            if checkpoint is not None and k == 0:
+                engine.save_checkpoint(checkpoint, tag="first")
+            if checkpoint is not None and k == 1 and not os.path.exists(os.path.join(checkpoint, "reloaded")):
+                # Step 1 was trained; load step 0's state into this engine and train step 1 again.
+                probe()
+                engine.load_checkpoint(checkpoint, tag="first")
+                torch.distributed.barrier()
+                if rank == 0:
+                    open(os.path.join(checkpoint, "reloaded"), "w").close()
+                torch.distributed.barrier()
+                continue
+            k += 1
+    per_group = {}
+    for entry in entries:
+        tensors = None if entry.op == "all_to_all_single" else entry.tensors  # each rank sends its own amounts
+        per_group.setdefault(entry.group, []).append((entry.op, tensors, entry.details))
+    result = {"collectives": per_group,
+              "refreshes": owner.refreshes if owner is not None else 0,
+              "held": owner.held_elements() if owner is not None else 0}
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        result["params"] = [p.detach().float().clone() for p in engine.module.parameters()]
+    return result
+
+
+def _refused(rank, hosts):
+    import deepspeed
+    from harness import patched_environ
+
+    config = _config([2] * len(hosts), 1, True, zero={"zero_hpz_partition_size": 2})
+    with patched_environ({"CROSS_RANK": hosts[rank]}):
+        model = _model()
+        try:
+            deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
+def _case(rank, world_size, hosts, sizes, gas=1, refused=False, checkpoint=None, **options):
+    if refused:
+        return _refused(rank, hosts)
+    folders = [None, None] if checkpoint is None else [os.path.join(checkpoint, name) for name in ("on", "off")]
+    return {"on": _train(rank, hosts, sizes, gas, True, checkpoint=folders[0], **options),
+            "off": _train(rank, hosts, sizes, gas, False, checkpoint=folders[1], **options)}
+
+
+def _reference(sizes, gas):
+    train_batch_size = sum(sizes) * gas
+    inputs, targets = _data(train_batch_size)
+    steps = [list(range(k * train_batch_size, (k + 1) * train_batch_size)) for k in range(STEPS)]
+    return [p.detach() for p in adam_mse_reference(_model(), inputs, targets, steps, LR)]
+
+
+def _check_same_per_group(results):
+    groups = {}
+    for rank, result in enumerate(results):
+        for group, sequence in result["collectives"].items():
+            assert rank in group, (rank, group)
+            groups.setdefault(group, {})[rank] = sequence
+    for group, by_rank in groups.items():
+        assert sorted(by_rank) == sorted(group), (group, sorted(by_rank))
+        for rank, sequence in by_rank.items():
+            assert sequence == by_rank[group[0]], (group, rank)
+
+
+PARAMETER_GATHERS = ("all_gather_into_tensor", "allgather_fn", "all_gather_coalesced")
+
+
+def _gathers_over(result, world):
+    """The parameter gathers (not the fork's small agreements) on a group of ``world`` ranks."""
+    return [op for group, sequence in result["collectives"].items() if len(group) == world
+            for op, _, _ in sequence if op in PARAMETER_GATHERS]
+
+
+def _check(cases, results, world):
+    numel = sum(p.numel() for p in _model().parameters())
+    for case, per_rank in zip(cases, results):
+        reference = None
+        if case.get("precision") is None and not case.get("write_back"):
+            reference = _reference(case["sizes"], case.get("gas", 1))
+        hosts = case["hosts"]
+        for rank, result in enumerate(per_rank):
+            on, off = result["on"], result["off"]
+            for got, without in zip(on["params"], off["params"]):
+                assert torch.equal(got, without), case  # bitwise: the same values, gathered inside the host
+            if reference is not None:
+                for got, want in zip(on["params"], reference):
+                    torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=lambda m: f"{case}: {m}")
+            # One refresh per step (the first before the first forward); a load and a write-back add one each.
+            expected = STEPS + (2 if case.get("checkpoint") else 0) + (1 if case.get("write_back") else 0)
+            assert on["refreshes"] == expected, (case, on["refreshes"])
+            assert not _gathers_over(on, world), (case, _gathers_over(on, world))  # none over every rank
+            assert _gathers_over(off, world), case
+        _check_same_per_group([result["on"] for result in per_rank])
+        total = sum(result["on"]["held"] for result in per_rank)
+        assert total == numel * len(set(hosts)), (case, total)  # each host holds the model once
+
+
+CASES = [
+    dict(hosts=[0, 0, 1, 1], sizes=[3, 2, 2, 1], gas=2),
+    # backward re-gathers (reuse distance 0, no prefetch): they too stay inside the host.
+    dict(hosts=[0, 0, 1, 1], sizes=[2, 2, 2, 2], precision="bf16",
+         zero={"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}),
+    dict(hosts=[0, 0, 1, 1], sizes=[2, 1, 2, 3], write_back=True),
+]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_host_shards_train_bitwise_like_flat_gathers_on_even_hosts(tmp_path):
+    cases = CASES + [dict(hosts=[0, 0, 1, 1], sizes=[2, 2, 2, 2], checkpoint=str(tmp_path))]
+    _check(cases, run_subcases(_case, cases, world_size=4, timeout=480), 4)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_host_shards_on_uneven_hosts_and_memory_proportional_shards():
+    cases = [dict(hosts=[0, 0, 1], sizes=[2, 1, 3], gas=2),
+             dict(hosts=[0, 1, 1], sizes=[3, 1, 2], memory={"zero_partitions": [0.5, 0.3, 0.2]})]
+    _check(cases, run_subcases(_case, cases, world_size=3, timeout=480), 3)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_true_with_hpz_is_refused_on_every_rank():
+    refused, = run_subcases(_case, [dict(hosts=[0, 0, 1, 1], sizes=[2, 2, 2, 2], refused=True)], world_size=4,
+                            timeout=240)
+    assert refused == ["heterogeneous_config.communication.zero3_host_shards is true, but zero_hpz_partition_size "
+                       "keeps upstream's secondary shards (set it to 1, or this to false); use \"auto\" (host shards "
+                       "where they apply) or false"] * 4, refused
+
+
+def test_spans_cut_a_parameter_in_proportion_and_cover_it_once():
+    assert host_spans(10, [1, 1]) == ((0, 5), (5, 5))
+    assert host_spans(10, [1, 1, 1]) == ((0, 3), (3, 3), (6, 4))
+    assert host_spans(10, [5, 3, 2]) == ((0, 5), (5, 3), (8, 2))
+    assert host_spans(3, [1, 1, 1, 1]) == ((0, 0), (0, 1), (1, 1), (2, 1))
+    with pytest.raises(ValueError, match="positive sum"):
+        host_spans(4, [0, 0])
+
+
+@pytest.mark.parametrize("host_members, primaries", [
+    (((0, 1), (2, 3)), [((0, 3), (3, 3), (6, 3), (9, 3))] * 2),  # equal slices, padding past 10
+    (((0, 1), (2, )), [((0, 5), (5, 3), (8, 2))]),  # 2 + 1 hosts, uneven slices
+    (((0, ), (1, 2, 3)), [((0, 4), (4, 2), (6, 2), (8, 2)), ((0, 1), (1, 1), (2, 4), (6, 4))]),
+])
+def test_the_refresh_fills_every_host_span_once_and_moves_only_what_a_host_lacks(host_members, primaries):
+    numel = 10
+    world = sum(len(m) for m in host_members)
+    hosts = [next(h for h, members in enumerate(host_members) if r in members) for r in range(world)]
+    spans, pieces = exchange_plan([numel] * len(primaries), primaries, host_members)
+    for k, primary in enumerate(primaries):
+        for members in host_members:  # each host's spans cover the parameter exactly once
+            covered = sorted(spans[k][m] for m in members)
+            assert sum(size for _, size in covered) == numel and covered[0][0] == 0
+            assert all(a[0] + a[1] == b[0] for a, b in zip(covered, covered[1:]))
+        for r in range(world):  # each element of r's span arrives once, from the rank whose slice holds it
+            start, size = spans[k][r]
+            got = torch.full((size, ), -1)
+            for j in range(world):
+                for param, source, target, n in pieces[j][r]:
+                    if param == k:
+                        assert (got[target:target + n] == -1).all()
+                        got[target:target + n] = primary[j][0] + source + torch.arange(n)
+            assert torch.equal(got, torch.arange(start, start + size)), (k, r)
+    # The link carries, for each host, the elements of the other hosts' slices once, and its own once per other host.
+    crossing = link_elements(pieces, hosts)
+    for h, members in enumerate(host_members):
+        own = sum(min(size, numel - start) if start < numel else 0 for primary in primaries
+                  for r, (start, size) in enumerate(primary) if r in members)
+        other = numel * len(primaries) - own
+        assert crossing[h] == other + own * (len(host_members) - 1), (h, crossing)
+
+
+def test_the_decision_names_why_and_true_where_it_cannot_apply_is_an_error():
+    reducer = object()
+    assert host_shards_decision("auto", 3, reducer, False, False, False, False) == (True, None)
+    assert host_shards_decision(False, 3, reducer, False, False, False, False) == (False, None)
+    assert host_shards_decision(True, 2, reducer, False, False, False, False) == (False, None)  # not ZeRO-3
+    active, note = host_shards_decision(True, 3, None, False, False, False, False)  # one host: nothing to keep
+    assert not active and "hierarchical reduction is not in force" in note
+    active, note = host_shards_decision("auto", 3, reducer, False, True, False, False)
+    assert not active and "offload_param" in note
+    with pytest.raises(ValueError, match=r"zero3_host_shards is true, but quantized weights"):
+        host_shards_decision(True, 3, reducer, False, False, True, False)
+    assert CommunicationConfig().zero3_host_shards == "auto"
+    with pytest.raises(ValueError, match="zero3_host_shards"):
+        CommunicationConfig(zero3_host_shards="sometimes")
