@@ -46,9 +46,11 @@ RATE_MBIT = 177
 MICRO_BATCH = 12
 BUCKET = 131072
 MODES = ("flat", "sync", "hier")
-ZERO3_MODES = MODES + ("hpz", )
-"""ZeRO-3 also runs upstream's hpZ (``zero_hpz_partition_size`` 2: the flat reduction, backward
-gathers from a secondary copy inside the host), last in each repeat (``comm_train.py``)."""
+ZERO3_MODES = MODES + ("gather-all", "hpz")
+"""ZeRO-3 also runs the fork without host shards (``gather-all``: ``hier`` with
+``zero3_host_shards: false``, parameter gathers over every rank) and upstream's hpZ
+(``zero_hpz_partition_size`` 2: the flat reduction, backward gathers from a secondary copy inside
+the host), last in each repeat (``comm_train.py``)."""
 FULL = dict(stages=(1, 2, 3), repeats=3, warmup=1, short=1, long=4)
 QUICK = dict(stages=(2, ), repeats=1, warmup=1, short=1, long=3)
 
@@ -107,12 +109,12 @@ def print_table(report):
     print(f"\noverlap: 2 hosts x 2 ranks at {report['rate_mbit']} Mbit/s, tiny GPT, micro-batch "
           f"{report['micro_batch_per_rank']}, reduce_bucket_size {report['reduce_bucket_size']}, median of "
           f"{report['repeats']} repeat(s), {report['elapsed_s']:.0f} s")
-    print(f"{'ZeRO':>4}  {'mode':<5} {'step ms':>8} {'exposed comm ms':>16} {'share':>6} {'profiler':>9} "
+    print(f"{'ZeRO':>4}  {'mode':<10} {'step ms':>8} {'exposed comm ms':>16} {'share':>6} {'profiler':>9} "
           f"{'slow-link MB':>13}")
     for row in report["rows"]:
         for mode in modes_of(row["zero_stage"]):
             m = row[mode]
-            print(f"{row['zero_stage']:>4}  {mode:<5} {1e3 * m['step_time_s']:>8.0f} {1e3 * m['comm_time_s']:>16.0f} "
+            print(f"{row['zero_stage']:>4}  {mode:<10} {1e3 * m['step_time_s']:>8.0f} {1e3 * m['comm_time_s']:>16.0f} "
                   f"{m['comm_share']:>6.0%} {m['profiler_share']:>9.0%} {m['slow_link_bytes'] / 1e6:>13.2f}"
                   f"{'  (overlapped)' if m['overlapped'] else ''}")
         print(f"      overlap vs sync: step x{row['step_time_vs_sync']:.2f}, exposed comm "

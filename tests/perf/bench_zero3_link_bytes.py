@@ -92,7 +92,7 @@ SLOW_HOST = 1
 """Both links run at the same rate: the last host's, as bench_communication.py picks on a tie."""
 MICRO_BATCH = 4
 FULL = dict(configs=tuple(CONFIGS), sizes=(262144, 1048576), warmup=2, short=1, long=3)
-QUICK = dict(configs=("flat", "flat-p0", "flat-r0p0", "hier", "hpz2-r0p0"), sizes=(1048576, ))
+QUICK = dict(configs=("flat", "flat-r0p0", "hier", "shards", "shards-r0p0", "hpz2-r0p0"), sizes=(1048576, ))
 """Configurations run in CONFIGS' order whatever the order here: hpZ last (see CONFIGS)."""
 RING_IDEAL = {"reduce_scatter_tensor": 1, "all_reduce": 2, "all_gather_into_tensor": 1}
 """A ring's bytes on one host's link (both directions) in units of 2 (P - 1) / P times the tensor."""
@@ -131,6 +131,7 @@ def summarise_zero3(marks, ranks, names, short, long, parameter_bytes):
             "settings": runs[0]["settings"], "persistent_parameters": runs[0]["persistent_parameters"],
             "hpz_in_force": all(run["secondary_group_size"] == zero.get("zero_hpz_partition_size", 1) for run in runs),
             "hierarchical": all(run["hierarchical"] for run in runs),
+            "host_shards": all(run["host_shards"] for run in runs),
             "backward_regathers": regathers(logs[0]),
             "same_regathers_on_every_rank": all(regathers(log) == regathers(logs[0]) for log in logs),
             "collectives_per_step_rank0": logs[0], "losses_rank0": runs[0]["losses"]})
@@ -166,6 +167,17 @@ def derived(zero3, collectives):
                                                          / by_name["flat-p0"]["slow_link_bytes"])
     if "hpz2" in by_name and "flat" in by_name:
         facts["hpz_saves_without_regathers"] = by_name["flat"]["slow_link_bytes"] - by_name["hpz2"]["slow_link_bytes"]
+    for shards, hier in (("shards", "hier"), ("shards-r0p0", "hier-r0p0")):
+        if shards in by_name and "flat" in by_name:
+            facts[f"{shards}_over_flat"] = by_name[shards]["slow_link_bytes"] / by_name["flat"]["slow_link_bytes"]
+        if shards in by_name and "flat-r0p0" in by_name and shards.endswith("r0p0"):
+            facts[f"{shards}_over_flat-r0p0"] = (by_name[shards]["slow_link_bytes"]
+                                                 / by_name["flat-r0p0"]["slow_link_bytes"])
+        if shards in by_name and hier in by_name:  # the same reduction, gathered inside the host: the same bits
+            facts[f"{shards}_losses_equal_{hier}"] = by_name[shards]["losses_rank0"] == by_name[hier]["losses_rank0"]
+        if shards in by_name and "flat" in by_name:
+            facts[f"{shards}_largest_loss_difference_to_flat"] = max(
+                abs(a - b) for a, b in zip(by_name[shards]["losses_rank0"], by_name["flat"]["losses_rank0"]))
     for size in sorted({row["numel"] for row in collectives}):
         ops = {row["op"]: row["per_tensor"] for row in collectives if row["numel"] == size}
         if "reduce_scatter_tensor" in ops and "all_gather_into_tensor" in ops:
@@ -242,14 +254,15 @@ def print_tables(report):
           f"segments of {report['steps']['short']} and {report['steps']['long']} steps"
           f"{' (--quick)' if report['quick'] else ''}, "
           f"{report['elapsed_s']:.0f} s in all")
-    print(f"{'config':<30} {'MB/step':>8} {'/flat':>6} {'x N':>5} {'ms/step':>8}  {'hier':>4}  "
+    print(f"{'config':<42} {'MB/step':>8} {'/flat':>6} {'x N':>5} {'ms/step':>8}  {'hier':>4}  "
           "backward re-gathers per step (rank 0)")
     for row in report["zero3"]:
-        print(f"{row['label']:<30} {row['slow_link_bytes'] / mb:>8.2f} {row['vs_flat']:>6.3f} "
+        print(f"{row['label']:<42} {row['slow_link_bytes'] / mb:>8.2f} {row['vs_flat']:>6.3f} "
               f"{row['per_parameter_bytes']:>5.2f} {1e3 * row['step_time_s']:>8.0f}  "
               f"{'yes' if row['hierarchical'] else 'no':>4}  {describe_regathers(row['backward_regathers'])}"
               f"{'' if row['same_regathers_on_every_rank'] else '  (other ranks re-gathered differently)'}"
-              f"{'' if row['hpz_in_force'] else '  (hpZ group NOT as configured)'}")
+              f"{'' if row['hpz_in_force'] else '  (hpZ group NOT as configured)'}"
+              f"{'' if row['host_shards'] == (row['mode'] == 'shards') else '  (host shards NOT as configured)'}")
     thresholds = sorted({row["settings"]["param_persistence_threshold"] for row in report["zero3"]})
     persistent = sorted({row["persistent_parameters"] for row in report["zero3"]})
     print(f"stage3_param_persistence_threshold in force (fork enabled): {thresholds} (upstream's default "
@@ -267,6 +280,9 @@ def print_tables(report):
         print(f"hpZ=2 + reuse 0 + prefetch 0 over flat + prefetch 0 (module-by-module gathers, no re-gathers): "
               f"{facts['hpz_with_regathers_over_no_regathers']:.4f}")
 
+    for key, value in facts.items():
+        if key.startswith("shards"):
+            print(f"{key.replace('_', ' ')}: {value if isinstance(value, bool) else format(value, '.4g')}")
     print(f"\n(b) gloo ({report['torch']}), world of {sum(RANKS)}, one call: slow-link bytes / tensor bytes "
           "(ring: what a ring moves)")
     print(f"{'op':<24} {'tensor MB':>9} {'out':>6} {'in':>6} {'total':>6} {'ring':>6}")

@@ -5,7 +5,8 @@ Started by the real ``deepspeed`` launcher on every emulated host (``scripts/emu
 For every ZeRO stage in ``--stages`` and every repeat, it builds one engine per reduction mode
 (``--modes``, default ``flat,hier``; ``flat``: ``communication.hierarchical_reduction: false``,
 upstream's one flat all-reduce; ``hier``: ``"auto"``, the fork's default on several hosts, with
-``overlap: "auto"``; ``sync``: the same with ``overlap: false``; ``off``: the fork disabled,
+``overlap: "auto"`` (and ZeRO-3's ``zero3_host_shards: "auto"``); ``sync``: the same with
+``overlap: false``; ``gather-all``: ``hier`` with ``zero3_host_shards: false``; ``off``: the fork disabled,
 upstream itself), alternating which mode goes first, and
 trains each from the same initial weights on the same samples:
 
@@ -66,6 +67,8 @@ def train(args, out, stage, mode, repeat, rank, world_size):
     global_batch = args.micro_batch * world_size
     communication = {"hierarchical_reduction": False if mode == "flat" else "auto",
                      "overlap": False if mode == "sync" else "auto"}
+    if mode == "gather-all":  # ZeRO-3 without host shards: parameter gathers over every rank
+        communication["zero3_host_shards"] = False
     if mode == "lowcomm":
         outer = {"sync_every": args.sync_every, "pseudo_gradient_dtype": args.pseudo_dtype,
                  "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
@@ -202,7 +205,8 @@ def main():
             modes = args.modes.split(",")
             modes = modes if repeat % 2 == 0 else modes[::-1]  # alternate: no order bias
             # hpZ is ZeRO-3's, and last in its repeat (``train`` clears the hpZ group it leaves).
-            modes = [m for m in modes if m != "hpz"] + (["hpz"] if "hpz" in modes and stage == 3 else [])
+            modes = [m for m in modes if m != "hpz" and (m != "gather-all" or stage == 3)] + (
+                ["hpz"] if "hpz" in modes and stage == 3 else [])
             params = {}
             for mode in modes:
                 run, params[mode] = train(args, out, stage, mode, repeat, rank, world_size)

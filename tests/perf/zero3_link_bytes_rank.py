@@ -41,9 +41,11 @@ import torch
 
 from comm_train import LR, mark
 
-MODES = ("flat", "hier")
+MODES = ("flat", "hier", "shards")
 """``flat``: ``communication.hierarchical_reduction: false`` (upstream's reduce-scatter);
-``hier``: ``"auto"`` (the fork's hierarchical reduction across hosts)."""
+``hier``: ``"auto"`` (the fork's hierarchical reduction across hosts) with ``zero3_host_shards:
+false`` (parameter gathers over every rank); ``shards``: both ``"auto"`` (gathers inside each host
+from the host shards, ``comm/host_shards.py``)."""
 
 REUSE0 = {"stage3_max_reuse_distance": 0}
 PREFETCH0 = {"stage3_prefetch_bucket_size": 0}
@@ -61,6 +63,8 @@ CONFIGS = {
     "flat-r0p0": ("flat", REUSE0_PREFETCH0, "flat + reuse 0 + prefetch 0"),
     "hier": ("hier", {}, "hier"),
     "hier-r0p0": ("hier", REUSE0_PREFETCH0, "hier + reuse 0 + prefetch 0"),
+    "shards": ("shards", {}, "hier + host shards"),
+    "shards-r0p0": ("shards", REUSE0_PREFETCH0, "hier + host shards + reuse 0 + prefetch 0"),
     "hpz2": ("flat", HPZ2, "hpZ=2"),
     "hpz2-r0p0": ("flat", dict(HPZ2, **REUSE0_PREFETCH0), "hpZ=2 + reuse 0 + prefetch 0"),
 }
@@ -114,7 +118,7 @@ def train(args, out, name, rank, world_size):
     """One ZeRO-3 engine of configuration ``name`` through the marks; returns its measurements."""
     import deepspeed
     from deepspeed import comm as dist
-    from deepspeed.runtime.heterogeneous.comm import hierarchical
+    from deepspeed.runtime.heterogeneous.comm import hierarchical, host_shards
     from deepspeed.utils import groups
     from examples.tiny_gpt import GPT, GPTConfig, TokenDataset, split_batch
 
@@ -124,13 +128,14 @@ def train(args, out, name, rank, world_size):
                            "(see CONFIGS); run hpZ configurations last")
     model = GPT(GPTConfig.bench(), seed=0)
     global_batch = args.micro_batch * world_size
-    reduction = "auto" if mode == "hier" else False
+    reduction = False if mode == "flat" else "auto"
     config = {"train_batch_size": global_batch, "steps_per_print": 10**6,
               "zero_optimization": dict({"stage": 3}, **zero),
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
               "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "uniform",
                                        "mixed_precision_support": "fp32",
-                                       "communication": {"hierarchical_reduction": reduction}}}
+                                       "communication": {"hierarchical_reduction": reduction,
+                                                         "zero3_host_shards": mode == "shards"}}}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     zero_config = engine._config.zero_config
     steps = args.warmup + args.short + args.long
@@ -166,6 +171,7 @@ def train(args, out, name, rank, world_size):
               "persistent_parameters": len(engine.optimizer.persistent_parameters),
               "secondary_group_size": 1 if secondary is None else dist.get_world_size(secondary),
               "hierarchical": hierarchical.reducer_for(engine.seq_data_parallel_group) is not None,
+              "host_shards": host_shards.serves(list(engine.module.parameters())) is not None,
               "collectives_per_step": {key: [calls / args.long, size / args.long]
                                        for key, (calls, size) in sorted(log.items())},
               "long_steps": args.long, "seconds": seconds, "losses": losses}

@@ -10,10 +10,13 @@ every upstream reader of ``train_micro_batch_size_per_gpu`` and ``gradient_accum
 finds them.
 """
 
+from dataclasses import replace
+
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
 from .cluster.agreement import Agreement
+from .comm import host_shards
 from .comm.status import status_line
 from .comm.link_buckets import apply_link_aware_buckets
 from .memory.model_state import startup_memory_limits
@@ -211,6 +214,9 @@ def place_engine_state(state, ds_config, model, optimizer=None):
     # An emulated device (capacity by accounting alone) is not the host, whatever the accelerator.
     spec = ModelStateSpec.for_engine(ds_config, model, optimizer,
                                      emulated_device=state.memory_meter.source == EMULATED)
+    if stage == 3 and host_shards.expected(state.settings.config.communication, ds_config.zero_config,
+                                           state.topology.hosts if state.topology is not None else None):
+        spec = replace(spec, host_shards=True)  # each host's copy of the parameters, cut among its ranks
     placement, offloaded = engine_placement(pool, spec, setting, offload.cpu_offload, offload.nvme_offload,
                                             baseline_bytes=baselines)
     if state.dp_rank == 0:

@@ -49,6 +49,10 @@ def test_on_two_hosts_every_part_in_force_is_named():
      ["hierarchical reduction off (the data-parallel ranks run on one host)",
       "link-aware buckets off (the data-parallel ranks run on one host)"]),
     ({"link_aware_buckets": False}, TWO_HOSTS, {"zero_optimization": {"stage": 3}}, True,
+     ["hierarchical reduction on (ZeRO-3: the gradient reduce-scatter; parameter gathers inside each host, from "
+      "host shards, where they apply)",
+      "link-aware buckets off", "gradient buckets reduced during the backward where they can be captured"]),
+    ({"link_aware_buckets": False, "zero3_host_shards": False}, TWO_HOSTS, {"zero_optimization": {"stage": 3}}, True,
      ["hierarchical reduction on (ZeRO-3: the gradient reduce-scatter; parameter gathers stay flat)",
       "link-aware buckets off", "gradient buckets reduced during the backward where they can be captured"]),
     ({"hierarchical_reduction": False}, Topology((0, 1, 1), (None, 25e6)),

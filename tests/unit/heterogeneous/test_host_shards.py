@@ -292,3 +292,32 @@ def test_the_decision_names_why_and_true_where_it_cannot_apply_is_an_error():
     assert CommunicationConfig().zero3_host_shards == "auto"
     with pytest.raises(ValueError, match="zero3_host_shards"):
         CommunicationConfig(zero3_host_shards="sometimes")
+
+
+def test_the_memory_pool_counts_each_rank_s_host_shard_and_auto_shares_make_room_for_it():
+    from dataclasses import replace
+    from deepspeed.runtime.heterogeneous.memory.peak import ZeroAllocations, predict_peak
+    from deepspeed.runtime.heterogeneous.memory.pool import HeterogeneousMemoryPool, ModelStateSpec
+
+    spec = ModelStateSpec(num_parameters=100_000_000, zero_stage=3, param_bytes=2, optimizer_bytes=8)
+    shares = [0.4, 0.1, 0.25, 0.25]
+
+    def place(spec, partitions, capacities=("80GB", ) * 4):
+        pool = HeterogeneousMemoryPool(list(capacities), hosts=[0, 0, 1, 1], hbm_utilization_threshold=1.0)
+        return pool.place(spec, partitions, strict=False, cpu_offload=False)
+
+    without, with_shards = place(spec, shares), place(replace(spec, host_shards=True), shares)
+    for a, b, fraction in zip(without.ranks, with_shards.ranks, [0.8, 0.2, 0.5, 0.5]):  # share over host's share
+        assert b.parameter_bytes - a.parameter_bytes == pytest.approx(100_000_000 * 2 * fraction)
+    # Tight devices: the shares chosen without host shards overflow the small rank once it holds one;
+    # auto shares that price the host shard fit every rank.
+    capacities = [0.95e9, 0.2e9, 0.6e9, 0.55e9]
+    naive = [r.share for r in place(spec, "auto", capacities).ranks]
+    assert not all(r.fits for r in place(replace(spec, host_shards=True), naive, capacities).ranks)
+    assert all(r.fits for r in place(replace(spec, host_shards=True), "auto", capacities).ranks)
+    # The peak prediction names it, and the refresh's buffers.
+    allocations = ZeroAllocations(num_parameters=1000, largest_parameter=100, zero_stage=3, world=4, param_bytes=2)
+    peak = predict_peak(allocations, share=0.25, host_shard=0.5, hosts=2)
+    assert peak.phases["forward"]["host shard"] == 1000 * 2 * 0.5
+    assert peak.phases["refresh"]["refresh send buffer"] == 1000 * 2 * 0.25 * 2
+    assert "host shard" not in predict_peak(allocations, share=0.25).phases["forward"]

@@ -31,7 +31,7 @@ import torch
 from deepspeed.utils import logger
 
 from ..memory.zero3_shards import param_spans
-from .uneven_shards import UnevenGatherHandle, choose_mode
+from .gather_handles import MultipleHandles, UnevenGatherHandle, choose_mode
 
 ATTRIBUTE = "ds_host_shards"
 """The ``HostShards`` a parameter belongs to (None or absent: gathered flat)."""
@@ -140,6 +140,21 @@ def host_shards_decision(setting, stage, reducer, hpz, offload_param, quantized,
     return False, why
 
 
+def expected(communication, zero, hosts):
+    """Whether a ZeRO-3 engine under these settings will keep host shards, as the memory pool plans
+    before the engine exists: ``communication`` (the fork's block), ``zero`` (upstream's
+    ``zero_optimization`` config), ``hosts`` (the host of each data-parallel rank, or None). The
+    same conditions as ``attach`` short of the model (MoE) and the data-parallel group."""
+    from .host_groups import group_layout
+    if communication.zero3_host_shards is False or communication.hierarchical_reduction is False:
+        return False
+    if not hosts or not group_layout(hosts).useful or int(zero.stage) != 3:
+        return False
+    offload = zero.offload_param is not None and zero.offload_param.device != "none"
+    quantized = bool(zero.zero_quantized_weights or zero.zero_quantized_nontrainable_weights)
+    return not (zero.zero_hpz_partition_size > 1 or offload or quantized)
+
+
 class HostShards:
     """The host shards of one engine's ZeRO-3 parameters (see the module docstring)."""
 
@@ -227,7 +242,6 @@ class HostShards:
             handles.append(UnevenGatherHandle(listed, spans, pieces, works, available_status))
         if len(handles) == 1:
             return handles[0]
-        from .uneven_shards import MultipleHandles
         return MultipleHandles(handles)
 
     def release(self):

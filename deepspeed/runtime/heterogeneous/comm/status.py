@@ -5,7 +5,8 @@
 The feature has four parts, decided where they act: the hierarchical reduction
 (``hierarchical.reduction_decision``, when the engine is built), link-aware buckets
 (``link_buckets.link_buckets_decision``, as the config is coordinated), and the inter-host compression and
-ZeRO-1/2/3's overlap (``overlap.overlap_decision``, which also needs the optimizer), which ride on the
+ZeRO-1/2/3's overlap (``overlap.overlap_decision``, which also needs the optimizer) and ZeRO-3's host
+shards (``host_shards.host_shards_decision``, which also need the model), which ride on the
 hierarchical reduction. All of them need the ranks to span more than one host, which
 only a running job knows (``topology.discover_topology``). A report made from a config alone, on
 one host, therefore says what ``auto`` (or ``true``) would switch on across hosts, and calls the
@@ -60,7 +61,9 @@ def communication_status(settings, topology=None, param_dict=None, link_sizes=No
         except ValueError as exc:
             reducing, why = False, str(exc)
         if reducing and _zero_stage(param_dict) == 3:
-            parts.append("hierarchical reduction on (ZeRO-3: the gradient reduce-scatter; parameter gathers stay flat)")
+            gathers = ("parameter gathers stay flat" if config.zero3_host_shards is False else
+                       "parameter gathers inside each host, from host shards, where they apply")
+            parts.append(f"hierarchical reduction on (ZeRO-3: the gradient reduce-scatter; {gathers})")
         else:
             parts.append("hierarchical reduction on" if reducing else f"hierarchical reduction off ({why})")
 

@@ -22,44 +22,12 @@ Every rank must pass the same parameters in the same order.
 import torch
 
 from ..memory.zero3_shards import param_spans, valid_numel
-
-
-def choose_mode(contributions, world_size):
-    """``pad`` or ``owners`` for contributions of these sizes (elements per rank)."""
-    return "pad" if (world_size - 1) * max(contributions) <= sum(contributions) else "owners"
+from .gather_handles import MultipleHandles, UnevenGatherHandle, choose_mode
 
 
 def _contributions(params, world):
     spans = [param_spans(p, world) for p in params]
     return spans, [sum(s[rank][1] for s in spans) for rank in range(world)]
-
-
-class UnevenGatherHandle:
-    """Completes an uneven all-gather: waits for its collectives, then gives every parameter its
-    full data and marks it available (upstream's ``AllGatherCoalescedHandle`` contract)."""
-
-    def __init__(self, params, spans, pieces, works, available_status):
-        self.params, self.spans, self.pieces, self.works = params, spans, pieces, works
-        self.available_status = available_status
-        self.complete = False
-
-    def wait(self, handle_dependency=True) -> None:
-        if self.complete:
-            return
-        for work in self.works:
-            if work is not None:
-                work.wait()
-        offsets = [0] * len(self.pieces)
-        for param, spans in zip(self.params, self.spans):
-            parts = []
-            for rank, (start, size) in enumerate(spans):
-                keep = valid_numel(param, start, size)
-                if keep:
-                    parts.append(self.pieces[rank].narrow(0, offsets[rank], keep))
-                offsets[rank] += size
-            param.data = torch.cat(parts).view(param.ds_shape).to(param.ds_tensor.dtype)
-            param.ds_status = self.available_status
-        self.complete = True
 
 
 @torch.no_grad()
@@ -89,16 +57,6 @@ def gather(params, group, device, available_status, async_op=True):
     if not async_op:
         handle.wait()
     return handle
-
-
-class MultipleHandles:
-
-    def __init__(self, handles):
-        self.handles = handles
-
-    def wait(self, handle_dependency=True) -> None:
-        for handle in self.handles:
-            handle.wait(handle_dependency=handle_dependency)
 
 
 def gather_coalesced(params, group, device, available_status):

@@ -144,7 +144,7 @@ _KEPT = ("parameters", "gradients", "gradient partition", "fp32 partition", "opt
 
 
 def predict_peak(allocations, share=None, offloaded=0.0, activation_bytes=0.0, baseline_bytes=0.0,
-                 largest_share=None):
+                 largest_share=None, host_shard=0.0, hosts=1):
     """The phases of one rank under ``allocations`` (``ZeroAllocations``) and its peak.
 
     Args:
@@ -156,6 +156,10 @@ def predict_peak(allocations, share=None, offloaded=0.0, activation_bytes=0.0, b
             in ZeRO-1/2 every rank flattens each owner's slice of a bucket to reduce it; in ZeRO-3
             the uneven gathers and reduce-scatters pad every rank's slice of a bucket to the largest
             (``zero3_shards.py``).
+        host_shard: ZeRO-3: the fraction of the model this rank keeps as its host shard
+            (``comm/host_shards.py``: its share over its host's), 0 without host shards.
+        hosts: ZeRO-3 with host shards: the number of hosts (the refresh sends each element of the
+            rank's partition once to every host).
     """
     a = allocations
     n, pb = float(a.num_parameters), float(a.param_bytes)
@@ -257,6 +261,8 @@ def predict_peak(allocations, share=None, offloaded=0.0, activation_bytes=0.0, b
     stepped = min(n * part, float(a.sub_group_size))
     temporaries = a.optimizer_temporaries * stepped * 4.0 * kept
     state = {"parameters": partition + moved_in, "fp32 partition": fp32_partition, "optimizer state": optimizer}
+    if host_shard:
+        state["host shard"] = n * pb * float(host_shard)
     phases = {
         "initialize": {"parameters": partition + moved_in + n * pb, "fp32 partition": fp32_partition},
         "forward": {**state, "gathered parameters": gathered, "activations": activation_bytes},
@@ -267,6 +273,11 @@ def predict_peak(allocations, share=None, offloaded=0.0, activation_bytes=0.0, b
         "step": {**state, "gradient partition": grad_partition, "flattened sub-group gradient": stepped * 4.0 * kept,
                  "optimizer temporaries": temporaries},
     }
+    if host_shard:
+        # The refresh before the first gather after a step: the rank's partition packed once per host,
+        # and what arrives for its host shard, beside the kept state (nothing is gathered yet).
+        phases["refresh"] = {**state, "refresh send buffer": partition * max(1, int(hosts)),
+                             "refresh receive buffer": n * pb * float(host_shard)}
     return PeakPrediction(phases, float(baseline_bytes), float(activation_bytes))
 
 

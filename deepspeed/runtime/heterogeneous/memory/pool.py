@@ -63,6 +63,10 @@ DEFAULT_UTILIZATION = HeterogeneousMemoryConfig.model_fields["hbm_utilization_th
 OFFLOAD_KEY = "zero_optimization.heterogeneous_offload"
 
 
+HOST_SHARD_ROUNDS = 20
+"""Rounds of ``_auto_shares`` that settle the shares and the host shards' price together."""
+
+
 class HeterogeneousMemoryPool:
     """Per-device budgets and a hard host budget per node, and the placement decision (module
     docstring). Pure: no collectives, nothing allocated.
@@ -223,10 +227,37 @@ class HeterogeneousMemoryPool:
             if room is not None and rank in offloaded:
                 room = None if gradient_bytes == 0 else room * state_bytes / gradient_bytes
             rooms.append(room)
-        return choose_partition_shares(self.speeds, rooms, state_bytes)
+        shares = choose_partition_shares(self.speeds, rooms, state_bytes)
+        if not (model_state.host_shards and model_state.zero_stage == 3 and state_bytes > 0):
+            return shares
+        # A rank's host shard costs the parameters once more in proportion to its share over its
+        # host's: each rank's room for state shrinks by that per-share price. The price depends on
+        # the hosts' shares, so settle it by a few rounds from the shares without host shards.
+        whole = model_state.host_shard_bytes(1.0)
+        for _ in range(HOST_SHARD_ROUNDS):
+            fractions = self.host_shard_fractions(model_state, shares)
+            scaled = [room if room is None or not share else room * state_bytes / (state_bytes + whole * fraction / share)
+                      for room, share, fraction in zip(rooms, shares, fractions)]
+            previous, shares = shares, choose_partition_shares(self.speeds, scaled, state_bytes)
+            if max(abs(a - b) for a, b in zip(previous, shares)) < 1e-6:
+                break
+        return shares
+
+    def host_shard_fractions(self, model_state, shares):
+        """Per rank, the fraction of the model its host shard holds (``comm/host_shards.py``: each
+        host's copy cut in proportion to its ranks' shares), all 0 without host shards (the spec's
+        ``host_shards``, ZeRO-3 on more than one host)."""
+        world = self.world_size
+        if not (model_state.host_shards and model_state.zero_stage == 3 and len(set(self.hosts)) > 1):
+            return [0.0] * world
+        host_totals = {}
+        for host, share in zip(self.hosts, shares):
+            host_totals[host] = host_totals.get(host, 0.0) + share
+        return [share / host_totals[host] if host_totals[host] > 0 else 0.0 for host, share in zip(self.hosts, shares)]
 
     def _ranks(self, model_state, shares, offloaded, activations):
         world, ranks = self.world_size, []
+        host_shards = self.host_shard_fractions(model_state, shares)
         forced = model_state.optimizer_device
         # choose_partition_shares rounds to millionths; the last share takes what the others' rounding left.
         slack = world * 1e-6 * model_state.device_bytes(world, 1.0) if model_state.zero_stage >= 1 else 0.0
@@ -235,10 +266,12 @@ class HeterogeneousMemoryPool:
             fraction = 1.0 if forced else offloaded.get(rank, 0.0)
             sub_groups = offloaded_sub_groups(model_state.sub_groups, fraction) if model_state.zero_stage == 3 else None
             peak = None if model_state.allocations is None else model_state.peak(
-                share, fraction, activations[rank], self._baselines[rank], largest_share=max(shares))
+                share, fraction, activations[rank], self._baselines[rank], largest_share=max(shares),
+                host_shard=host_shards[rank], hosts=len(set(self.hosts)))
             ranks.append(RankPlacement(
                 rank=rank, host=self.hosts[rank], name=self.device_names[rank], capacity_bytes=self.capacities[rank],
-                budget_bytes=self.budgets[rank], share=share, parameter_bytes=parts.parameters,
+                budget_bytes=self.budgets[rank], share=share,
+                parameter_bytes=parts.parameters + model_state.host_shard_bytes(host_shards[rank]),
                 gradient_bytes=parts.gradients, optimizer_bytes=parts.optimizer, activation_bytes=activations[rank],
                 optimizer_location=(NVME if forced == "nvme" else HOST) if fraction > 0 else DEVICE,
                 offload_fraction=fraction, offload_sub_groups=sub_groups, slack_bytes=slack,
@@ -318,8 +351,11 @@ class HeterogeneousMemoryPool:
         if self.placement is None or self._model_state is None or self._model_state.allocations is None:
             return None
         placed = self.placement.ranks[rank]
+        shares = [r.share for r in self.placement.ranks]
         return self._model_state.peak(placed.share, placed.offload_fraction, activation_bytes, placed.baseline_bytes,
-                                      largest_share=max(r.share for r in self.placement.ranks))
+                                      largest_share=max(shares),
+                                      host_shard=self.host_shard_fractions(self._model_state, shares)[rank],
+                                      hosts=len(set(self.hosts)))
 
     def record_activations(self, rank, activation_bytes):
         """Count a rank's measured activation bytes (its micro-batch's, ``memory.ActivationMeter``)

@@ -51,6 +51,9 @@ class ModelStateSpec:
     gets); False: a rank that must offload offloads all of its optimizer state."""
     allocations: Optional[ZeroAllocations] = None
     """What sizes DeepSpeed's buffers (``peak.py``); None: the model state alone is counted."""
+    host_shards: bool = False
+    """ZeRO-3 on several hosts: each host also keeps a copy of the parameters, cut among its ranks in
+    proportion to their shares (``communication.zero3_host_shards``, ``comm/host_shards.py``)."""
 
     def __post_init__(self):
         if self.zero_stage not in (0, 1, 2, 3):
@@ -74,20 +77,29 @@ class ModelStateSpec:
         return model_state_bytes(self.num_parameters, self.zero_stage, world, share=share,
                                  optimizer_offloaded=offloaded or self.optimizer_device is not None, **self._inputs())
 
-    def device_bytes(self, world, share, offloaded=False, largest_share=None):
+    def device_bytes(self, world, share, offloaded=False, largest_share=None, host_shard=0.0, hosts=1):
         """Bytes on the device: the predicted peak (``peak.py``) when the allocations are known,
-        without baseline and activations, which differ per rank; else the model state."""
+        without baseline and activations, which differ per rank; else the model state (and the
+        host shard, a fraction of the model's parameters)."""
         if self.allocations is not None:
-            return self.peak(share, offloaded, largest_share=largest_share).peak_bytes
+            return self.peak(share, offloaded, largest_share=largest_share, host_shard=host_shard,
+                             hosts=hosts).peak_bytes
         return model_state_bytes(self.num_parameters, self.zero_stage, world, share=share,
-                                 optimizer_offloaded=offloaded or self.optimizer_device is not None, **self._inputs())
+                                 optimizer_offloaded=offloaded or self.optimizer_device is not None, **self._inputs()
+                                 ) + self.host_shard_bytes(host_shard)
 
-    def peak(self, share, offloaded=0.0, activation_bytes=0.0, baseline_bytes=0.0, largest_share=None):
+    def host_shard_bytes(self, host_shard):
+        """The bytes of a host shard holding ``host_shard`` of the model (0 without host shards)."""
+        return self.num_parameters * self.param_bytes * float(host_shard) if self.zero_stage == 3 else 0.0
+
+    def peak(self, share, offloaded=0.0, activation_bytes=0.0, baseline_bytes=0.0, largest_share=None,
+             host_shard=0.0, hosts=1):
         """``peak.predict_peak`` of a rank (``allocations`` must be known)."""
         offloaded = 1.0 if self.optimizer_device is not None else float(offloaded)
         return predict_peak(self.allocations, share=share if self.zero_stage >= 1 else None, offloaded=offloaded,
                             activation_bytes=activation_bytes or 0.0, baseline_bytes=baseline_bytes or 0.0,
-                            largest_share=largest_share if self.zero_stage >= 1 else None)
+                            largest_share=largest_share if self.zero_stage >= 1 else None,
+                            host_shard=host_shard if self.zero_stage == 3 else 0.0, hosts=hosts)
 
     @classmethod
     def for_engine(cls, ds_config, model, optimizer=None, emulated_device=False):
