@@ -20,7 +20,9 @@ from the same weights on the same samples:
   (each module gathers its own parameters when it runs; both together force backward re-gathers);
 - ``hpZ=2``: ``zero_hpz_partition_size: 2`` (the ranks of one host);
 - ``hier``: ``hierarchical_reduction: "auto"`` (the fork's reduction across hosts,
-  ``deepspeed/runtime/heterogeneous/comm/hierarchical.py``).
+  ``deepspeed/runtime/heterogeneous/comm/hierarchical.py``) with ``zero3_host_shards: false``;
+- ``hier + host shards``: both ``"auto"`` (parameter gathers inside each host from each host's copy,
+  ``comm/host_shards.py``).
 
 Slow-link bytes per step: the ``tc -s`` byte counters of host 1's link (both directions; the two
 links carry the same bytes), read at marks around a segment of 1 step and one of 3 after 2 warm-up
@@ -55,9 +57,13 @@ its own numbers; the bytes repeat to ~0.1%):
   nothing to save); with reuse 0 + prefetch 0 its re-gathers run on the 2-rank group inside a host,
   16.01 MB, 5.83 MB less than flat's 21.84 and 1.0002x flat + prefetch 0 (the same forward gathers
   without re-gathers).
-- hier: 8.84 MB (0.556x flat): the gradients cross between the host leaders instead of in the flat
-  reduce-scatter; its forward gathers and any re-gathers stay on the world group: with reuse 0 +
-  prefetch 0 14.79 MB (0.930x, the same 28 re-gathers across hosts, +5.94 MB).
+- hier (without host shards): 8.84 MB (0.556x flat): the gradients cross between the host leaders
+  instead of in the flat reduce-scatter; its forward gathers and any re-gathers stay on the world
+  group: with reuse 0 + prefetch 0 14.79 MB (0.930x, the same 28 re-gathers across hosts, +5.94 MB).
+- hier + host shards (``zero3_host_shards``, the fork's default): 7.08 MB (0.445x flat, 2.10 N:
+  1.05 N each way, half the refresh of the host shards, half the reduction); with reuse 0 +
+  prefetch 0 also 7.08 MB (0.324x of flat's 21.83), the 28 re-gathers on the 2-rank groups. Its
+  losses equal hier's bitwise and flat's within 4.8e-7.
 - With the fork enabled ``stage3_param_persistence_threshold`` is 0 in every row (upstream's
   default 100000, ``zero3_settings.py``) and no parameter is persistent: every parameter travels
   in the gathers above.
@@ -66,8 +72,8 @@ its own numbers; the bytes repeat to ~0.1%):
   their own setting; run after them, hier + reuse 0 + prefetch 0 measured 8.96 MB with in-host
   re-gathers (an hpZ engine). The rank script refuses that order.
 
-    python tests/perf/bench_zero3_link_bytes.py            # full run (65 s on 2 cores), JSON in tests/perf/results/
-    python tests/perf/bench_zero3_link_bytes.py --quick    # smoke run (50 s): 5 configurations, one size
+    python tests/perf/bench_zero3_link_bytes.py            # full run (70 s on 2 cores), JSON in tests/perf/results/
+    python tests/perf/bench_zero3_link_bytes.py --quick    # smoke run (50 s): 6 configurations, one size
 """
 
 import argparse
@@ -300,7 +306,7 @@ def print_tables(report):
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smoke run: 5 configurations, one size")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 6 configurations, one size")
     arguments = parser.parse_args()
     os.chdir(REPO)
     run(arguments.quick)
