@@ -71,12 +71,16 @@ def summarise(stage, marks, results, repeats, short, long):
             comm = sum(run["comm_seconds"] / run["long_steps"] for run in runs) / len(runs)
             link = bc.step_bytes([marks[f"{tag}-{x}"][1] for x in "abc"], short, long)
             profiled = runs[0].get("profiler") or {}
+            phases = {phase: sum(run["comm_seconds_by_phase"][phase] / run["long_steps"] for run in runs) / len(runs)
+                      for phase in ("forward", "backward", "step")}
             per_repeat.append({"step_time_s": step, "comm_time_s": comm, "comm_share": comm / step,
+                               **{f"comm_{phase}_s": seconds for phase, seconds in phases.items()},
                                "profiler_share": profiled.get("communication_share"),
                                "slow_link_bytes": link, "overlapped": all(run.get("overlapped") for run in runs),
                                "hierarchical": all(run["hierarchical"] for run in runs)})
         row[mode] = {key: bc.median([r[key] for r in per_repeat])
-                     for key in ("step_time_s", "comm_time_s", "comm_share", "slow_link_bytes", "profiler_share")}
+                     for key in ("step_time_s", "comm_time_s", "comm_share", "slow_link_bytes", "profiler_share",
+                                 "comm_forward_s", "comm_backward_s", "comm_step_s")}
         row[mode].update(repeats=per_repeat, overlapped=all(r["overlapped"] for r in per_repeat),
                          hierarchical=all(r["hierarchical"] for r in per_repeat))
     row["bitwise_overlap_vs_sync"] = all(result["runs"][f"zero{stage}-hier-r{r}"].get("bitwise_vs_sync")
@@ -110,12 +114,13 @@ def print_table(report):
           f"{report['micro_batch_per_rank']}, reduce_bucket_size {report['reduce_bucket_size']}, median of "
           f"{report['repeats']} repeat(s), {report['elapsed_s']:.0f} s")
     print(f"{'ZeRO':>4}  {'mode':<10} {'step ms':>8} {'exposed comm ms':>16} {'share':>6} {'profiler':>9} "
-          f"{'slow-link MB':>13}")
+          f"{'slow-link MB':>13}  {'exposed in forward/backward/step ms':>35}")
     for row in report["rows"]:
         for mode in modes_of(row["zero_stage"]):
             m = row[mode]
             print(f"{row['zero_stage']:>4}  {mode:<10} {1e3 * m['step_time_s']:>8.0f} {1e3 * m['comm_time_s']:>16.0f} "
                   f"{m['comm_share']:>6.0%} {m['profiler_share']:>9.0%} {m['slow_link_bytes'] / 1e6:>13.2f}"
+                  f"  {1e3 * m['comm_forward_s']:>11.0f} {1e3 * m['comm_backward_s']:>11.0f} {1e3 * m['comm_step_s']:>11.0f}"
                   f"{'  (overlapped)' if m['overlapped'] else ''}")
         print(f"      overlap vs sync: step x{row['step_time_vs_sync']:.2f}, exposed comm "
               f"x{row['exposed_comm_vs_sync']:.2f}; vs flat: step x{row['step_time_vs_flat']:.2f}; bitwise equal to "

@@ -89,14 +89,22 @@ def train(args, out, stage, mode, repeat, rank, world_size):
     steps = args.warmup + args.short + args.long
     data = TokenDataset(seq_len=model.config.seq_len, num_samples=steps * global_batch, seed=0)
     losses = []
+    by_phase = {"forward": 0.0, "backward": 0.0, "step": 0.0}  # exposed communication of the long segment
 
-    def step(index):
+    def step(index, timed=False):
         start = index * global_batch + rank * args.micro_batch
         batch = torch.stack([data[i] for i in range(start, start + args.micro_batch)])
         inputs, targets = split_batch(batch)
+        before = comm_clock.seconds_in_collectives()
         loss = engine(inputs, targets)
+        after_forward = comm_clock.seconds_in_collectives()
         engine.backward(loss)
+        after_backward = comm_clock.seconds_in_collectives()
         engine.step()
+        if timed:
+            by_phase["forward"] += after_forward - before
+            by_phase["backward"] += after_backward - after_forward
+            by_phase["step"] += comm_clock.seconds_in_collectives() - after_backward
         losses.append(loss.item())
 
     tag = f"zero{stage}-{mode}-r{repeat}"
@@ -117,7 +125,7 @@ def train(args, out, stage, mode, repeat, rank, world_size):
     sync_started = low.sync_seconds if low is not None else 0.0
     started, comm_started = time.perf_counter(), comm_clock.seconds_in_collectives()
     for index in range(args.warmup + args.short, steps):
-        step(index)
+        step(index, timed=True)
     comm_seconds = comm_clock.seconds_in_collectives() - comm_started
     sync_seconds = low.sync_seconds - sync_started if low is not None else None
     from deepspeed import comm as dist
@@ -143,6 +151,7 @@ def train(args, out, stage, mode, repeat, rank, world_size):
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
         params = [p.detach().clone() for p in engine.module.parameters()]
     result = {"build_seconds": build_seconds, "seconds": seconds, "comm_seconds": comm_seconds, "long_steps": args.long,
+              "comm_seconds_by_phase": by_phase,
               "profiler": profiled,
               "hierarchical": reducer is not None,
               "overlapped": reducer is not None and reducer.background is not None,

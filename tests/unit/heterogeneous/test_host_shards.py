@@ -29,13 +29,16 @@ STEPS = 3
 LR = 1e-2
 
 
-def _model():
+def _model(freeze=False):
     torch.manual_seed(20261206)
     layers = []
     for _ in range(LAYERS):
         layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh()]
     layers.append(torch.nn.Linear(WIDTH, 3))  # 75 elements: slices that do not divide evenly
-    return torch.nn.Sequential(*layers)
+    model = torch.nn.Sequential(*layers)
+    if freeze:  # a frozen layer: partitioned and gathered, never stepped
+        model[2].requires_grad_(False)
+    return model
 
 
 def _data(train_batch_size):
@@ -44,7 +47,7 @@ def _data(train_batch_size):
             torch.randn(STEPS * train_batch_size, 3, generator=generator))
 
 
-def _config(sizes, gas, shards, precision=None, memory=None, zero=None):
+def _config(sizes, gas, shards, precision=None, memory=None, zero=None, autocast=False):
     config = {
         "train_batch_size": sum(sizes) * gas,
         "gradient_accumulation_steps": gas,
@@ -56,13 +59,15 @@ def _config(sizes, gas, shards, precision=None, memory=None, zero=None):
     }
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
+    if autocast:  # fp32 partitions gathered in bf16 (torch autocast's communication dtype of Linear weights)
+        config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
     if memory:
         config["heterogeneous_memory"] = memory
     return config
 
 
 def _train(rank, hosts, sizes, gas, shards, precision=None, memory=None, zero=None, write_back=False,
-           checkpoint=None):
+           checkpoint=None, freeze=False, autocast=False):
     """Train STEPS steps; returns the parameters, this rank's collectives per group, the refresh
     count and the elements this rank's host shards hold."""
     import deepspeed
@@ -71,9 +76,9 @@ def _train(rank, hosts, sizes, gas, shards, precision=None, memory=None, zero=No
     from deepspeed.runtime.heterogeneous.measure.collective_log import recording
 
     with patched_environ({"CROSS_RANK": hosts[rank]}):
-        model = _model()
+        model = _model(freeze)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                               config=_config(sizes, gas, shards, precision, memory, zero))
+                                               config=_config(sizes, gas, shards, precision, memory, zero, autocast))
     owner = host_shards.serves(list(engine.module.parameters()))
     assert (owner is not None) == shards, owner
     dtype = next(engine.module.parameters()).dtype
@@ -121,6 +126,7 @@ def _train(rank, hosts, sizes, gas, shards, precision=None, memory=None, zero=No
         tensors = None if entry.op == "all_to_all_single" else entry.tensors  # each rank sends its own amounts
         per_group.setdefault(entry.group, []).append((entry.op, tensors, entry.details))
     result = {"collectives": per_group,
+              "shard_dtypes": sorted({str(p.ds_host_shard.dtype) for p in owner.params}) if owner is not None else [],
               "refreshes": owner.refreshes if owner is not None else 0,
               "held": owner.held_elements() if owner is not None else 0}
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
@@ -142,7 +148,7 @@ def _refused(rank, hosts):
     return None
 
 
-def _case(rank, world_size, hosts, sizes, gas=1, refused=False, checkpoint=None, **options):
+def _case(rank, world_size, hosts, sizes, gas=1, refused=False, checkpoint=None, owners=False, **options):
     if refused:
         return _refused(rank, hosts)
     folders = [None, None] if checkpoint is None else [os.path.join(checkpoint, name) for name in ("on", "off")]
@@ -150,11 +156,11 @@ def _case(rank, world_size, hosts, sizes, gas=1, refused=False, checkpoint=None,
             "off": _train(rank, hosts, sizes, gas, False, checkpoint=folders[1], **options)}
 
 
-def _reference(sizes, gas):
+def _reference(sizes, gas, freeze=False):
     train_batch_size = sum(sizes) * gas
     inputs, targets = _data(train_batch_size)
     steps = [list(range(k * train_batch_size, (k + 1) * train_batch_size)) for k in range(STEPS)]
-    return [p.detach() for p in adam_mse_reference(_model(), inputs, targets, steps, LR)]
+    return [p.detach() for p in adam_mse_reference(_model(freeze), inputs, targets, steps, LR)]
 
 
 def _check_same_per_group(results):
@@ -182,8 +188,8 @@ def _check(cases, results, world):
     numel = sum(p.numel() for p in _model().parameters())
     for case, per_rank in zip(cases, results):
         reference = None
-        if case.get("precision") is None and not case.get("write_back"):
-            reference = _reference(case["sizes"], case.get("gas", 1))
+        if case.get("precision") is None and not case.get("write_back") and not case.get("autocast"):
+            reference = _reference(case["sizes"], case.get("gas", 1), case.get("freeze", False))
         hosts = case["hosts"]
         for rank, result in enumerate(per_rank):
             on, off = result["on"], result["off"]
@@ -197,6 +203,11 @@ def _check(cases, results, world):
             assert on["refreshes"] == expected, (case, on["refreshes"])
             assert not _gathers_over(on, world), (case, _gathers_over(on, world))  # none over every rank
             assert _gathers_over(off, world), case
+            if case.get("autocast"):  # the host shards in the dtype upstream gathers the Linear layers in
+                assert on["shard_dtypes"] == ["torch.bfloat16"], (case, on["shard_dtypes"])
+            if case.get("owners") and hosts.count(hosts[rank]) == 3:  # one broadcast per owner inside the host
+                assert any(op == "broadcast" for group, sequence in on["collectives"].items() if len(group) == 3
+                           for op, _, _ in sequence), case
         _check_same_per_group([result["on"] for result in per_rank])
         total = sum(result["on"]["held"] for result in per_rank)
         assert total == numel * len(set(hosts)), (case, total)  # each host holds the model once
@@ -208,6 +219,12 @@ CASES = [
     dict(hosts=[0, 0, 1, 1], sizes=[2, 2, 2, 2], precision="bf16",
          zero={"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}),
     dict(hosts=[0, 0, 1, 1], sizes=[2, 1, 2, 3], write_back=True),
+    # torch autocast: upstream gathers the Linear layers' fp32 partitions in bf16; the host shards keep that
+    # dtype (half the refresh's bytes), so a gather returns upstream's bits.
+    dict(hosts=[0, 0, 1, 1], sizes=[2, 2, 2, 2], autocast=True),
+    # Three ranks on one host with skewed shares: the in-host gather broadcasts per owner; a frozen layer.
+    dict(hosts=[0, 0, 0, 1], sizes=[2, 2, 2, 2], memory={"zero_partitions": [0.6, 0.1, 0.1, 0.2]}, freeze=True,
+         owners=True),
 ]
 
 
@@ -287,11 +304,17 @@ def test_the_decision_names_why_and_true_where_it_cannot_apply_is_an_error():
     assert not active and "hierarchical reduction is not in force" in note
     active, note = host_shards_decision("auto", 3, reducer, False, True, False, False)
     assert not active and "offload_param" in note
+    active, note = host_shards_decision("auto", 3, reducer, False, False, False, False, zenflow=True)
+    assert not active and "ZenFlow" in note
     with pytest.raises(ValueError, match=r"zero3_host_shards is true, but quantized weights"):
         host_shards_decision(True, 3, reducer, False, False, True, False)
     assert CommunicationConfig().zero3_host_shards == "auto"
     with pytest.raises(ValueError, match="zero3_host_shards"):
         CommunicationConfig(zero3_host_shards="sometimes")
+    with pytest.raises(ValueError, match="zero3_host_shards true rides on the hierarchical reduction"):
+        CommunicationConfig(zero3_host_shards=True, hierarchical_reduction=False)
+    with pytest.raises(ValueError, match="zero3_host_shards True has nothing to act on|zero3_host_shards true has"):
+        CommunicationConfig(zero3_host_shards=True, mode="low_communication")
 
 
 def test_the_memory_pool_counts_each_rank_s_host_shard_and_auto_shares_make_room_for_it():

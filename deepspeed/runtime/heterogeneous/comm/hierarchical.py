@@ -361,7 +361,8 @@ def attach(engine):
     _reducers[group] = reducer
     overlap_note = overlap.attach(reducer, communication.overlap, engine.optimizer,
                                   serves=lambda partition_group: zero3_reducer(partition_group) is reducer)
-    shards, shards_note = host_shards.attach(engine, reducer, communication.zero3_host_shards)
+    shards, shards_note = host_shards.attach(engine, reducer, communication.zero3_host_shards,
+                                             serves=lambda partition_group: zero3_reducer(partition_group) is reducer)
     if dist.get_rank() == 0:
         layout = reducer.layout
         stage = engine.zero_optimization_stage()

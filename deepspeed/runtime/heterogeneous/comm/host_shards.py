@@ -21,7 +21,9 @@ contiguous span of each parameter (``host_spans``). A gather then runs inside th
 - **Spans.** A host's span of each parameter is cut among its ranks in proportion to their
   primary slices (equal for upstream's equal slices, the memory shares with
   ``heterogeneous_memory.zero_partitions``), so a rank holds about
-  ``numel * share / host share`` more elements: ``memory/model_state.py`` counts them.
+  ``numel * share / host share`` more elements: the memory pool counts them (``memory/spec.py``,
+  ``peak.py``, ``pool.py``). A host shard keeps the dtype upstream gathers in (the partition's, or
+  torch autocast's communication dtype).
 
 Configured by ``heterogeneous_config.communication.zero3_host_shards`` (``host_shards_decision``).
 """
@@ -64,7 +66,7 @@ def valid_numel_of(numel, start, size):
     return max(0, min(size, numel - start))
 
 
-def exchange_plan(numels, primaries, host_members):
+def exchange_plan(numels, primaries, host_members, only=None):
     """What the refresh moves, computed alike on every rank.
 
     Args:
@@ -72,6 +74,9 @@ def exchange_plan(numels, primaries, host_members):
         primaries: for each parameter, every rank's ``(start, size)`` primary slice (``size`` may
             reach past the parameter: upstream's padding).
         host_members: the ranks (indices of the data-parallel group) of each host.
+        only: a rank: fill only what it sends and receives (``pieces[only][r]`` and
+            ``pieces[j][only]``; a rank needs no more, and the whole plan grows with the square of
+            the world); None: every pair.
 
     Returns ``(spans, pieces)``: ``spans[k][r]`` is rank r's ``(start, size)`` host span of
     parameter k; ``pieces[j][r]`` lists ``(k, source_offset, target_offset, length)``: the elements
@@ -88,21 +93,22 @@ def exchange_plan(numels, primaries, host_members):
                 of_rank[member] = span
         spans.append(tuple(of_rank))
     pieces = [[[] for _ in range(world)] for _ in range(world)]
-    for k, (numel, primary) in enumerate(zip(numels, primaries)):
-        for j in range(world):
+    pairs = [(j, r) for j in range(world) for r in range(world)] if only is None else (
+        [(only, r) for r in range(world)] + [(j, only) for j in range(world) if j != only])
+    for j, r in pairs:
+        for k, (numel, primary) in enumerate(zip(numels, primaries)):
             start, size = primary[j]
             end = start + valid_numel_of(numel, start, size)
-            for r in range(world):
-                span_start, span_size = spans[k][r]
-                low, high = max(start, span_start), min(end, span_start + span_size)
-                if high > low:
-                    pieces[j][r].append((k, low - start, low - span_start, high - low))
+            span_start, span_size = spans[k][r]
+            low, high = max(start, span_start), min(end, span_start + span_size)
+            if high > low:
+                pieces[j][r].append((k, low - start, low - span_start, high - low))
     return spans, pieces
 
 
 def link_elements(pieces, hosts):
-    """Elements the refresh sends across hosts, per host (both directions summed): the model the
-    benchmark's link counters are checked against."""
+    """Elements the refresh sends across hosts, per host (both directions summed), from a whole
+    plan (``exchange_plan`` with ``only=None``)."""
     crossing = [0] * (max(hosts) + 1)
     for j, row in enumerate(pieces):
         for r, listed in enumerate(row):
@@ -113,7 +119,7 @@ def link_elements(pieces, hosts):
     return crossing
 
 
-def host_shards_decision(setting, stage, reducer, hpz, offload_param, quantized, moe):
+def host_shards_decision(setting, stage, reducer, hpz, offload_param, quantized, moe, zenflow=False):
     """Whether ZeRO-3 parameters are gathered inside the host, and a note saying why not.
 
     Every input is the same on every rank (agreed settings, the config, the model). ``true`` where
@@ -132,6 +138,8 @@ def host_shards_decision(setting, stage, reducer, hpz, offload_param, quantized,
         why = "quantized weights gather through upstream's quantizer"
     elif moe:
         why = "expert parameters are partitioned over the expert data-parallel groups"
+    elif zenflow:
+        why = "ZenFlow updates the partitions during the backward"
     if why is None:
         return True, None
     if setting is True and reducer is not None:
@@ -152,7 +160,8 @@ def expected(communication, zero, hosts):
         return False
     offload = zero.offload_param is not None and zero.offload_param.device != "none"
     quantized = bool(zero.zero_quantized_weights or zero.zero_quantized_nontrainable_weights)
-    return not (zero.zero_hpz_partition_size > 1 or offload or quantized)
+    zenflow = getattr(zero, "zenflow", None) is not None
+    return not (zero.zero_hpz_partition_size > 1 or offload or quantized or zenflow)
 
 
 class HostShards:
@@ -172,10 +181,10 @@ class HostShards:
         self.plans = {}  # dtype -> (params, pieces)
         by_dtype = {}
         for param in self.params:
-            by_dtype.setdefault(param.ds_tensor.dtype, []).append(param)
+            by_dtype.setdefault(gather_dtype(param), []).append(param)
         for dtype, listed in by_dtype.items():
-            spans, pieces = exchange_plan([p.ds_numel for p in listed],
-                                          [param_spans(p, self.world) for p in listed], self.host_members)
+            spans, pieces = exchange_plan([p.ds_numel for p in listed], [param_spans(p, self.world) for p in listed],
+                                          self.host_members, only=self.rank)
             self.plans[dtype] = (listed, pieces)
             for param, param_spans_ in zip(listed, spans):
                 param.ds_host_spans = tuple(param_spans_[m] for m in self.members)
@@ -183,7 +192,7 @@ class HostShards:
                 setattr(param, ATTRIBUTE, self)
 
     def held_elements(self):
-        return sum(p.ds_host_shard.numel() for p in self.params)
+        return sum(p.ds_host_shard.numel() for p in self.params if getattr(p, ATTRIBUTE, None) is self)
 
     @torch.no_grad()
     def refresh(self):
@@ -223,7 +232,7 @@ class HostShards:
         handles = []
         by_dtype = {}
         for param in params:
-            by_dtype.setdefault(param.ds_tensor.dtype, []).append(param)
+            by_dtype.setdefault(param.ds_host_shard.dtype, []).append(param)
         for dtype, listed in by_dtype.items():
             spans = [p.ds_host_spans for p in listed]
             sizes = [sum(s[m][1] for s in spans) for m in range(len(self.members))]
@@ -274,6 +283,14 @@ def invalidate(params):
             owner.fresh = False
 
 
+def gather_dtype(param):
+    """The dtype upstream gathers ``param`` in (``partition_parameters.get_allgather_dtype``): its
+    partition's, or the communication dtype torch autocast gives it; the host shard keeps that
+    dtype, so a gather returns the bits upstream's would (cast back to the partition's dtype)."""
+    from deepspeed.runtime.torch_autocast import get_comm_dtype, has_comm_dtype
+    return get_comm_dtype(param) if has_comm_dtype(param) else param.ds_tensor.dtype
+
+
 def _gather_group(reducer):
     """A dedicated in-host group per reducer (created once, on every rank alike)."""
     group = getattr(reducer, "host_gather_group", None)
@@ -284,10 +301,14 @@ def _gather_group(reducer):
     return group
 
 
-def attach(engine, reducer, setting):
+def attach(engine, reducer, setting, serves=None):
     """Give the ZeRO-3 engine's partitioned parameters host shards when ``host_shards_decision``
     says so (every rank alike); parameters an earlier engine gave host shards go back to the flat
-    gather first. Returns the ``HostShards`` or None, and the note of why not."""
+    gather first. Returns the ``HostShards`` or None, and the note of why not.
+
+    ``serves(group)``: whether ``reducer`` reduces the gradients of parameters partitioned over
+    ``group``; parameters partitioned over another group (and persistent ones, which upstream
+    gathers once after each step by its own path) keep upstream's gather."""
     from deepspeed.accelerator import get_accelerator
     module = engine.module
     for param in module.parameters():
@@ -300,11 +321,12 @@ def attach(engine, reducer, setting):
     quantized = bool(zero.zero_quantized_weights or zero.zero_quantized_nontrainable_weights)
     moe = any(getattr(p, "allreduce", True) is False for p in module.parameters())
     active, note = host_shards_decision(setting, stage, reducer, zero.zero_hpz_partition_size > 1, offload,
-                                        quantized, moe)
+                                        quantized, moe, bool(getattr(engine.optimizer, "zenflow", False)))
     if not active:
         return None, note
     group = reducer.group
-    params = [p for p in module.parameters() if hasattr(p, "ds_id") and getattr(p, "ds_tensor", None) is not None]
+    params = [p for p in module.parameters() if hasattr(p, "ds_id") and getattr(p, "ds_tensor", None) is not None
+              and not getattr(p, "ds_persist", False) and (serves is None or serves(p.ds_process_group))]
     if not params:
         return None, "no partitioned parameters"
     shards = HostShards(params, group, reducer.layout, _gather_group(reducer), get_accelerator().current_device_name())

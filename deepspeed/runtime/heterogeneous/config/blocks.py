@@ -171,6 +171,9 @@ class CommunicationConfig(DeepSpeedConfigModel):
         if self.compress_inter_host and self.hierarchical_reduction is False:
             raise ValueError(f"compress_inter_host '{self.compress_inter_host}' compresses the inter-host step of "
                              "the hierarchical reduction, which hierarchical_reduction false turns off: drop one")
+        if self.zero3_host_shards is True and self.hierarchical_reduction is False:
+            raise ValueError("zero3_host_shards true rides on the hierarchical reduction's host groups, which "
+                             "hierarchical_reduction false turns off: drop one")
         return self
 
     @model_validator(mode="after")
@@ -184,7 +187,8 @@ class CommunicationConfig(DeepSpeedConfigModel):
             self.low_communication = LowCommunicationConfig()
         exact_parts = [f"{key} {value!r}".replace("True", "true") for key, value in
                        (("hierarchical_reduction", self.hierarchical_reduction), ("overlap", self.overlap),
-                        ("compress_inter_host", self.compress_inter_host)) if value is True or
+                        ("compress_inter_host", self.compress_inter_host),
+                        ("zero3_host_shards", self.zero3_host_shards)) if value is True or
                        (key == "compress_inter_host" and value)]
         if exact_parts:
             raise ValueError(f"mode \"low_communication\" reduces gradients inside each host only, so "

@@ -231,13 +231,16 @@ class HeterogeneousMemoryPool:
         if not (model_state.host_shards and model_state.zero_stage == 3 and state_bytes > 0):
             return shares
         # A rank's host shard costs the parameters once more in proportion to its share over its
-        # host's: each rank's room for state shrinks by that per-share price. The price depends on
-        # the hosts' shares, so settle it by a few rounds from the shares without host shards.
+        # host's. A rank alone on its host keeps the whole copy, whatever its share: its room
+        # shrinks by that. The others' room for state shrinks by a per-share price that depends on
+        # their host's total share, so settle it by rounds from the shares without host shards.
         whole = model_state.host_shard_bytes(1.0)
+        alone = [self.hosts.count(host) == 1 for host in self.hosts]
         for _ in range(HOST_SHARD_ROUNDS):
             fractions = self.host_shard_fractions(model_state, shares)
-            scaled = [room if room is None or not share else room * state_bytes / (state_bytes + whole * fraction / share)
-                      for room, share, fraction in zip(rooms, shares, fractions)]
+            scaled = [room if room is None else max(0.0, room - whole) if lone else room if not share else
+                      room * state_bytes / (state_bytes + whole * fraction / share)
+                      for room, share, fraction, lone in zip(rooms, shares, fractions, alone)]
             previous, shares = shares, choose_partition_shares(self.speeds, scaled, state_bytes)
             if max(abs(a - b) for a, b in zip(previous, shares)) < 1e-6:
                 break
