@@ -20,8 +20,8 @@ One launch trains, per ZeRO stage and repeat, one engine per mode from the same 
 samples (``comm_train.py``, the order alternating by repeat): ``flat`` (upstream's reduction),
 ``sync`` (the fork's hierarchical reduction, ``overlap: false``) and ``hier`` (``overlap: "auto"``).
 Per mode: slow-link bytes per step (``tc`` counters), step time, the exposed communication (the main
-thread's time in collectives and in waits for the background reduction, the comm clock) and its
-share of the step, and the share the heterogeneous profiler reports for the same steps (its
+thread's time in collectives and in waits for the background reduction, the comm clock), its split
+over the forward, the backward and the step, and its share of the step, and the share the heterogeneous profiler reports for the same steps (its
 ``communication_share``: transfer plus waits, over the slowest rank's step time). ``hier`` must be
 bitwise equal to ``sync`` (recorded per repeat).
 
