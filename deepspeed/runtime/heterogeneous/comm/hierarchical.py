@@ -359,10 +359,16 @@ def attach(engine):
     else:
         reducer = HierarchicalReducer(hosts, group=group, compress=compress, piece_elements=pieces)
     _reducers[group] = reducer
-    overlap_note = overlap.attach(reducer, communication.overlap, engine.optimizer,
-                                  serves=lambda partition_group: zero3_reducer(partition_group) is reducer)
-    shards, shards_note = host_shards.attach(engine, reducer, communication.zero3_host_shards,
-                                             serves=lambda partition_group: zero3_reducer(partition_group) is reducer)
+    try:
+        overlap_note = overlap.attach(reducer, communication.overlap, engine.optimizer,
+                                      serves=lambda partition_group: zero3_reducer(partition_group) is reducer)
+        shards, shards_note = host_shards.attach(engine, reducer, communication.zero3_host_shards,
+                                                 serves=lambda partition_group: zero3_reducer(partition_group) is reducer)
+    except ValueError as exc:  # `true` where it cannot apply: every rank decided alike, rank 0 says it once
+        from ..config.errors import one_line_config_errors
+        from ..config.settings import HeterogeneousConfigError
+        one_line_config_errors()
+        raise HeterogeneousConfigError(str(exc)) from None
     if dist.get_rank() == 0:
         layout = reducer.layout
         stage = engine.zero_optimization_stage()
