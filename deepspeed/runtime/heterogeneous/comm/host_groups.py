@@ -171,6 +171,20 @@ def reduction_decision(setting, enabled, hosts, dp_is_world):
     return True, None
 
 
+def settle(setting, why, key, where, reducer_present):
+    """``(active, note)`` of a part that rides on the hierarchical reduction: on when nothing stands
+    in its way (``why`` None) and it was not turned off; ``true`` where something does is a
+    ValueError naming ``key`` and why, except without a reducer (one host), where there is nothing
+    to act on and ``true`` is no error, as for ``hierarchical_reduction``. ``where``: what
+    ``"auto"`` does, for the message."""
+    if why is None:
+        return True, None
+    if setting is True and reducer_present:
+        raise ValueError(f"heterogeneous_config.communication.{key} is true, but {why}; use \"auto\" ({where}) "
+                         "or false")
+    return False, why
+
+
 def piece(tensor, index, pieces):
     """Piece ``index`` of ``tensor`` cut into ``pieces`` nearly equal pieces (the last ones may be
     shorter or empty)."""

@@ -34,6 +34,7 @@ from deepspeed.utils import logger
 
 from ..memory.zero3_shards import param_spans
 from .gather_handles import MultipleHandles, UnevenGatherHandle, choose_mode
+from .host_groups import settle
 
 ATTRIBUTE = "ds_host_shards"
 """The ``HostShards`` a parameter belongs to (None or absent: gathered flat)."""
@@ -140,12 +141,7 @@ def host_shards_decision(setting, stage, reducer, hpz, offload_param, quantized,
         why = "expert parameters are partitioned over the expert data-parallel groups"
     elif zenflow:
         why = "ZenFlow updates the partitions during the backward"
-    if why is None:
-        return True, None
-    if setting is True and reducer is not None:
-        raise ValueError(f"heterogeneous_config.communication.zero3_host_shards is true, but {why}; use \"auto\" "
-                         "(host shards where they apply) or false")
-    return False, why
+    return settle(setting, why, "zero3_host_shards", "host shards where they apply", reducer is not None)
 
 
 def expected(communication, zero, hosts):

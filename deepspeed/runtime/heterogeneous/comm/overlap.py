@@ -60,6 +60,7 @@ import weakref
 import torch
 
 from ..measure import comm_clock
+from .host_groups import settle
 
 DEPTH = 3
 """Buckets reduced in the background at once: the most buckets set aside (each holds a bucket's
@@ -88,13 +89,8 @@ def overlap_decision(setting, reducer, optimizer, serves=None):
     true``) there is nothing to overlap and ``true`` is not an error."""
     if setting is False:
         return False, None
-    why = _why_not(reducer, optimizer, serves)
-    if why is None:
-        return True, None
-    if setting is True and reducer is not None:
-        raise ValueError(f"heterogeneous_config.communication.overlap is true, but {why}; use \"auto\" (overlap "
-                         "where it applies) or false")
-    return False, why
+    return settle(setting, _why_not(reducer, optimizer, serves), "overlap", "overlap where it applies",
+                  reducer is not None)
 
 
 def _why_not(reducer, optimizer, serves):
