@@ -67,7 +67,7 @@ def _config(sizes, gas, shards, precision=None, memory=None, zero=None, autocast
 
 
 def _train(rank, hosts, sizes, gas, shards, precision=None, memory=None, zero=None, write_back=False,
-           checkpoint=None, freeze=False, autocast=False):
+           checkpoint=None, freeze=False, autocast=False, offload=False):
     """Train STEPS steps; returns the parameters, this rank's collectives per group, the refresh
     count and the elements this rank's host shards hold."""
     import deepspeed
@@ -109,6 +109,10 @@ def _train(rank, hosts, sizes, gas, shards, precision=None, memory=None, zero=No
                 with deepspeed.zero.GatheredParameters([weight], modifier_rank=0):
                     if rank == 0:
                         weight.data.mul_(0.5)
+            if offload and k == 0:  # the host shards follow the bit16 partitions off the device and back
+                from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
+                engine.offload_states(include=[OffloadStateTypeEnum.lp_params], pin_memory=False)  # the rest: FusedAdam
+                engine.reload_states()
             if checkpoint is not None and k == 0:
                 engine.save_checkpoint(checkpoint, tag="first")
             if checkpoint is not None and k == 1 and not os.path.exists(os.path.join(checkpoint, "reloaded")):
@@ -131,6 +135,9 @@ def _train(rank, hosts, sizes, gas, shards, precision=None, memory=None, zero=No
               "held": owner.held_elements() if owner is not None else 0}
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
         result["params"] = [p.detach().float().clone() for p in engine.module.parameters()]
+    if offload:  # destroying the engine frees the host shards
+        engine.destroy()
+        result["served_after_destroy"] = host_shards.serves(list(model.parameters())) is not None
     return result
 
 
@@ -203,6 +210,8 @@ def _check(cases, results, world):
             assert on["refreshes"] == expected, (case, on["refreshes"])
             assert not _gathers_over(on, world), (case, _gathers_over(on, world))  # none over every rank
             assert _gathers_over(off, world), case
+            if case.get("offload"):
+                assert on["served_after_destroy"] is False, case
             if case.get("autocast"):  # the host shards in the dtype upstream gathers the Linear layers in
                 assert on["shard_dtypes"] == ["torch.bfloat16"], (case, on["shard_dtypes"])
             if case.get("owners") and hosts.count(hosts[rank]) == 3:  # one broadcast per owner inside the host
@@ -219,6 +228,7 @@ CASES = [
     dict(hosts=[0, 0, 1, 1], sizes=[2, 2, 2, 2], precision="bf16",
          zero={"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}),
     dict(hosts=[0, 0, 1, 1], sizes=[2, 1, 2, 3], write_back=True),
+    dict(hosts=[0, 0, 1, 1], sizes=[1, 2, 3, 2], offload=True),
     # torch autocast: upstream gathers the Linear layers' fp32 partitions in bf16; the host shards keep that
     # dtype (half the refresh's bytes), so a gather returns upstream's bits.
     dict(hosts=[0, 0, 1, 1], sizes=[2, 2, 2, 2], autocast=True),

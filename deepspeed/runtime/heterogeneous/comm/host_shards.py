@@ -253,6 +253,15 @@ class HostShards:
             return handles[0]
         return MultipleHandles(handles)
 
+    def move(self, device):
+        """Move every host shard to ``device`` (upstream's ``offload_states`` moves the bit16
+        partitions to the host and ``reload_states`` back; the host shards follow them). No
+        collective: the values stay fresh."""
+        self.device = device
+        for param in self.params:
+            if getattr(param, ATTRIBUTE, None) is self:
+                param.ds_host_shard = param.ds_host_shard.to(device)
+
     def release(self):
         for param in self.params:
             if getattr(param, ATTRIBUTE, None) is self:
@@ -267,6 +276,29 @@ def serves(params):
     if owner is None or any(getattr(p, ATTRIBUTE, None) is not owner for p in params):
         return None
     return owner
+
+
+def _owners(params):
+    owners = []
+    for param in params:
+        owner = getattr(param, ATTRIBUTE, None)
+        if owner is not None and all(owner is not known for known in owners):
+            owners.append(owner)
+    return owners
+
+
+def move(params, device):
+    """The host shards of ``params`` follow their partitions to ``device`` (``offload_states``,
+    ``reload_states``)."""
+    for owner in _owners(params):
+        owner.move(device)
+
+
+def release(params):
+    """``params`` gather over every rank again and their host shards are freed (the optimizer is
+    destroyed)."""
+    for owner in _owners(params):
+        owner.release()
 
 
 def invalidate(params):
