@@ -154,10 +154,16 @@ def expected(communication, zero, hosts):
         return False
     if not hosts or not group_layout(hosts).useful or int(zero.stage) != 3:
         return False
+    hpz, offload, quantized = _zero_settings(zero)
+    return not (hpz or offload or quantized or getattr(zero, "zenflow", None) is not None)
+
+
+def _zero_settings(zero):
+    """``(hpZ, parameter offload, quantized weights)`` of upstream's ``zero_optimization`` config:
+    the settings that keep host shards off."""
     offload = zero.offload_param is not None and zero.offload_param.device != "none"
     quantized = bool(zero.zero_quantized_weights or zero.zero_quantized_nontrainable_weights)
-    zenflow = getattr(zero, "zenflow", None) is not None
-    return not (zero.zero_hpz_partition_size > 1 or offload or quantized or zenflow)
+    return zero.zero_hpz_partition_size > 1, offload, quantized
 
 
 class HostShards:
@@ -174,14 +180,15 @@ class HostShards:
         self.params = sorted(params, key=lambda p: p.ds_id)
         self.fresh = False
         self.refreshes = 0
-        self.plans = {}  # dtype -> (params, pieces)
+        self.plans = {}  # dtype -> (params, pieces, elements from each rank, elements to each rank)
         by_dtype = {}
         for param in self.params:
             by_dtype.setdefault(gather_dtype(param), []).append(param)
         for dtype, listed in by_dtype.items():
             spans, pieces = exchange_plan([p.ds_numel for p in listed], [param_spans(p, self.world) for p in listed],
                                           self.host_members, only=self.rank)
-            self.plans[dtype] = (listed, pieces)
+            self.plans[dtype] = (listed, pieces, [sum(n for *_, n in pieces[j][self.rank]) for j in range(self.world)],
+                                 [sum(n for *_, n in pieces[self.rank][r]) for r in range(self.world)])
             for param, param_spans_ in zip(listed, spans):
                 param.ds_host_spans = tuple(param_spans_[m] for m in self.members)
                 param.ds_host_shard = torch.empty(param_spans_[self.rank][1], dtype=dtype, device=device)
@@ -198,9 +205,7 @@ class HostShards:
         the step was slower (bench_zero3_link_bytes at 200 Mbit/s: 341 and 359 ms against 322 and
         303 ms in one message)."""
         from deepspeed import comm as dist
-        for dtype, (listed, pieces) in self.plans.items():
-            out_sizes = [sum(n for *_, n in pieces[j][self.rank]) for j in range(self.world)]
-            in_sizes = [sum(n for *_, n in pieces[self.rank][r]) for r in range(self.world)]
+        for dtype, (listed, pieces, out_sizes, in_sizes) in self.plans.items():
             send = torch.empty(sum(in_sizes), dtype=dtype, device=self.device)
             offset = 0
             for r in range(self.world):
@@ -344,12 +349,9 @@ def attach(engine, reducer, setting, serves=None):
         if owner is not None:
             owner.release()
     stage = engine.zero_optimization_stage()
-    zero = engine._config.zero_config
-    offload = zero.offload_param is not None and zero.offload_param.device != "none"
-    quantized = bool(zero.zero_quantized_weights or zero.zero_quantized_nontrainable_weights)
     moe = any(getattr(p, "allreduce", True) is False for p in module.parameters())
-    active, note = host_shards_decision(setting, stage, reducer, zero.zero_hpz_partition_size > 1, offload,
-                                        quantized, moe, bool(getattr(engine.optimizer, "zenflow", False)))
+    active, note = host_shards_decision(setting, stage, reducer, *_zero_settings(engine._config.zero_config), moe,
+                                        bool(getattr(engine.optimizer, "zenflow", False)))
     if not active:
         return None, note
     group = reducer.group
