@@ -17,11 +17,15 @@ that consecutive runs never invalidate each other's builds.
 
 Failures come back as ``AssertionError`` carrying the failing rank's traceback. A group that does
 not finish in time is killed together with all its descendants, and the error names the ranks
-that were still running.
+that were still running; each of them first prints its threads' stacks on its stderr. JIT build
+locks that no process holds (a rank killed while it built an op leaves one, and torch would wait
+on it forever) are removed from the tests' build directory before a group starts and after one
+was killed.
 """
 
 import contextlib
 import datetime
+import faulthandler
 import functools
 import importlib.util
 import multiprocessing
@@ -47,6 +51,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 FAILURE_GRACE_S = 5.0
 # Time a rank that already reported gets to exit (destroy its process group, flush output).
 EXIT_GRACE_S = 10.0
+# Seconds a rank about to be killed has to print its stacks.
+STACK_DUMP_WAIT_S = 1.0
 
 _issued_ports = set()
 _port_lock = threading.Lock()
@@ -263,14 +269,25 @@ def _kill_process_tree(pid):
     psutil.wait_procs(victims, timeout=10)
 
 
-def _stale_lock_hint(extensions_dir):
-    """A hint naming JIT build locks that killed processes may have left behind, or ''."""
-    locks = sorted(Path(extensions_dir).glob("*/lock")) if extensions_dir else []
-    if not locks:
-        return ""
-    # torch waits forever on a lock whose owner died; only a person can tell that none is live.
-    return (f"\nJIT build lock(s) present: {', '.join(map(str, locks))}; if no build is running, a killed rank "
-            f"left them and every later run will hang: remove them")
+def clear_stale_build_locks(extensions_dir, min_age_s=None):
+    """Remove the JIT build locks in ``extensions_dir`` (the tests' own) that no build holds.
+
+    torch waits without end on a build lock whose process died, and a rank killed while it built an
+    op leaves one: every later test that loads the op would hang, also on a machine started from a
+    copy of this one. A lock goes when ``op_builder.jit_announce.stale_build_lock`` finds nothing
+    building in its directory, after ``min_age_s`` quiet seconds (default its own; 0 once the
+    processes that could hold it are known dead).
+
+    Returns: a line naming the locks removed, or ''.
+    """
+    from op_builder.jit_announce import STALE_LOCK_AGE_S, stale_build_lock
+    removed = []
+    for lock in sorted(Path(extensions_dir).glob("*/lock")) if extensions_dir else ():
+        if stale_build_lock(str(lock.parent), STALE_LOCK_AGE_S if min_age_s is None else min_age_s):
+            with contextlib.suppress(FileNotFoundError):
+                lock.unlink()
+                removed.append(str(lock))
+    return f"\nremoved JIT build lock(s) that nothing held any more: {', '.join(removed)}" if removed else ""
 
 
 def _send(conn, message):
@@ -298,6 +315,8 @@ def _rank_entry(conn, fn, args, collective_timeout_s):
     # Spawned ranks take the parent's sys.path, not PYTHONPATH; see fork_environment.
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
+    # A group that times out asks its ranks for their stacks (SIGUSR1) before it kills them.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     message = None
     try:
         import deepspeed
@@ -332,7 +351,7 @@ class _GroupOutcome:
         self.running = []  # ranks still running when the group timed out
         self.blocked = []  # ranks still running when a peer's failure ended the group
         self.stuck_at_exit = []  # ranks that reported but did not exit
-        self.lock_hint = ""  # set when ranks had to be killed
+        self.lock_hint = ""  # the build locks removed after ranks had to be killed
 
     def problems(self):
         """Describe every rank-level failure, or return an empty list."""
@@ -372,6 +391,8 @@ def _run_group(fn, args, world_size, timeout, env):
     outcome = _GroupOutcome(world_size, timeout)
     procs, readers = [], []
     deadline = time.monotonic() + timeout
+    extensions_dir = rank_environment(0, world_size, port, env).get("TORCH_EXTENSIONS_DIR")
+    clear_stale_build_locks(extensions_dir)
     try:
         for rank in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
@@ -418,6 +439,11 @@ def _run_group(fn, args, world_size, timeout, env):
                     outcome.stuck_at_exit.append(rank)
     finally:
         killed = [proc for proc in procs if proc.is_alive()]
+        for proc in killed:  # each prints its threads' stacks on its stderr (see _rank_entry)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGUSR1)
+        if killed:
+            time.sleep(STACK_DUMP_WAIT_S)
         for proc in killed:
             _kill_process_tree(proc.pid)
         for proc in procs:
@@ -426,7 +452,7 @@ def _run_group(fn, args, world_size, timeout, env):
             reader.close()
         remove_shm_buffers(port)
     if killed:
-        outcome.lock_hint = _stale_lock_hint(rank_environment(0, world_size, 0, env).get("TORCH_EXTENSIONS_DIR"))
+        outcome.lock_hint = clear_stale_build_locks(extensions_dir, min_age_s=0)
     return outcome
 
 
@@ -573,6 +599,7 @@ def launch_deepspeed(script, script_args=(), num_ranks=2, timeout=300, env=None,
     port = free_port()
     command = [deepspeed_launcher(), "--num_gpus", str(num_ranks), "--master_port", str(port),
                str(script), *map(str, script_args)]
+    clear_stale_build_locks(variables.get("TORCH_EXTENSIONS_DIR"))
     # A session of its own: on time-out the launcher, its per-node launcher and every rank go at once.
     proc = subprocess.Popen(command, cwd=cwd, env=variables, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
@@ -582,7 +609,7 @@ def launch_deepspeed(script, script_args=(), num_ranks=2, timeout=300, env=None,
         _kill_session(proc)
         output, _ = proc.communicate()
         raise AssertionError(f"deepspeed launcher did not finish within {timeout}s (killed): {' '.join(command)}"
-                             f"{_stale_lock_hint(variables.get('TORCH_EXTENSIONS_DIR'))}\n"
+                             f"{clear_stale_build_locks(variables.get('TORCH_EXTENSIONS_DIR'), min_age_s=0)}\n"
                              f"--- output tail ---\n{output[-8000:]}")
     finally:
         _kill_session(proc)
@@ -617,6 +644,7 @@ def warm_shm_comm_op(env=None, cwd=REPO_ROOT, timeout=1200):
         RuntimeError: the build failed or took longer than ``timeout`` seconds.
     """
     variables = _merged_environ({"DS_ACCELERATOR": "cpu"}, fork_environment() if env is None else env)
+    clear_stale_build_locks(variables.get("TORCH_EXTENSIONS_DIR"))
     # A session of its own, so that a time-out also ends the compilers ninja started.
     proc = subprocess.Popen([sys.executable, "-c", SHM_WARMUP_CODE], env=variables, cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -626,6 +654,7 @@ def warm_shm_comm_op(env=None, cwd=REPO_ROOT, timeout=1200):
         _kill_session(proc)
         output, _ = proc.communicate()
         raise RuntimeError(f"building the shm comm op took over {timeout}s (killed)"
-                           f"{_stale_lock_hint(variables.get('TORCH_EXTENSIONS_DIR'))}\n{output[-4000:]}") from None
+                           f"{clear_stale_build_locks(variables.get('TORCH_EXTENSIONS_DIR'), min_age_s=0)}\n"
+                           f"{output[-4000:]}") from None
     if proc.returncode != 0:
         raise RuntimeError(f"building the shm comm op failed (exit {proc.returncode}):\n{output[-4000:]}")

@@ -76,13 +76,16 @@ def _gone(pid):
         return True
 
 
-def test_hanging_rank_is_named_and_killed_with_its_children(tmp_path):
+def test_hanging_rank_is_named_and_killed_with_its_children(tmp_path, capfd):
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     pid_file = tmp_path / "sleeper.pid"
     timeout = 20
     with pytest.raises(AssertionError) as failure:
         run_ranks(hang_on_rank_one, world_size=2, timeout=timeout, args=(str(pid_file), ))
     assert f"timed out after {timeout}s; ranks still running (killed): [1]" in str(failure.value)
+    # Before it was killed, the rank printed where it hung.
+    err = capfd.readouterr().err
+    assert "in hang_on_rank_one" in err and "Current thread" in err, err[-3000:]
     assert _gone(int(pid_file.read_text()))
     leftovers = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
     assert not leftovers, f"processes left behind: {[(p.pid, p.cmdline()) for p in leftovers]}"

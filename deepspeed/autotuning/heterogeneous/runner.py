@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 
+from deepspeed.ops.op_builder.jit_announce import lock_holders
 from .results import OK, classify
 from .settings import BATCH, GAS, MBS, NUM_STAGES, AutotuningConfigError
 
@@ -140,35 +141,6 @@ def build_locks(roots, since=None):
             except OSError:
                 pass
     return found
-
-
-def lock_holders(paths):
-    """{path: pids that hold it open}, or None where this system cannot tell (no /proc).
-
-    torch's lock (FileBaton) keeps the lock file's descriptor open from acquiring it to the end
-    of the build, in the Python process that builds; a lock nobody holds is left by a process
-    that died. Processes on other machines (a lock on a shared file system) are not seen.
-    """
-    if not os.path.isdir("/proc/self/fd"):
-        return None
-    wanted = {os.path.realpath(path): path for path in paths}
-    holders = {path: [] for path in paths}
-    if not wanted:
-        return holders
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        fd_dir = f"/proc/{pid}/fd"
-        try:
-            fds = os.listdir(fd_dir)
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink(os.path.join(fd_dir, fd))
-            except OSError:
-                continue
-            if target in wanted:
-                holders[wanted[target]].append(int(pid))
-    return holders
 
 
 def _in_group(pid, pgid):

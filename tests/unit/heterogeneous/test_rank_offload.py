@@ -331,7 +331,7 @@ def test_zero3_rank_placed_on_nvme_swaps_its_optimizer_state_and_both_train_exac
     from test_exactness import LR, global_batches
 
     nvme_path = str(tmp_path / "nvme")
-    first, second = run_ranks(_train_zero3_nvme, world_size=2, timeout=900, args=(nvme_path,))
+    first, second = run_ranks(_train_zero3_nvme, world_size=2, timeout=600, args=(nvme_path,))
     assert first["nvme"] == second["nvme"] == [1] and first["offloaded"] == [1], first
     assert first["placed"] == [("device", 0.0), ("nvme", 1.0)], first["placed"]
     # Rank 1 swaps its 1 MiB sub-groups through upstream's optimizer swapper; rank 0 keeps its own.
