@@ -1,10 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """``communication.zero3_host_shards`` (``comm/host_shards.py``): ZeRO-3 parameter gathers from a
-copy each host keeps, refreshed once after each step by one all-to-all.
+copy each host keeps, refreshed after each step by all-to-alls in chunks.
 
 On real gloo ranks with faked hosts (``CROSS_RANK``): the parameters are bitwise equal to the same
 run gathering over every rank and equal one process's Adam on the global batch; no parameter
-gather runs on the whole group while training; the shards are refreshed once per step; a parameter
+gather runs on the whole group while training; the shards are refreshed once per step (in several
+chunks where a case makes them small); a parameter
 written back through ``GatheredParameters`` and a checkpoint loaded into the running engine are
 seen by the next forward; every group's collectives are one sequence on each member. The pure
 layout is checked without ranks: each host's spans cover every parameter once, and the refresh
@@ -67,13 +68,16 @@ def _config(sizes, gas, shards, precision=None, memory=None, zero=None, autocast
 
 
 def _train(rank, hosts, sizes, gas, shards, precision=None, memory=None, zero=None, write_back=False,
-           checkpoint=None, freeze=False, autocast=False, offload=False):
+           checkpoint=None, freeze=False, autocast=False, offload=False, chunk_bytes=None):
     """Train STEPS steps; returns the parameters, this rank's collectives per group, the refresh
     count and the elements this rank's host shards hold."""
     import deepspeed
     from harness import patched_environ
     from deepspeed.runtime.heterogeneous.comm import host_shards
     from deepspeed.runtime.heterogeneous.measure.collective_log import recording
+
+    if chunk_bytes is not None:  # refresh chunks smaller than a layer's weight: several per gather
+        host_shards.REFRESH_CHUNK_BYTES = chunk_bytes
 
     with patched_environ({"CROSS_RANK": hosts[rank]}):
         model = _model(freeze)
@@ -208,6 +212,10 @@ def _check(cases, results, world):
             # One refresh per step (the first before the first forward); a load and a write-back add one each.
             expected = STEPS + (2 if case.get("checkpoint") else 0) + (1 if case.get("write_back") else 0)
             assert on["refreshes"] == expected, (case, on["refreshes"])
+            all_to_alls = [op for group, sequence in on["collectives"].items() if len(group) == world
+                           for op, _, _ in sequence if op == "all_to_all_single"]
+            if case.get("chunk_bytes"):  # refreshed in chunks, each waited for only as far as it is needed
+                assert len(all_to_alls) > 2 * expected, (case, len(all_to_alls))
             assert not _gathers_over(on, world), (case, _gathers_over(on, world))  # none over every rank
             assert _gathers_over(off, world), case
             if case.get("offload"):
@@ -227,11 +235,12 @@ CASES = [
     # backward re-gathers (reuse distance 0, no prefetch): they too stay inside the host.
     dict(hosts=[0, 0, 1, 1], sizes=[2, 2, 2, 2], precision="bf16",
          zero={"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}),
-    dict(hosts=[0, 0, 1, 1], sizes=[2, 1, 2, 3], write_back=True),
+    # Chunks smaller than a weight; after the write-back only that weight is stale and refreshed.
+    dict(hosts=[0, 0, 1, 1], sizes=[2, 1, 2, 3], write_back=True, chunk_bytes=600),
     dict(hosts=[0, 0, 1, 1], sizes=[1, 2, 3, 2], offload=True),
     # torch autocast: upstream gathers the Linear layers' fp32 partitions in bf16; the host shards keep that
     # dtype (half the refresh's bytes), so a gather returns upstream's bits.
-    dict(hosts=[0, 0, 1, 1], sizes=[2, 2, 2, 2], autocast=True),
+    dict(hosts=[0, 0, 1, 1], sizes=[2, 2, 2, 2], autocast=True, chunk_bytes=600),
     # Three ranks on one host with skewed shares: the in-host gather broadcasts per owner; a frozen layer.
     dict(hosts=[0, 0, 0, 1], sizes=[2, 2, 2, 2], memory={"zero_partitions": [0.6, 0.1, 0.1, 0.2]}, freeze=True,
          owners=True),

@@ -7,13 +7,18 @@ of the bit16 (or fp32) parameters, cut among its ranks: the **host shard** of a 
 contiguous span of each parameter (``host_spans``). A gather then runs inside the host only.
 
 - **Refresh.** After the primaries change (the optimizer step writes them, a checkpoint loads them,
-  ``GatheredParameters`` writes a modified parameter back), the host shards are stale; the next
-  gather refreshes them first, with one ``all_to_all_single`` over the data-parallel group: rank j
-  sends rank r the part of its primary slices that lies in r's host spans (``exchange_plan``).
-  Each element crosses the link once per other host: on 2 hosts x 2 ranks, N/2 each way, where
-  upstream's forward all-gather moves 1.5 N over gloo. Every rank reaches that gather at the same
-  point (ZeRO-3's gathers are collective), and staleness is set by the same events on every rank,
-  so every rank runs the same collectives.
+  ``GatheredParameters`` writes a modified parameter back), their host shards are stale; a gather
+  of stale parameters refreshes them first with ``all_to_all_single`` over the data-parallel
+  group: rank j sends rank r the part of its primary slices that lies in r's host spans
+  (``exchange_plan``). Each element crosses the link once per other host: on 2 hosts x 2 ranks,
+  N/2 each way, where upstream's forward all-gather moves 1.5 N over gloo. Every rank reaches that
+  gather at the same point (ZeRO-3's gathers are collective), and staleness is set by the same
+  events on every rank, so every rank runs the same collectives.
+- **Chunks.** A gather's stale parameters are refreshed in chunks of about
+  ``REFRESH_CHUNK_BYTES``, in ``ds_id`` order, each an asynchronous all-to-all started when the
+  gather is. Upstream's coordinator waits parameter by parameter (``wait``, hooked in
+  partitioned_param_coordinator.py): a parameter waits only for the chunks up to its own, so the
+  layers of a prefetched bucket compute while the later chunks still cross the link.
 - **Gather.** Upstream's ``all_gather_coalesced`` hands a bucket over (``serves``) when every
   parameter in it has a host shard: one all-gather on a dedicated in-host group (not the
   reducer's groups, which the overlapped reduction may be using on its thread); a host of one
@@ -38,6 +43,11 @@ from .host_groups import settle
 
 ATTRIBUTE = "ds_host_shards"
 """The ``HostShards`` a parameter belongs to (None or absent: gathered flat)."""
+
+REFRESH_CHUNK_BYTES = 1 << 20
+"""Bytes of stale parameters per refresh all-to-all (a chunk closes after the parameter that
+reaches it): small enough that a bucket's first layers need not wait for its last, large enough
+that the all-to-alls' start-up stays small against their transfer."""
 
 
 def host_spans(numel, weights):
@@ -178,58 +188,104 @@ class HostShards:
         self.members = self.host_members[layout.host_of(self.rank)]
         self.local = self.members.index(self.rank)
         self.params = sorted(params, key=lambda p: p.ds_id)
-        self.fresh = False
-        self.refreshes = 0
-        self.plans = {}  # dtype -> (params, pieces, elements from each rank, elements to each rank)
+        self.new_round = True  # parameters went stale since the last refresh began
+        self.refreshes = 0  # refresh rounds: the first gathers after each change of the primaries
+        # What this rank sends and receives of each parameter: indexed by peer, (offset, elements)
+        # in its primary slice (sends) or its host shard (receives), or None.
+        self.sends, self.receives = {}, {}
         by_dtype = {}
         for param in self.params:
             by_dtype.setdefault(gather_dtype(param), []).append(param)
         for dtype, listed in by_dtype.items():
             spans, pieces = exchange_plan([p.ds_numel for p in listed], [param_spans(p, self.world) for p in listed],
                                           self.host_members, only=self.rank)
-            self.plans[dtype] = (listed, pieces, [sum(n for *_, n in pieces[j][self.rank]) for j in range(self.world)],
-                                 [sum(n for *_, n in pieces[self.rank][r]) for r in range(self.world)])
+            for param in listed:
+                self.sends[param], self.receives[param] = [None] * self.world, [None] * self.world
+            for peer in range(self.world):
+                for k, source, _, n in pieces[self.rank][peer]:
+                    self.sends[listed[k]][peer] = (source, n)
+                for k, _, target, n in pieces[peer][self.rank]:
+                    self.receives[listed[k]][peer] = (target, n)
             for param, param_spans_ in zip(listed, spans):
                 param.ds_host_spans = tuple(param_spans_[m] for m in self.members)
                 param.ds_host_shard = torch.empty(param_spans_[self.rank][1], dtype=dtype, device=device)
+                param.ds_host_stale = True
                 setattr(param, ATTRIBUTE, self)
 
     def held_elements(self):
         return sum(p.ds_host_shard.numel() for p in self.params if getattr(p, ATTRIBUTE, None) is self)
 
-    @torch.no_grad()
-    def refresh(self):
-        """Rebuild every host shard from the primary slices: one all-to-all per dtype, whole
-        messages. Every rank of a host sends to every rank of the others at once, so the link
-        carries several flows (on 2 x 2, four each way); cut into the reducer's link-sized pieces
-        the step was slower (bench_zero3_link_bytes at 200 Mbit/s: 341 and 359 ms against 322 and
-        303 ms in one message)."""
-        from deepspeed import comm as dist
-        for dtype, (listed, pieces, out_sizes, in_sizes) in self.plans.items():
-            send = torch.empty(sum(in_sizes), dtype=dtype, device=self.device)
-            offset = 0
-            for r in range(self.world):
-                for k, source, _, n in pieces[self.rank][r]:
-                    send.narrow(0, offset, n).copy_(listed[k].ds_tensor.view(-1).narrow(0, source, n))
-                    offset += n
-            received = torch.empty(sum(out_sizes), dtype=dtype, device=self.device)
-            dist.all_to_all_single(received, send, output_split_sizes=out_sizes, input_split_sizes=in_sizes,
-                                   group=self.group)
-            offset = 0
-            for j in range(self.world):
-                for k, _, target, n in pieces[j][self.rank]:
-                    listed[k].ds_host_shard.narrow(0, target, n).copy_(received.narrow(0, offset, n))
-                    offset += n
-        self.fresh = True
-        self.refreshes += 1
+    def mark_stale(self, param):
+        param.ds_host_stale = True
+        self.new_round = True
 
     @torch.no_grad()
+    def start_refresh(self, params):
+        """Start the all-to-all that refreshes the host shards of ``params`` (stale, sorted by
+        ``ds_id``, one dtype); returns what ``finish_refresh`` completes. Every rank of a host sends
+        to every rank of the others at once, so the link carries several flows (on 2 x 2, four each
+        way)."""
+        from deepspeed import comm as dist
+        dtype = params[0].ds_host_shard.dtype
+        in_sizes = [sum(self.sends[p][r][1] for p in params if self.sends[p][r]) for r in range(self.world)]
+        out_sizes = [sum(self.receives[p][j][1] for p in params if self.receives[p][j]) for j in range(self.world)]
+        send = torch.empty(sum(in_sizes), dtype=dtype, device=self.device)
+        offset = 0
+        for r in range(self.world):
+            for param in params:
+                if self.sends[param][r]:
+                    source, n = self.sends[param][r]
+                    send.narrow(0, offset, n).copy_(param.ds_tensor.view(-1).narrow(0, source, n))
+                    offset += n
+        received = torch.empty(sum(out_sizes), dtype=dtype, device=self.device)
+        work = dist.all_to_all_single(received, send, output_split_sizes=out_sizes, input_split_sizes=in_sizes,
+                                      group=self.group, async_op=True)
+        return params, send, received, work
+
+    @torch.no_grad()
+    def finish_refresh(self, started):
+        params, _, received, work = started
+        work.wait()
+        offset = 0
+        for j in range(self.world):
+            for param in params:
+                if self.receives[param][j]:
+                    target, n = self.receives[param][j]
+                    param.ds_host_shard.narrow(0, target, n).copy_(received.narrow(0, offset, n))
+                    offset += n
+        for param in params:
+            param.ds_host_stale = False
+
     def gather(self, params, available_status):
         """All-gather ``params`` (in flight, sorted by ``ds_id``, all served by this instance) from
-        the host shards; returns a handle as upstream's ``all_gather_coalesced`` does."""
+        the host shards; returns a handle as upstream's ``all_gather_coalesced`` does. Stale
+        parameters are refreshed first, in chunks (``RefreshingGather``)."""
+        if not any(p.ds_host_stale for p in params):
+            return self.gather_in_host(params, available_status)
+        if self.new_round:
+            self.refreshes += 1
+            self.new_round = False
+        chunks, chunk, stale_bytes = [], [], 0
+        for param in params:
+            chunk.append(param)
+            if param.ds_host_stale:
+                stale_bytes += param.ds_numel * param.ds_host_shard.element_size()
+            if stale_bytes >= REFRESH_CHUNK_BYTES or param is params[-1]:
+                chunks.append(chunk)
+                chunk, stale_bytes = [], 0
+        started = []
+        for chunk in chunks:
+            by_dtype = {}
+            for param in chunk:
+                if param.ds_host_stale:
+                    by_dtype.setdefault(param.ds_host_shard.dtype, []).append(param)
+            started.append([self.start_refresh(by_dtype[dtype]) for dtype in sorted(by_dtype, key=str)])
+        return RefreshingGather(self, chunks, started, available_status)
+
+    @torch.no_grad()
+    def gather_in_host(self, params, available_status):
+        """All-gather ``params``, fresh, from the host shards on the in-host group."""
         from deepspeed import comm as dist
-        if not self.fresh:
-            self.refresh()
         handles = []
         by_dtype = {}
         for param in params:
@@ -275,6 +331,44 @@ class HostShards:
                 param.ds_host_spans = None
 
 
+class RefreshingGather:
+    """A gather whose host shards are being refreshed chunk by chunk: ``wait_param`` completes the
+    chunks up to a parameter's own, in order (each: its all-to-all, then its in-host gather), and
+    ``wait`` all of them. The in-host gathers thus run in chunk order on every rank, whichever
+    parameter a rank's coordinator waits for first."""
+
+    def __init__(self, shards, chunks, started, available_status):
+        self.shards, self.chunks, self.started = shards, chunks, started
+        self.available_status = available_status
+        self.chunk_of = {param: index for index, chunk in enumerate(chunks) for param in chunk}
+        self.done = 0
+        self.complete = False
+
+    def wait_param(self, param):
+        self._complete_through(self.chunk_of[param])
+
+    def wait(self, handle_dependency=True) -> None:
+        self._complete_through(len(self.chunks) - 1)
+
+    def _complete_through(self, last):
+        while self.done <= last:
+            for started in self.started[self.done]:
+                self.shards.finish_refresh(started)
+            self.shards.gather_in_host(self.chunks[self.done], self.available_status).wait()
+            self.started[self.done] = None
+            self.done += 1
+        self.complete = self.done == len(self.chunks)
+
+
+def wait(handle, param, handle_dependency=True):
+    """Wait until ``param`` is gathered (upstream's coordinator, parameter by parameter): only as far
+    as its own chunk where host shards are being refreshed, else the whole handle."""
+    if isinstance(handle, RefreshingGather):
+        handle.wait_param(param)
+    else:
+        handle.wait(handle_dependency=handle_dependency)
+
+
 def serves(params):
     """The ``HostShards`` that gathers every one of ``params``, or None (upstream's gather)."""
     owner = getattr(params[0], ATTRIBUTE, None)
@@ -313,7 +407,7 @@ def invalidate(params):
     for param in params:
         owner = getattr(param, ATTRIBUTE, None)
         if owner is not None:
-            owner.fresh = False
+            owner.mark_stale(param)
 
 
 def gather_dtype(param):
