@@ -46,9 +46,11 @@ RATE_MBIT = 177
 MICRO_BATCH = 12
 BUCKET = 131072
 MODES = ("flat", "sync", "hier")
-ZERO3_MODES = MODES + ("gather-all", "hpz")
-"""ZeRO-3 also runs the fork without host shards (``gather-all``: ``hier`` with
-``zero3_host_shards: false``, parameter gathers over every rank) and upstream's hpZ
+ZERO3_MODES = MODES + ("one-chunk", "gather-all", "hpz")
+"""ZeRO-3 also runs the fork with each gather's host-shard refresh in one all-to-all waited for as
+a whole (``one-chunk``: ``hier`` without the refresh in chunks), the fork without host shards
+(``gather-all``: ``hier`` with ``zero3_host_shards: false``, parameter gathers over every rank) and
+upstream's hpZ
 (``zero_hpz_partition_size`` 2: the flat reduction, backward gathers from a secondary copy inside
 the host), last in each repeat (``comm_train.py``)."""
 FULL = dict(stages=(1, 2, 3), repeats=3, warmup=1, short=1, long=4)
@@ -88,6 +90,12 @@ def summarise(stage, marks, results, repeats, short, long):
     row["step_time_vs_sync"] = row["hier"]["step_time_s"] / row["sync"]["step_time_s"]
     row["step_time_vs_flat"] = row["hier"]["step_time_s"] / row["flat"]["step_time_s"]
     row["exposed_comm_vs_sync"] = row["hier"]["comm_time_s"] / row["sync"]["comm_time_s"]
+    if "one-chunk" in row:  # the host-shard refresh in chunks against one all-to-all per gather
+        row["bitwise_chunks_vs_one_chunk"] = all(
+            result["runs"][f"zero{stage}-hier-r{r}"].get("bitwise_vs_one_chunk") for result in results
+            for r in range(repeats))
+        row["step_time_vs_one_chunk"] = row["hier"]["step_time_s"] / row["one-chunk"]["step_time_s"]
+        row["exposed_forward_vs_one_chunk"] = row["hier"]["comm_forward_s"] / row["one-chunk"]["comm_forward_s"]
     return row
 
 
@@ -125,6 +133,10 @@ def print_table(report):
         print(f"      overlap vs sync: step x{row['step_time_vs_sync']:.2f}, exposed comm "
               f"x{row['exposed_comm_vs_sync']:.2f}; vs flat: step x{row['step_time_vs_flat']:.2f}; bitwise equal to "
               f"sync: {'yes' if row['bitwise_overlap_vs_sync'] else 'NO'}")
+        if "one-chunk" in row:
+            print(f"      refresh in chunks vs one-chunk: step x{row['step_time_vs_one_chunk']:.2f}, exposed in forward "
+                  f"x{row['exposed_forward_vs_one_chunk']:.2f}; bitwise equal: "
+                  f"{'yes' if row['bitwise_chunks_vs_one_chunk'] else 'NO'}")
     print(f"load average start/end {report['load_average']['start']} / {report['load_average']['end']}")
 
 

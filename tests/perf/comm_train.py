@@ -6,7 +6,8 @@ For every ZeRO stage in ``--stages`` and every repeat, it builds one engine per 
 (``--modes``, default ``flat,hier``; ``flat``: ``communication.hierarchical_reduction: false``,
 upstream's one flat all-reduce; ``hier``: ``"auto"``, the fork's default on several hosts, with
 ``overlap: "auto"`` (and ZeRO-3's ``zero3_host_shards: "auto"``); ``sync``: the same with
-``overlap: false``; ``gather-all``: ``hier`` with ``zero3_host_shards: false``; ``off``: the fork disabled,
+``overlap: false``; ``gather-all``: ``hier`` with ``zero3_host_shards: false``; ``one-chunk``: ``hier``
+with each gather's host-shard refresh in one all-to-all; ``off``: the fork disabled,
 upstream itself), alternating which mode goes first, and
 trains each from the same initial weights on the same samples:
 
@@ -27,6 +28,7 @@ force, the loss of every step, and (rank 0) the largest parameter difference bet
 """
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -53,6 +55,19 @@ def mark(out, name):
                                    "the link counters?")
             time.sleep(0.005)
     dist.barrier()
+
+
+@contextlib.contextmanager
+def refresh_chunks(whole):
+    """``one-chunk``: each gather's host-shard refresh in one all-to-all, waited for as a whole."""
+    from deepspeed.runtime.heterogeneous.comm import host_shards
+    saved = host_shards.REFRESH_CHUNK_BYTES
+    if whole:
+        host_shards.REFRESH_CHUNK_BYTES = float("inf")
+    try:
+        yield
+    finally:
+        host_shards.REFRESH_CHUNK_BYTES = saved
 
 
 def train(args, out, stage, mode, repeat, rank, world_size):
@@ -214,11 +229,12 @@ def main():
             modes = args.modes.split(",")
             modes = modes if repeat % 2 == 0 else modes[::-1]  # alternate: no order bias
             # hpZ is ZeRO-3's, and last in its repeat (``train`` clears the hpZ group it leaves).
-            modes = [m for m in modes if m != "hpz" and (m != "gather-all" or stage == 3)] + (
+            modes = [m for m in modes if m != "hpz" and (m not in ("gather-all", "one-chunk") or stage == 3)] + (
                 ["hpz"] if "hpz" in modes and stage == 3 else [])
             params = {}
             for mode in modes:
-                run, params[mode] = train(args, out, stage, mode, repeat, rank, world_size)
+                with refresh_chunks(whole=mode == "one-chunk"):
+                    run, params[mode] = train(args, out, stage, mode, repeat, rank, world_size)
                 result["runs"][f"zero{stage}-{mode}-r{repeat}"] = run
             if "flat" in params and "hier" in params:
                 diff, scale = max_difference(params["flat"], params["hier"])
@@ -226,6 +242,9 @@ def main():
             if "sync" in params and "hier" in params:
                 result["runs"][f"zero{stage}-hier-r{repeat}"].update(
                     bitwise_vs_sync=all(torch.equal(a, b) for a, b in zip(params["sync"], params["hier"])))
+            if "one-chunk" in params and "hier" in params:
+                result["runs"][f"zero{stage}-hier-r{repeat}"].update(
+                    bitwise_vs_one_chunk=all(torch.equal(a, b) for a, b in zip(params["one-chunk"], params["hier"])))
     result["times"]["done"] = time.time()
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     deepspeed.comm.barrier()
