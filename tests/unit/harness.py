@@ -439,10 +439,10 @@ def _run_group(fn, args, world_size, timeout, env):
                     outcome.stuck_at_exit.append(rank)
     finally:
         killed = [proc for proc in procs if proc.is_alive()]
-        for proc in killed:  # each prints its threads' stacks on its stderr (see _rank_entry)
+        for proc in killed:  # one at a time, each under a header, prints its threads' stacks (see _rank_entry)
+            print(f"--- {proc.name} (pid {proc.pid}) is killed; its stacks: ---", file=sys.stderr, flush=True)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGUSR1)
-        if killed:
             time.sleep(STACK_DUMP_WAIT_S)
         for proc in killed:
             _kill_process_tree(proc.pid)

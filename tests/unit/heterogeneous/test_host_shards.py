@@ -68,16 +68,13 @@ def _config(sizes, gas, shards, precision=None, memory=None, zero=None, autocast
 
 
 def _train(rank, hosts, sizes, gas, shards, precision=None, memory=None, zero=None, write_back=False,
-           checkpoint=None, freeze=False, autocast=False, offload=False, chunk_bytes=None):
+           checkpoint=None, freeze=False, autocast=False, offload=False):
     """Train STEPS steps; returns the parameters, this rank's collectives per group, the refresh
     count and the elements this rank's host shards hold."""
     import deepspeed
     from harness import patched_environ
     from deepspeed.runtime.heterogeneous.comm import host_shards
     from deepspeed.runtime.heterogeneous.measure.collective_log import recording
-
-    if chunk_bytes is not None:  # refresh chunks smaller than a layer's weight: several per gather
-        host_shards.REFRESH_CHUNK_BYTES = chunk_bytes
 
     with patched_environ({"CROSS_RANK": hosts[rank]}):
         model = _model(freeze)
@@ -159,12 +156,20 @@ def _refused(rank, hosts):
     return None
 
 
-def _case(rank, world_size, hosts, sizes, gas=1, refused=False, checkpoint=None, owners=False, **options):
+def _case(rank, world_size, hosts, sizes, gas=1, refused=False, checkpoint=None, owners=False, chunk_bytes=None,
+          **options):
+    from deepspeed.runtime.heterogeneous.comm import host_shards
     if refused:
         return _refused(rank, hosts)
     folders = [None, None] if checkpoint is None else [os.path.join(checkpoint, name) for name in ("on", "off")]
-    return {"on": _train(rank, hosts, sizes, gas, True, checkpoint=folders[0], **options),
-            "off": _train(rank, hosts, sizes, gas, False, checkpoint=folders[1], **options)}
+    default = host_shards.REFRESH_CHUNK_BYTES
+    if chunk_bytes is not None:  # refresh chunks smaller than a layer's weight: several per gather
+        host_shards.REFRESH_CHUNK_BYTES = chunk_bytes
+    try:
+        return {"on": _train(rank, hosts, sizes, gas, True, checkpoint=folders[0], **options),
+                "off": _train(rank, hosts, sizes, gas, False, checkpoint=folders[1], **options)}
+    finally:
+        host_shards.REFRESH_CHUNK_BYTES = default
 
 
 def _reference(sizes, gas, freeze=False):
@@ -239,8 +244,11 @@ CASES = [
     dict(hosts=[0, 0, 1, 1], sizes=[2, 1, 2, 3], write_back=True, chunk_bytes=600),
     dict(hosts=[0, 0, 1, 1], sizes=[1, 2, 3, 2], offload=True),
     # torch autocast: upstream gathers the Linear layers' fp32 partitions in bf16; the host shards keep that
-    # dtype (half the refresh's bytes), so a gather returns upstream's bits.
-    dict(hosts=[0, 0, 1, 1], sizes=[2, 2, 2, 2], autocast=True, chunk_bytes=600),
+    # dtype (half the refresh's bytes), so a gather returns upstream's bits. Chunks smaller than a weight, and
+    # prefetch buckets that cut modules in two: a module waits on chunks of two gathers, in one order on every
+    # rank whichever parameter its coordinator waits for first.
+    dict(hosts=[0, 0, 1, 1], sizes=[2, 2, 2, 2], autocast=True, chunk_bytes=600,
+         zero={"stage3_prefetch_bucket_size": 700}),
     # Three ranks on one host with skewed shares: the in-host gather broadcasts per owner; a frozen layer.
     dict(hosts=[0, 0, 0, 1], sizes=[2, 2, 2, 2], memory={"zero_partitions": [0.6, 0.1, 0.1, 0.2]}, freeze=True,
          owners=True),

@@ -33,6 +33,8 @@ contiguous span of each parameter (``host_spans``). A gather then runs inside th
 Configured by ``heterogeneous_config.communication.zero3_host_shards`` (``host_shards_decision``).
 """
 
+import collections
+
 import torch
 
 from deepspeed.utils import logger
@@ -48,6 +50,10 @@ REFRESH_CHUNK_BYTES = 1 << 20
 """Bytes of stale parameters per refresh all-to-all (a chunk closes after the parameter that
 reaches it): small enough that a bucket's first layers need not wait for its last, large enough
 that the all-to-alls' start-up stays small against their transfer."""
+
+CHUNKS_IN_FLIGHT = 4
+"""Refresh chunks whose all-to-alls run at once; the next starts when the oldest completes, so the
+refresh's buffers stay a few chunks while the forward computes."""
 
 
 def host_spans(numel, weights):
@@ -190,6 +196,10 @@ class HostShards:
         self.params = sorted(params, key=lambda p: p.ds_id)
         self.new_round = True  # parameters went stale since the last refresh began
         self.refreshes = 0  # refresh rounds: the first gathers after each change of the primaries
+        # Every RefreshingGather's chunks not yet completed, (handle, chunk index) in the order the
+        # gathers were started: the same on every rank, and completed only from the front.
+        self.pending = collections.deque()
+        self.in_flight = 0
         # What this rank sends and receives of each parameter: indexed by peer, (offset, elements)
         # in its primary slice (sends) or its host shard (receives), or None.
         self.sends, self.receives = {}, {}
@@ -210,6 +220,7 @@ class HostShards:
                 param.ds_host_spans = tuple(param_spans_[m] for m in self.members)
                 param.ds_host_shard = torch.empty(param_spans_[self.rank][1], dtype=dtype, device=device)
                 param.ds_host_stale = True
+                param.ds_host_generation = 0
                 setattr(param, ATTRIBUTE, self)
 
     def held_elements(self):
@@ -217,6 +228,7 @@ class HostShards:
 
     def mark_stale(self, param):
         param.ds_host_stale = True
+        param.ds_host_generation += 1  # a refresh already started for it does not make it fresh
         self.new_round = True
 
     @torch.no_grad()
@@ -240,12 +252,15 @@ class HostShards:
         received = torch.empty(sum(out_sizes), dtype=dtype, device=self.device)
         work = dist.all_to_all_single(received, send, output_split_sizes=out_sizes, input_split_sizes=in_sizes,
                                       group=self.group, async_op=True)
-        return params, send, received, work
+        return params, [p.ds_host_generation for p in params], send, received, work
 
     @torch.no_grad()
     def finish_refresh(self, started):
-        params, _, received, work = started
+        from deepspeed.accelerator import get_accelerator
+        params, generations, _, received, work = started
         work.wait()
+        if received.device.type != "cpu":  # read below on this stream; freed once the chunk completes
+            received.record_stream(get_accelerator().current_stream())
         offset = 0
         for j in range(self.world):
             for param in params:
@@ -253,8 +268,34 @@ class HostShards:
                     target, n = self.receives[param][j]
                     param.ds_host_shard.narrow(0, target, n).copy_(received.narrow(0, offset, n))
                     offset += n
-        for param in params:
-            param.ds_host_stale = False
+        for param, generation in zip(params, generations):
+            if param.ds_host_generation == generation:
+                param.ds_host_stale = False
+
+    def start_ahead(self):
+        """Start the refreshes of the oldest pending chunks not started yet, up to
+        ``CHUNKS_IN_FLIGHT`` running (the same chunks on every rank: the queue is)."""
+        for handle, index in self.pending:
+            if self.in_flight >= CHUNKS_IN_FLIGHT:
+                break
+            if handle.started[index] is None:
+                handle.started[index] = [self.start_refresh(listed) for listed in handle.stale_by_dtype(index)]
+                self.in_flight += 1
+
+    def complete_oldest(self):
+        """Complete the oldest pending chunk: its refresh, then its in-host gather."""
+        handle, index = self.pending.popleft()
+        if handle.started[index] is None:
+            handle.started[index] = [self.start_refresh(listed) for listed in handle.stale_by_dtype(index)]
+            self.in_flight += 1
+        for started in handle.started[index]:
+            self.finish_refresh(started)
+        handle.started[index] = ()
+        self.in_flight -= 1
+        self.start_ahead()
+        self.gather_in_host(handle.chunks[index], handle.available_status).wait()
+        handle.done = index + 1
+        handle.complete = handle.done == len(handle.chunks)
 
     def gather(self, params, available_status):
         """All-gather ``params`` (in flight, sorted by ``ds_id``, all served by this instance) from
@@ -273,14 +314,10 @@ class HostShards:
             if stale_bytes >= REFRESH_CHUNK_BYTES or param is params[-1]:
                 chunks.append(chunk)
                 chunk, stale_bytes = [], 0
-        started = []
-        for chunk in chunks:
-            by_dtype = {}
-            for param in chunk:
-                if param.ds_host_stale:
-                    by_dtype.setdefault(param.ds_host_shard.dtype, []).append(param)
-            started.append([self.start_refresh(by_dtype[dtype]) for dtype in sorted(by_dtype, key=str)])
-        return RefreshingGather(self, chunks, started, available_status)
+        handle = RefreshingGather(self, chunks, available_status)
+        self.pending.extend((handle, index) for index in range(len(chunks)))
+        self.start_ahead()
+        return handle
 
     @torch.no_grad()
     def gather_in_host(self, params, available_status):
@@ -332,17 +369,28 @@ class HostShards:
 
 
 class RefreshingGather:
-    """A gather whose host shards are being refreshed chunk by chunk: ``wait_param`` completes the
-    chunks up to a parameter's own, in order (each: its all-to-all, then its in-host gather), and
-    ``wait`` all of them. The in-host gathers thus run in chunk order on every rank, whichever
-    parameter a rank's coordinator waits for first."""
+    """A gather whose host shards are refreshed chunk by chunk. Its chunks join the host shards'
+    queue of pending chunks (``HostShards.pending``), which completes them only from the front,
+    each as its refresh then its in-host gather: ``wait_param`` completes the queue up to a
+    parameter's chunk, ``wait`` up to this gather's last. Whichever parameter a rank's coordinator
+    waits for first (it iterates a set), every rank runs the in-host gathers and starts the
+    refreshes in the queue's order, also where a module's parameters lie in two gathers."""
 
-    def __init__(self, shards, chunks, started, available_status):
-        self.shards, self.chunks, self.started = shards, chunks, started
+    def __init__(self, shards, chunks, available_status):
+        self.shards, self.chunks = shards, chunks
         self.available_status = available_status
         self.chunk_of = {param: index for index, chunk in enumerate(chunks) for param in chunk}
+        self.started = [None] * len(chunks)  # per chunk: None (not started), its refreshes, or () (done)
         self.done = 0
         self.complete = False
+
+    def stale_by_dtype(self, index):
+        """The chunk's stale parameters, one list per dtype, in a fixed order of dtypes."""
+        by_dtype = {}
+        for param in self.chunks[index]:
+            if param.ds_host_stale:
+                by_dtype.setdefault(param.ds_host_shard.dtype, []).append(param)
+        return [by_dtype[dtype] for dtype in sorted(by_dtype, key=str)]
 
     def wait_param(self, param):
         self._complete_through(self.chunk_of[param])
@@ -352,12 +400,7 @@ class RefreshingGather:
 
     def _complete_through(self, last):
         while self.done <= last:
-            for started in self.started[self.done]:
-                self.shards.finish_refresh(started)
-            self.shards.gather_in_host(self.chunks[self.done], self.available_status).wait()
-            self.started[self.done] = None
-            self.done += 1
-        self.complete = self.done == len(self.chunks)
+            self.shards.complete_oldest()
 
 
 def wait(handle, param, handle_dependency=True):
