@@ -203,6 +203,7 @@ class HostShards:
         # What this rank sends and receives of each parameter: indexed by peer, (offset, elements)
         # in its primary slice (sends) or its host shard (receives), or None.
         self.sends, self.receives = {}, {}
+        self.exchanges = {}  # see exchange()
         by_dtype = {}
         for param in self.params:
             by_dtype.setdefault(gather_dtype(param), []).append(param)
@@ -231,6 +232,20 @@ class HostShards:
         param.ds_host_generation += 1  # a refresh already started for it does not make it fresh
         self.new_round = True
 
+    def exchange(self, params):
+        """What refreshing ``params`` (one dtype, in ``ds_id`` order) moves, worked out once per set
+        (a gather's chunks are the same every step): the split sizes to and from each rank, and the
+        copies into the send buffer and out of the receive buffer, ``(param, offset, elements)``."""
+        key = tuple(p.ds_id for p in params)
+        plan = self.exchanges.get(key)
+        if plan is None:
+            in_sizes = [sum(self.sends[p][r][1] for p in params if self.sends[p][r]) for r in range(self.world)]
+            out_sizes = [sum(self.receives[p][j][1] for p in params if self.receives[p][j]) for j in range(self.world)]
+            packs = [(p, *self.sends[p][r]) for r in range(self.world) for p in params if self.sends[p][r]]
+            unpacks = [(p, *self.receives[p][j]) for j in range(self.world) for p in params if self.receives[p][j]]
+            plan = self.exchanges[key] = (in_sizes, out_sizes, packs, unpacks)
+        return plan
+
     @torch.no_grad()
     def start_refresh(self, params):
         """Start the all-to-all that refreshes the host shards of ``params`` (stale, sorted by
@@ -239,35 +254,28 @@ class HostShards:
         way)."""
         from deepspeed import comm as dist
         dtype = params[0].ds_host_shard.dtype
-        in_sizes = [sum(self.sends[p][r][1] for p in params if self.sends[p][r]) for r in range(self.world)]
-        out_sizes = [sum(self.receives[p][j][1] for p in params if self.receives[p][j]) for j in range(self.world)]
+        in_sizes, out_sizes, packs, unpacks = self.exchange(params)
         send = torch.empty(sum(in_sizes), dtype=dtype, device=self.device)
         offset = 0
-        for r in range(self.world):
-            for param in params:
-                if self.sends[param][r]:
-                    source, n = self.sends[param][r]
-                    send.narrow(0, offset, n).copy_(param.ds_tensor.view(-1).narrow(0, source, n))
-                    offset += n
+        for param, source, n in packs:
+            send.narrow(0, offset, n).copy_(param.ds_tensor.view(-1).narrow(0, source, n))
+            offset += n
         received = torch.empty(sum(out_sizes), dtype=dtype, device=self.device)
         work = dist.all_to_all_single(received, send, output_split_sizes=out_sizes, input_split_sizes=in_sizes,
                                       group=self.group, async_op=True)
-        return params, [p.ds_host_generation for p in params], send, received, work
+        return params, [p.ds_host_generation for p in params], unpacks, send, received, work
 
     @torch.no_grad()
     def finish_refresh(self, started):
         from deepspeed.accelerator import get_accelerator
-        params, generations, _, received, work = started
+        params, generations, unpacks, _, received, work = started  # the send buffer lives until here
         work.wait()
         if received.device.type != "cpu":  # read below on this stream; freed once the chunk completes
             received.record_stream(get_accelerator().current_stream())
         offset = 0
-        for j in range(self.world):
-            for param in params:
-                if self.receives[param][j]:
-                    target, n = self.receives[param][j]
-                    param.ds_host_shard.narrow(0, target, n).copy_(received.narrow(0, offset, n))
-                    offset += n
+        for param, target, n in unpacks:
+            param.ds_host_shard.narrow(0, target, n).copy_(received.narrow(0, offset, n))
+            offset += n
         for param, generation in zip(params, generations):
             if param.ds_host_generation == generation:
                 param.ds_host_stale = False
