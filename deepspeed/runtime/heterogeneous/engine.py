@@ -138,7 +138,16 @@ class HeterogeneousEngineMixin:
             return runtime.forward_end(outputs)
         return outputs
 
+    def wait_for_parameters(self):
+        """With ``communication.overlap_parameter_gather``: wait until the parameters the last step
+        updated are current on this rank (the next forward waits module by module on its own; code
+        that reads parameters between ``step()`` and the next forward calls this first). A no-op
+        otherwise."""
+        from .comm import parameter_gather
+        parameter_gather.wait_all(getattr(self, "optimizer", None))
+
     def _heterogeneous_backward_begin(self, loss=None):
+        self.wait_for_parameters()  # parameters the forward did not reach
         runtime = self._heterogeneous_runtime()
         if runtime is not None:
             runtime.backward_begin(loss)

@@ -40,7 +40,7 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
-from . import host_shards, overlap
+from . import host_shards, overlap, parameter_gather
 from .host_groups import (group_layout, host_ranges, pack, piece, piece_elements_for, ranges_numel,
                           reduction_decision, scatter_into, shard_size, unpack)
 
@@ -290,10 +290,15 @@ def zero3_reducer(group):
 
 
 def all_gather_dp_groups(groups_flat, partitioned_param_groups, dp_process_group, start_alignment_factor,
-                         allgather_bucket_size):
+                         allgather_bucket_size, defer=False):
     """Upstream's ``all_gather_dp_groups`` (the updated parameters of ZeRO-1/2 to every rank), each
-    group with a reducer gathered through it (``HierarchicalReducer.all_gather_partitions``)."""
+    group with a reducer gathered through it (``HierarchicalReducer.all_gather_partitions``).
+    ``defer`` (the step's call site): hand it to the overlap worker when
+    ``communication.overlap_parameter_gather`` is in force (``parameter_gather.py``)."""
     from deepspeed.runtime.utils import all_gather_dp_groups as flat_all_gather
+    if defer and parameter_gather.started(partitioned_param_groups):
+        return
+    parameter_gather.wait_for(partitioned_param_groups)
     rest = [i for i, group in enumerate(dp_process_group[:len(partitioned_param_groups)])
             if not _reducers or _reducers.get(group) is None]
     for i, parts in enumerate(partitioned_param_groups):
@@ -362,6 +367,9 @@ def attach(engine):
     try:
         overlap_note = overlap.attach(reducer, communication.overlap, engine.optimizer,
                                       serves=lambda partition_group: zero3_reducer(partition_group) is reducer)
+        served = all(_reducers.get(g) is reducer for g in getattr(engine.optimizer, "real_dp_process_group", ()))
+        parameter_gather.attach(reducer, communication.overlap_parameter_gather, engine.optimizer, engine.module,
+                                served)
         shards, shards_note = host_shards.attach(engine, reducer, communication.zero3_host_shards,
                                                  serves=lambda partition_group: zero3_reducer(partition_group) is reducer)
     except ValueError as exc:  # `true` where it cannot apply: every rank decided alike, rank 0 says it once
@@ -380,6 +388,7 @@ def attach(engine):
               f"{[list(m) for m in layout.host_members]} ({scheme}"
               f"{', inter-host step in ' + compress if compress else ''}"
               f"{', overlapped with the backward' if reducer.background is not None else ''}"
+              f"{', parameters gathered during the next forward' if parameter_gather.deferred(engine.optimizer) else ''}"
               f"{', parameters gathered inside each host' if shards is not None else ''})", flush=True)
         if shards_note and communication.zero3_host_shards == "auto" and stage == 3:
             print(f"[deepspeed-hetero] ZeRO-3 parameters gathered over every rank, not inside each host: {shards_note}",

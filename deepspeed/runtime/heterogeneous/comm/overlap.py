@@ -159,10 +159,11 @@ def _uses_muon(optimizer):
 
 
 class _Job:
-    __slots__ = ("tensor", "segments", "done", "error")
+    __slots__ = ("tensor", "segments", "run", "done", "error")
 
-    def __init__(self, tensor, segments):
+    def __init__(self, tensor, segments, run=None):
         self.tensor, self.segments = tensor, segments
+        self.run = run  # another job for the worker (parameter_gather.py), else reduce tensor to its owners
         self.done = threading.Event()
         self.error = None
 
@@ -200,11 +201,20 @@ class BackgroundReduction:
                 self._failure = OverlapError("deepspeed-hetero: the background reduction was closed")
             if self._failure is None:
                 try:
-                    self.reducer.reduce_to_owners(job.tensor, job.segments)
+                    if job.run is not None:
+                        job.run()
+                    else:
+                        self.reducer.reduce_to_owners(job.tensor, job.segments)
                 except BaseException as exc:  # noqa: BLE001 -- surfaced on the main thread at replay
                     self._failure = exc
             job.error = self._failure
             job.done.set()
+
+    def submit(self, jobs):
+        """Queue other jobs (``_Job`` with ``run``) behind what is queued: every rank must submit
+        the same jobs at the same point of its sequence."""
+        for job in jobs:
+            self._queue.put(job)
 
     def close(self):
         """Stop the worker (the reducer is replaced or dropped); what is still queued is not run."""
@@ -345,6 +355,8 @@ def attach(reducer, setting, optimizer, serves=None):
     or None."""
     previous = getattr(reducer, "background", None) if reducer is not None else None
     if previous is not None:
+        from . import parameter_gather
+        parameter_gather.detach(previous.optimizer())  # its gather's jobs run on the worker closed here
         previous.close()
         reducer.background = None
         owner = previous.optimizer()

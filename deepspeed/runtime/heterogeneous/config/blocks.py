@@ -140,6 +140,13 @@ class CommunicationConfig(DeepSpeedConfigModel):
     (``comm/overlap.py``). Bitwise equal to the reduction without overlap. ``auto``: on wherever
     the hierarchical reduction is in force for ZeRO-1/2 and the buckets can be captured exactly;
     ``true`` where it cannot apply is an error naming why."""
+    overlap_parameter_gather: bool = False
+    """ZeRO-1/2: the all-gather of the updated parameters after each step runs in the overlap worker
+    during the next forward, each module waiting only for its own parameters
+    (``comm/parameter_gather.py``). Bitwise equal to the gather in the step. Opt-in: code that reads
+    a parameter outside its module's forward between ``step()`` and the next forward must call
+    ``engine.wait_for_parameters()`` first. Needs ``overlap`` in force; ``true`` where it cannot apply
+    (one host aside) is an error naming why."""
     zero3_host_shards: AutoOrBool = "auto"
     """ZeRO-3: each host keeps a copy of the parameters cut among its ranks, refreshed once after each
     step, so parameter gathers run inside the host instead of over every rank
@@ -174,6 +181,10 @@ class CommunicationConfig(DeepSpeedConfigModel):
         if self.zero3_host_shards is True and self.hierarchical_reduction is False:
             raise ValueError("zero3_host_shards true rides on the hierarchical reduction's host groups, which "
                              "hierarchical_reduction false turns off: drop one")
+        if self.overlap_parameter_gather and (self.overlap is False or self.hierarchical_reduction is False):
+            raise ValueError("overlap_parameter_gather true runs in the overlapped reduction's worker, which "
+                             f"{'overlap' if self.overlap is False else 'hierarchical_reduction'} false turns off: "
+                             "drop one")
         return self
 
     @model_validator(mode="after")
@@ -188,7 +199,8 @@ class CommunicationConfig(DeepSpeedConfigModel):
         exact_parts = [f"{key} {value!r}".replace("True", "true") for key, value in
                        (("hierarchical_reduction", self.hierarchical_reduction), ("overlap", self.overlap),
                         ("compress_inter_host", self.compress_inter_host),
-                        ("zero3_host_shards", self.zero3_host_shards)) if value is True or
+                        ("zero3_host_shards", self.zero3_host_shards),
+                        ("overlap_parameter_gather", self.overlap_parameter_gather)) if value is True or
                        (key == "compress_inter_host" and value)]
         if exact_parts:
             raise ValueError(f"mode \"low_communication\" reduces gradients inside each host only, so "
