@@ -18,7 +18,8 @@ with what overlap needs and the issue's share scenario asks for:
 
 One launch trains, per ZeRO stage and repeat, one engine per mode from the same weights on the same
 samples (``comm_train.py``, the order alternating by repeat): ``flat`` (upstream's reduction),
-``sync`` (the fork's hierarchical reduction, ``overlap: false``) and ``hier`` (``overlap: "auto"``).
+``sync`` (the fork's hierarchical reduction, ``overlap: false``) and ``hier`` (``overlap: "auto"``); ZeRO-1/2
+also ``fwd-gather`` (``hier`` with ``overlap_parameter_gather: true``, bitwise equal to ``sync`` too).
 Per mode: slow-link bytes per step (``tc`` counters), step time, the exposed communication (the main
 thread's time in collectives and in waits for the background reduction, the comm clock), its split
 over the forward, the backward and the step, and its share of the step, and the share the heterogeneous profiler reports for the same steps (its
@@ -46,6 +47,9 @@ RATE_MBIT = 177
 MICRO_BATCH = 12
 BUCKET = 131072
 MODES = ("flat", "sync", "hier")
+ZERO12_MODES = MODES + ("fwd-gather", )
+"""ZeRO-1/2 also runs ``hier`` with the parameter gather after the step moved into the next forward
+(``fwd-gather``: ``communication.overlap_parameter_gather``, opt-in)."""
 ZERO3_MODES = MODES + ("one-chunk", "gather-all", "hpz")
 """ZeRO-3 also runs the fork with each gather's host-shard refresh in one all-to-all waited for as
 a whole (``one-chunk``: ``hier`` without the refresh in chunks), the fork without host shards
@@ -58,7 +62,7 @@ QUICK = dict(stages=(2, ), repeats=1, warmup=1, short=1, long=3)
 
 
 def modes_of(stage):
-    return ZERO3_MODES if stage == 3 else MODES
+    return ZERO3_MODES if stage == 3 else ZERO12_MODES
 
 
 def summarise(stage, marks, results, repeats, short, long):
@@ -90,6 +94,12 @@ def summarise(stage, marks, results, repeats, short, long):
     row["step_time_vs_sync"] = row["hier"]["step_time_s"] / row["sync"]["step_time_s"]
     row["step_time_vs_flat"] = row["hier"]["step_time_s"] / row["flat"]["step_time_s"]
     row["exposed_comm_vs_sync"] = row["hier"]["comm_time_s"] / row["sync"]["comm_time_s"]
+    if "fwd-gather" in row:  # the parameter gather during the next forward against the gather in the step
+        row["bitwise_fwd_gather_vs_sync"] = all(
+            result["runs"][f"zero{stage}-fwd-gather-r{r}"].get("bitwise_vs_sync") for result in results
+            for r in range(repeats))
+        row["step_time_fwd_gather_vs_hier"] = row["fwd-gather"]["step_time_s"] / row["hier"]["step_time_s"]
+        row["exposed_comm_fwd_gather_vs_hier"] = row["fwd-gather"]["comm_time_s"] / row["hier"]["comm_time_s"]
     if "one-chunk" in row:  # the host-shard refresh in chunks against one all-to-all per gather
         row["bitwise_chunks_vs_one_chunk"] = all(
             result["runs"][f"zero{stage}-hier-r{r}"].get("bitwise_vs_one_chunk") for result in results
@@ -109,7 +119,8 @@ def run(quick=False, stages=None):
     marks, results, launch = bc.run_scenario(
         scenario, plan["stages"], plan["repeats"], plan["warmup"], plan["short"], plan["long"],
         micro_batch=MICRO_BATCH,
-        extra=["--modes", ",".join(ZERO3_MODES), "--reduce-bucket", BUCKET, "--overlap-comm-stages", "1", "--profile"])
+        extra=["--modes", ",".join(ZERO3_MODES + ("fwd-gather", )), "--reduce-bucket", BUCKET,
+               "--overlap-comm-stages", "1", "--profile"])
     report = {"quick": quick, "rate_mbit": RATE_MBIT, "micro_batch_per_rank": MICRO_BATCH,
               "reduce_bucket_size": BUCKET, "repeats": plan["repeats"], "launch": launch,
               "rows": [summarise(stage, marks, results, plan["repeats"], plan["short"], plan["long"])
@@ -133,6 +144,10 @@ def print_table(report):
         print(f"      overlap vs sync: step x{row['step_time_vs_sync']:.2f}, exposed comm "
               f"x{row['exposed_comm_vs_sync']:.2f}; vs flat: step x{row['step_time_vs_flat']:.2f}; bitwise equal to "
               f"sync: {'yes' if row['bitwise_overlap_vs_sync'] else 'NO'}")
+        if "fwd-gather" in row:
+            print(f"      fwd-gather vs hier: step x{row['step_time_fwd_gather_vs_hier']:.2f}, exposed comm "
+                  f"x{row['exposed_comm_fwd_gather_vs_hier']:.2f}; bitwise equal to sync: "
+                  f"{'yes' if row['bitwise_fwd_gather_vs_sync'] else 'NO'}")
         if "one-chunk" in row:
             print(f"      refresh in chunks vs one-chunk: step x{row['step_time_vs_one_chunk']:.2f}, exposed in forward "
                   f"x{row['exposed_forward_vs_one_chunk']:.2f}; bitwise equal: "

@@ -7,7 +7,8 @@ For every ZeRO stage in ``--stages`` and every repeat, it builds one engine per 
 upstream's one flat all-reduce; ``hier``: ``"auto"``, the fork's default on several hosts, with
 ``overlap: "auto"`` (and ZeRO-3's ``zero3_host_shards: "auto"``); ``sync``: the same with
 ``overlap: false``; ``gather-all``: ``hier`` with ``zero3_host_shards: false``; ``one-chunk``: ``hier``
-with each gather's host-shard refresh in one all-to-all; ``off``: the fork disabled,
+with each gather's host-shard refresh in one all-to-all; ``fwd-gather``: ``hier`` with ZeRO-1/2's
+parameter gather during the next forward (``overlap_parameter_gather``); ``off``: the fork disabled,
 upstream itself), alternating which mode goes first, and
 trains each from the same initial weights on the same samples:
 
@@ -84,6 +85,8 @@ def train(args, out, stage, mode, repeat, rank, world_size):
                      "overlap": False if mode == "sync" else "auto"}
     if mode == "gather-all":  # ZeRO-3 without host shards: parameter gathers over every rank
         communication["zero3_host_shards"] = False
+    if mode == "fwd-gather":  # ZeRO-1/2: the parameter gather after the step runs during the next forward
+        communication["overlap_parameter_gather"] = True
     if mode == "lowcomm":
         outer = {"sync_every": args.sync_every, "pseudo_gradient_dtype": args.pseudo_dtype,
                  "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
@@ -163,6 +166,7 @@ def train(args, out, stage, mode, repeat, rank, world_size):
             inputs, targets = split_batch(torch.stack([held_out[i] for i in range(args.eval_samples)]))
             eval_loss = float(engine.module(inputs, targets))
         engine.module.train()
+    engine.wait_for_parameters()
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
         params = [p.detach().clone() for p in engine.module.parameters()]
     result = {"build_seconds": build_seconds, "seconds": seconds, "comm_seconds": comm_seconds, "long_steps": args.long,
@@ -195,7 +199,8 @@ def main():
                         help="flat, hier (overlap \"auto\"), sync (hier with overlap false), off (the fork "
                              "disabled: upstream itself; its collectives are timed only after a fork engine was "
                              "built in the process), lowcomm (communication.mode \"low_communication\"), hpz (ZeRO-3 only, "
-                             "run last: flat with zero_hpz_partition_size the ranks per host)")
+                             "run last: flat with zero_hpz_partition_size the ranks per host), fwd-gather (ZeRO-1/2: hier with "
+                             "overlap_parameter_gather true)")
     parser.add_argument("--sync-every", type=int, default=50, help="lowcomm: low_communication.sync_every")
     parser.add_argument("--pseudo-dtype", default="bf16", help="lowcomm: low_communication.pseudo_gradient_dtype")
     parser.add_argument("--outer-lr", type=float, default=1.0, help="lowcomm: low_communication.outer_lr")
@@ -229,7 +234,8 @@ def main():
             modes = args.modes.split(",")
             modes = modes if repeat % 2 == 0 else modes[::-1]  # alternate: no order bias
             # hpZ is ZeRO-3's, and last in its repeat (``train`` clears the hpZ group it leaves).
-            modes = [m for m in modes if m != "hpz" and (m not in ("gather-all", "one-chunk") or stage == 3)] + (
+            modes = [m for m in modes if m != "hpz" and (m not in ("gather-all", "one-chunk") or stage == 3)
+                     and (m != "fwd-gather" or stage != 3)] + (
                 ["hpz"] if "hpz" in modes and stage == 3 else [])
             params = {}
             for mode in modes:
@@ -242,6 +248,9 @@ def main():
             if "sync" in params and "hier" in params:
                 result["runs"][f"zero{stage}-hier-r{repeat}"].update(
                     bitwise_vs_sync=all(torch.equal(a, b) for a, b in zip(params["sync"], params["hier"])))
+            if "fwd-gather" in params and "sync" in params:
+                result["runs"][f"zero{stage}-fwd-gather-r{repeat}"].update(
+                    bitwise_vs_sync=all(torch.equal(a, b) for a, b in zip(params["sync"], params["fwd-gather"])))
             if "one-chunk" in params and "hier" in params:
                 result["runs"][f"zero{stage}-hier-r{repeat}"].update(
                     bitwise_vs_one_chunk=all(torch.equal(a, b) for a, b in zip(params["one-chunk"], params["hier"])))

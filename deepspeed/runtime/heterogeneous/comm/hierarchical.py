@@ -339,6 +339,7 @@ def attach(engine):
         return None
     if state.low_communication is not None:  # each host a replica: nothing is reduced between hosts
         if previous is not None:
+            parameter_gather.detach_reducer(previous)
             overlap.attach(previous, False, None)
         state.low_communication.attach(engine)
         return None
@@ -351,6 +352,7 @@ def attach(engine):
         if note and (communication.hierarchical_reduction is True or communication.compress_inter_host):
             logger.warning(f"heterogeneous_config.communication: hierarchical reduction not in force: {note}")
         if previous is not None:
+            parameter_gather.detach_reducer(previous)
             overlap.attach(previous, False, None)  # stop its worker
         host_shards.attach(engine, None, False)
         return None
@@ -365,6 +367,7 @@ def attach(engine):
         reducer = HierarchicalReducer(hosts, group=group, compress=compress, piece_elements=pieces)
     _reducers[group] = reducer
     try:
+        parameter_gather.detach_reducer(reducer)  # a previous engine's gather, on the worker replaced next
         overlap_note = overlap.attach(reducer, communication.overlap, engine.optimizer,
                                       serves=lambda partition_group: zero3_reducer(partition_group) is reducer)
         served = all(_reducers.get(g) is reducer for g in getattr(engine.optimizer, "real_dp_process_group", ()))

@@ -355,8 +355,6 @@ def attach(reducer, setting, optimizer, serves=None):
     or None."""
     previous = getattr(reducer, "background", None) if reducer is not None else None
     if previous is not None:
-        from . import parameter_gather
-        parameter_gather.detach(previous.optimizer())  # its gather's jobs run on the worker closed here
         previous.close()
         reducer.background = None
         owner = previous.optimizer()

@@ -45,8 +45,20 @@ from deepspeed import comm as dist
 from ..measure import comm_clock
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 18
-"""Elements of a host's block per round when the link was not measured (the reducer sends whole
-messages then): 1 MiB of fp32."""
+"""The most elements of a host's block per round (1 MiB of fp32), and the round where the link
+was not measured (the reducer sends whole messages then)."""
+
+PIECES_PER_ROUND = 4
+"""A round moves about this many of the reducer's pieces (``host_groups.piece_elements_for``: a
+few ms of the slowest link each): on the 2 x 2 bench at 177 Mbit/s, rounds of one piece made the
+step x1.02 of the gather in the step, of 4-5 pieces x0.90-0.92 (one repeat each)."""
+
+
+def chunk_elements_for(piece_elements):
+    """Elements of a host's block per round for the reducer's ``piece_elements`` (None: not measured)."""
+    if not piece_elements:
+        return DEFAULT_CHUNK_ELEMENTS
+    return min(DEFAULT_CHUNK_ELEMENTS, PIECES_PER_ROUND * piece_elements)
 
 ATTRIBUTE = "_heterogeneous_parameter_gather"
 """The optimizer's ``DeferredGather`` (absent: the gather runs in the step, upstream's place)."""
@@ -149,8 +161,7 @@ class DeferredGather:
                     b.data_ptr() != a.data_ptr() + a.numel() * a.element_size() for a, b in zip(parts, parts[1:])):
                 raise ValueError("the partitions are not consecutive slices of the flat parameter buffer")
         self.plan = GatherPlan(sizes, reducer.layout, reducer.host,
-                               chunk_elements or min(reducer.piece_elements or DEFAULT_CHUNK_ELEMENTS,
-                                                     DEFAULT_CHUNK_ELEMENTS))
+                               chunk_elements or chunk_elements_for(reducer.piece_elements))
         self._rounds = [self._round_views(index) for index in range(self.plan.rounds)]
         ready = {}
         for group, (flat, params) in enumerate(zip(flats, optimizer.bit16_groups)):
@@ -285,11 +296,19 @@ def deferred(optimizer):
 
 
 def detach(optimizer):
-    """Finish ``optimizer``'s pending gather and remove its hooks (its worker is about to close)."""
+    """Finish ``optimizer``'s pending gather and remove its hooks."""
     gather = getattr(optimizer, ATTRIBUTE, None) if optimizer is not None else None
     if gather is not None:
         gather.remove()
         delattr(optimizer, ATTRIBUTE)
+
+
+def detach_reducer(reducer):
+    """Before ``reducer``'s overlap worker is replaced or stopped: finish and remove every gather
+    that runs on it (its jobs would never run on a closed worker)."""
+    background = getattr(reducer, "background", None)
+    if background is not None:
+        detach(background.optimizer())
 
 
 def started(partitions):
