@@ -61,6 +61,20 @@ _port_lock = threading.Lock()
 _report = None
 
 
+def check_collectives_per_group(results):
+    """``results[rank]["collectives"]``: ``{(thread, group ranks): [collective, ...]}`` as each rank
+    recorded them; asserts that each group's sequence, per thread, is the same on every member."""
+    groups = {}
+    for rank, result in enumerate(results):
+        for (thread, group), sequence in result["collectives"].items():
+            assert rank in group, (rank, group)
+            groups.setdefault((thread, group), {})[rank] = sequence
+    for (thread, group), by_rank in groups.items():
+        assert sorted(by_rank) == sorted(group), (thread, group, sorted(by_rank))
+        for rank, sequence in by_rank.items():
+            assert sequence == by_rank[group[0]], (thread, group, rank)
+
+
 def predicted_state_bytes(model, stage, world, optimizer):
     """What the fork's one memory model (``memory/spec.ModelStateSpec``) counts for one rank of
     ``model`` besides activations, under ZeRO ``stage`` on ``world`` ranks with equal shares, the

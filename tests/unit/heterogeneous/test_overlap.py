@@ -13,7 +13,7 @@ import torch
 from deepspeed.runtime.heterogeneous.comm.overlap import overlap_decision
 from deepspeed.runtime.heterogeneous.config.blocks import CommunicationConfig
 
-from harness import run_subcases
+from harness import check_collectives_per_group, run_subcases
 from references import adam_mse_reference
 
 WIDTH = 24
@@ -153,20 +153,6 @@ def _reference(sizes, gas):
     return [p.detach() for p in adam_mse_reference(_model(), inputs, targets, steps, LR)]
 
 
-def _check_same_per_group(results):
-    """Each group's collectives, per thread, are one sequence on every member of the group."""
-    groups = {}
-    for rank, result in enumerate(results):
-        for (thread, group), sequence in result["collectives"].items():
-            assert rank in group, (rank, group)
-            groups.setdefault((thread, group), {})[rank] = sequence
-    for (thread, group), by_rank in groups.items():
-        assert sorted(by_rank) == sorted(group), (thread, group, sorted(by_rank))
-        first = by_rank[group[0]]
-        for rank, sequence in by_rank.items():
-            assert sequence == first, (thread, group, rank)
-
-
 CASES = [
     dict(hosts=[0, 0, 1, 1], stage=2, sizes=[3, 2, 2, 1]),
     # bf16, and time dilation: the slower ranks hand their buckets over later.
@@ -199,8 +185,8 @@ def _check(cases, results):
             assert on["deferred"] == buckets_per_backward * backwards and off["deferred"] == 0, (case, on["deferred"])
             assert any(thread == "background" for thread, _ in on["collectives"]), case
             assert not any(thread == "background" for thread, _ in off["collectives"]), case
-        _check_same_per_group([result["on"] for result in per_rank])
-        _check_same_per_group([result["off"] for result in per_rank])
+        check_collectives_per_group([result["on"] for result in per_rank])
+        check_collectives_per_group([result["off"] for result in per_rank])
 
 
 @pytest.mark.multiprocess

@@ -16,7 +16,7 @@ from deepspeed.runtime.heterogeneous.comm.host_groups import group_layout
 from deepspeed.runtime.heterogeneous.comm.parameter_gather import GatherPlan
 from deepspeed.runtime.heterogeneous.config.blocks import CommunicationConfig
 
-from harness import run_subcases
+from harness import check_collectives_per_group, run_subcases
 from references import adam_mse_reference
 
 WIDTH = 24
@@ -60,10 +60,8 @@ def test_a_plan_moves_each_element_of_every_host_block_once_and_knows_when_it_is
 
 def _model():
     torch.manual_seed(20261206)
-    layers = []
-    for _ in range(LAYERS):
-        layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh()]
-    return torch.nn.Sequential(*layers[:-1])
+    blocks = [torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh()) for _ in range(LAYERS - 1)]
+    return torch.nn.Sequential(*blocks, torch.nn.Linear(WIDTH, WIDTH))  # nested: hooks on the leaves
 
 
 def _data(train_batch_size):
@@ -156,22 +154,11 @@ def _case(rank, world_size, hosts, stage, sizes, gas=1, refused=None, **options)
 
 
 def _reference(sizes, gas):
-    train_batch_size = sum(sizes) * gas
-    inputs, targets = _data(train_batch_size)
-    steps = [list(range(k * train_batch_size, (k + 1) * train_batch_size)) for k in range(STEPS)]
-    return [p.detach() for p in adam_mse_reference(_model(), inputs, targets, steps, LR)]
-
-
-def _check_same_per_group(results):
-    groups = {}
-    for rank, result in enumerate(results):
-        for (thread, group), sequence in result["collectives"].items():
-            assert rank in group, (rank, group)
-            groups.setdefault((thread, group), {})[rank] = sequence
-    for (thread, group), by_rank in groups.items():
-        assert sorted(by_rank) == sorted(group), (thread, group, sorted(by_rank))
-        for rank, sequence in by_rank.items():
-            assert sequence == by_rank[group[0]], (thread, group, rank)
+    """One process's Adam, each step on the global batch."""
+    batch = sum(sizes) * gas
+    trained = adam_mse_reference(_model(), *_data(batch), [list(range(k * batch, k * batch + batch)) for k in range(STEPS)],
+                                 LR)
+    return [p.detach() for p in trained]
 
 
 CASES = [
@@ -203,7 +190,7 @@ def test_the_gather_during_the_forward_trains_bitwise_like_the_gather_in_the_ste
                      for name, run in (("on", on), ("off", off)) for thread in ("main", "background")}
             assert count["on", "main"] < count["off", "main"], (case, count)
             assert count["on", "background"] > count["off", "background"], (case, count)
-        _check_same_per_group([result["on"] for result in per_rank])
+        check_collectives_per_group([result["on"] for result in per_rank])
 
 
 @pytest.mark.multiprocess

@@ -168,6 +168,19 @@ class _Job:
         self.error = None
 
 
+def wait_for_job(job, what):
+    """The main thread waits for the worker's ``job`` (exposed communication on the comm clock) and
+    raises its failure as an ``OverlapError`` naming ``what`` the job was."""
+    if not job.done.is_set():
+        comm_clock.enter()  # the step or the forward waits for the link: exposed communication
+        try:
+            job.done.wait()
+        finally:
+            comm_clock.leave()
+    if job.error is not None:
+        raise OverlapError(f"deepspeed-hetero: the background {what} failed: {job.error}") from job.error
+
+
 class BackgroundReduction:
     """One optimizer's buckets reduced by one worker thread through ``reducer`` (see the module)."""
 
@@ -266,15 +279,7 @@ class BackgroundReduction:
         tensor.copy_(job.tensor)
 
     def _wait(self, job):
-        if not job.done.is_set():
-            comm_clock.enter()  # the step waits for the link: exposed communication
-            try:
-                job.done.wait()
-            finally:
-                comm_clock.leave()
-        if job.error is not None:
-            raise OverlapError(f"deepspeed-hetero: the background gradient reduction failed: {job.error}") \
-                from job.error
+        wait_for_job(job, "gradient reduction")
 
     def _capture(self, optimizer, bucket, dtype):
         """Run upstream's reduction of ``bucket`` on copies of its gradients, the reducer capturing."""

@@ -42,8 +42,6 @@ import torch
 
 from deepspeed import comm as dist
 
-from ..measure import comm_clock
-
 DEFAULT_CHUNK_ELEMENTS = 1 << 18
 """The most elements of a host's block per round (1 MiB of fp32), and the round where the link
 was not measured (the reducer sends whole messages then)."""
@@ -134,16 +132,8 @@ class _Gather:
         self.jobs = jobs
 
     def wait(self, index):
-        job = self.jobs[min(index, len(self.jobs) - 1)]
-        if not job.done.is_set():
-            comm_clock.enter()  # the forward waits for the link: exposed communication
-            try:
-                job.done.wait()
-            finally:
-                comm_clock.leave()
-        if job.error is not None:
-            from .overlap import OverlapError
-            raise OverlapError(f"deepspeed-hetero: the background parameter gather failed: {job.error}") from job.error
+        from .overlap import wait_for_job
+        wait_for_job(self.jobs[min(index, len(self.jobs) - 1)], "parameter gather")
 
 
 class DeferredGather:
