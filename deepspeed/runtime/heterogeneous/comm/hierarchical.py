@@ -97,6 +97,7 @@ class HierarchicalReducer:
         """Sum ``tensor`` over the group, in place (as ``deepspeed.comm.all_reduce``)."""
         if tensor.numel() == 0:
             return
+        parameter_gather.wait_for_reducer(self)  # the main thread's turn on the groups
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
         if self.layout.even:
             self._sharded(flat)
@@ -164,6 +165,7 @@ class HierarchicalReducer:
         if self.background is not None and self.background.mode is not None:
             self.background.intercept(tensor, segments)
         else:
+            parameter_gather.wait_for_reducer(self)  # the main thread's turn on the groups
             self.reduce_to_owners(tensor, segments)
 
     def _exchange_owned(self, flat, ranges):
@@ -213,6 +215,7 @@ class HierarchicalReducer:
         each member broadcasts its partition, the leaders exchange their hosts' blocks (one
         all-to-all), and each leader broadcasts the other hosts' blocks inside its host.
         Partitions may differ in size (``heterogeneous_memory.zero_partitions``)."""
+        parameter_gather.wait_for_reducer(self)  # the main thread's turn on the groups
         layout = self.layout
         if len(partitions) != len(layout.hosts):
             raise ValueError(f"{len(partitions)} partitions for a group of {len(layout.hosts)}")

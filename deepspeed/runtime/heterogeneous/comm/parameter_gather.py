@@ -26,12 +26,15 @@ module waits for the largest index of its own parameters (``torch.nn.Module`` fo
 registered once). The worker takes the gathers' jobs in the order every rank queues them, after
 the reductions queued before, so each of the reducer's groups sees one sequence on every member.
 
-Everything else that reads the parameters waits for the whole gather: the backward's start, the
-module's ``state_dict`` (checkpoints), the next step's gather and a gather through the reducer on
-the main thread. Code that reads a parameter outside its module's forward between ``step()`` and
+Everything else that reads the parameters waits for the whole gather: the backward's start, any
+module's ``state_dict`` and ``load_state_dict`` (checkpoints), the next step's gather and a gather
+through the reducer on the main thread. Code that reads a parameter outside its module's forward between ``step()`` and
 the next forward (a weight norm logged after the step, an EMA copy, a parent module reading a
-child's weight without calling the child) must call ``engine.wait_for_parameters()`` first: hence
-opt-in, ``false`` by default. Applies where the background reduction is in force for ZeRO-1/2
+child's weight without calling the child, ``offload_states``, a ``custom_load_fn``) must call
+``engine.wait_for_parameters()`` first: hence opt-in, ``false`` by default. The main thread's own
+collectives on the reducer's groups (a synchronous bucket, another gather) wait for the gather
+first (``wait_for_reducer``), and a worker is replaced only after its gathers are done
+(``detach_reducer``). Applies where the background reduction is in force for ZeRO-1/2
 (``overlap``) and the parameter groups share one dtype.
 """
 
@@ -152,7 +155,7 @@ class DeferredGather:
                 raise ValueError("the partitions are not consecutive slices of the flat parameter buffer")
         self.plan = GatherPlan(sizes, reducer.layout, reducer.host,
                                chunk_elements or chunk_elements_for(reducer.piece_elements))
-        self._rounds = [self._round_views(index) for index in range(self.plan.rounds)]
+        self._rounds, self._storage = None, None
         ready = {}
         for group, (flat, params) in enumerate(zip(flats, optimizer.bit16_groups)):
             base, size = flat.data_ptr(), flat.element_size()
@@ -162,11 +165,16 @@ class DeferredGather:
         self.ready = ready
         self._hooks = []
         _live.add(self)
+        whole = lambda *args, **kwargs: self.wait_all()  # noqa: E731
         for sub in module.modules():
             indices = [ready[p] for p in sub.parameters(recurse=False) if p in ready]
             if indices:
-                self._hooks.append(sub.register_forward_pre_hook(self._pre_hook(max(indices))))
-        self._hooks.append(module.register_state_dict_pre_hook(lambda *args, **kwargs: self.wait_all()))
+                # First among the module's pre-hooks: one that rebuilds a weight from its parameters
+                # (weight_norm, pruning) must read the gathered values.
+                self._hooks.append(sub.register_forward_pre_hook(self._pre_hook(max(indices)), prepend=True))
+            # Reading or loading a state dict, of any module: the whole gather first (a load must
+            # not race the worker's writes).
+            self._hooks += [sub.register_state_dict_pre_hook(whole)]
 
     def _pre_hook(self, index):
         def hook(module, args):
@@ -186,6 +194,10 @@ class DeferredGather:
         """Queue the gather of the current partitions (the step just wrote this rank's); returns at once."""
         from .overlap import _Job
         self.wait_all()
+        storage = [parts[0].data_ptr() for parts in self.partitions]
+        if storage != self._storage:  # first gather, or the buffers moved (offload_states, reload_states)
+            self._rounds = [self._round_views(index) for index in range(self.plan.rounds)]
+            self._storage = storage
         jobs = [_Job(None, None, run=self._local)] + [_Job(None, None, run=self._round(views)) for views in self._rounds]
         self.pending = _Gather(jobs)
         self.background.submit(jobs)
@@ -295,10 +307,22 @@ def detach(optimizer):
 
 def detach_reducer(reducer):
     """Before ``reducer``'s overlap worker is replaced or stopped: finish and remove every gather
-    that runs on it (its jobs would never run on a closed worker)."""
+    that runs on it (its jobs would never run on a closed worker), also one whose optimizer is gone."""
+    for gather in list(_live):
+        if gather.reducer is reducer:
+            gather.remove()
     background = getattr(reducer, "background", None)
-    if background is not None:
-        detach(background.optimizer())
+    optimizer = background.optimizer() if background is not None else None
+    if optimizer is not None and hasattr(optimizer, ATTRIBUTE):
+        delattr(optimizer, ATTRIBUTE)
+
+
+def wait_for_reducer(reducer):
+    """Before the main thread runs a collective on ``reducer``'s groups: finish the gathers queued
+    on its worker, so that each group keeps one sequence on every member."""
+    for gather in list(_live):
+        if gather.reducer is reducer:
+            gather.wait_all()
 
 
 def started(partitions):

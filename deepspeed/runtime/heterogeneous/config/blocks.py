@@ -146,7 +146,8 @@ class CommunicationConfig(DeepSpeedConfigModel):
     (``comm/parameter_gather.py``). Bitwise equal to the gather in the step. Opt-in: code that reads
     a parameter outside its module's forward between ``step()`` and the next forward must call
     ``engine.wait_for_parameters()`` first. Needs ``overlap`` in force; ``true`` where it cannot apply
-    (one host aside) is an error naming why."""
+    is an error naming why, except where the hierarchical reduction is not in force (one host, one
+    rank per host), where there is nothing to defer, as for ``overlap``."""
     zero3_host_shards: AutoOrBool = "auto"
     """ZeRO-3: each host keeps a copy of the parameters cut among its ranks, refreshed once after each
     step, so parameter gathers run inside the host instead of over every rank
