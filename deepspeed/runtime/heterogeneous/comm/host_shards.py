@@ -39,21 +39,13 @@ import torch
 
 from deepspeed.utils import logger
 
-from ..memory.zero3_shards import param_spans
+from ..memory.zero3_shards import CHUNKS_IN_FLIGHT, REFRESH_CHUNK_BYTES, param_spans  # noqa: F401 (tests set them here)
 from .gather_handles import MultipleHandles, UnevenGatherHandle, choose_mode
 from .host_groups import settle
 
 ATTRIBUTE = "ds_host_shards"
 """The ``HostShards`` a parameter belongs to (None or absent: gathered flat)."""
 
-REFRESH_CHUNK_BYTES = 1 << 20
-"""Bytes of stale parameters per refresh all-to-all (a chunk closes after the parameter that
-reaches it): small enough that a bucket's first layers need not wait for its last, large enough
-that the all-to-alls' start-up stays small against their transfer."""
-
-CHUNKS_IN_FLIGHT = 4
-"""Refresh chunks whose all-to-alls run at once; the next starts when the oldest completes, so the
-refresh's buffers stay a few chunks while the forward computes."""
 
 
 def host_spans(numel, weights):

@@ -40,6 +40,8 @@ added to the forward and backward phases.
 from dataclasses import dataclass
 from typing import Dict
 
+from .zero3_shards import CHUNKS_IN_FLIGHT, REFRESH_CHUNK_BYTES
+
 # Upstream defaults that size buffers (deepspeed/runtime/zero/config.py, engine.py).
 ALLREDUCE_BUCKET_ELEMENTS = 500_000_000  # engine.allreduce_gradients(bucket_size=MEMORY_OPT_ALLREDUCE_SIZE)
 ADAM_TEMPORARIES = 2  # exp_avg_sq.sqrt(), then its division: two tensors of the stepped tensor's size
@@ -159,7 +161,7 @@ def predict_peak(allocations, share=None, offloaded=0.0, activation_bytes=0.0, b
         host_shard: ZeRO-3: the fraction of the model this rank keeps as its host shard
             (``comm/host_shards.py``: its share over its host's), 0 without host shards.
         hosts: ZeRO-3 with host shards: the number of hosts (the refresh sends each element of the
-            rank's partition once to every host).
+            rank's partition once to every host, a few chunks at a time).
     """
     a = allocations
     n, pb = float(a.num_parameters), float(a.param_bytes)
@@ -261,11 +263,18 @@ def predict_peak(allocations, share=None, offloaded=0.0, activation_bytes=0.0, b
     stepped = min(n * part, float(a.sub_group_size))
     temporaries = a.optimizer_temporaries * stepped * 4.0 * kept
     state = {"parameters": partition + moved_in, "fp32 partition": fp32_partition, "optimizer state": optimizer}
+    refresh = {}
     if host_shard:
         state["host shard"] = n * pb * float(host_shard)
+        # The refresh after a step runs in chunks during the forward's first gathers: at most
+        # CHUNKS_IN_FLIGHT chunks, each under REFRESH_CHUNK_BYTES plus one parameter, with the rank's
+        # primary part packed once per host and what arrives for its host shard.
+        chunk = REFRESH_CHUNK_BYTES + float(a.largest_parameter) * pb
+        in_flight = min(n * pb, CHUNKS_IN_FLIGHT * chunk)
+        refresh = {"refresh buffers": in_flight * (part * max(1, int(hosts)) + float(host_shard))}
     phases = {
         "initialize": {"parameters": partition + moved_in + n * pb, "fp32 partition": fp32_partition},
-        "forward": {**state, "gathered parameters": gathered, "activations": activation_bytes},
+        "forward": {**state, "gathered parameters": gathered, "activations": activation_bytes, **refresh},
         "backward": {**state, "gathered parameters": gathered, "activations": activation_bytes,
                      "gradient partition": grad_partition, "reduce bucket": bucket},
         # The step flattens each sub-group's gradient partition into a new fp32 tensor
@@ -273,11 +282,6 @@ def predict_peak(allocations, share=None, offloaded=0.0, activation_bytes=0.0, b
         "step": {**state, "gradient partition": grad_partition, "flattened sub-group gradient": stepped * 4.0 * kept,
                  "optimizer temporaries": temporaries},
     }
-    if host_shard:
-        # The refresh before the first gather after a step: the rank's partition packed once per host,
-        # and what arrives for its host shard, beside the kept state (nothing is gathered yet).
-        phases["refresh"] = {**state, "refresh send buffer": partition * max(1, int(hosts)),
-                             "refresh receive buffer": n * pb * float(host_shard)}
     return PeakPrediction(phases, float(baseline_bytes), float(activation_bytes))
 
 

@@ -28,6 +28,16 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+REFRESH_CHUNK_BYTES = 1 << 20
+"""Host shards (``comm/host_shards.py``): bytes of stale parameters per refresh all-to-all (a chunk
+closes after the parameter that reaches it): small enough that a bucket's first layers need not
+wait for its last, large enough that the all-to-alls' start-up stays small against their transfer.
+Here, beside the shards, so that the peak model (``peak.py``) reads the same numbers."""
+
+CHUNKS_IN_FLIGHT = 4
+"""Host shards: refresh chunks whose all-to-alls run at once; the next starts when the oldest
+completes, so the refresh's buffers stay a few chunks while the forward computes."""
+
 ALIGNMENT = 32  # elements; slices start on 128-byte boundaries in fp32
 CHECKPOINT_SHARES_KEY = "heterogeneous_zero3_shares"
 CHECKPOINT_NUMELS_KEY = "heterogeneous_zero3_shard_numels"
