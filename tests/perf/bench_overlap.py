@@ -109,23 +109,24 @@ def summarise(stage, marks, results, repeats, short, long):
     return row
 
 
-def run(quick=False, stages=None):
+def run(quick=False, stages=None, rate_mbit=RATE_MBIT):
     plan = dict(FULL, **(QUICK if quick else {}))
     if stages:
         plan["stages"] = stages
     load_start = [round(x, 2) for x in os.getloadavg()]
     began = time.monotonic()
-    scenario = bc.Scenario(f"2x2 at {RATE_MBIT} Mbit/s", (2, 2), (RATE_MBIT, RATE_MBIT), plan["stages"])
+    scenario = bc.Scenario(f"2x2 at {rate_mbit} Mbit/s", (2, 2), (rate_mbit, rate_mbit), plan["stages"])
     marks, results, launch = bc.run_scenario(
         scenario, plan["stages"], plan["repeats"], plan["warmup"], plan["short"], plan["long"],
         micro_batch=MICRO_BATCH,
         extra=["--modes", ",".join(ZERO3_MODES + ("fwd-gather", )), "--reduce-bucket", BUCKET,
                "--overlap-comm-stages", "1", "--profile"])
-    report = {"quick": quick, "rate_mbit": RATE_MBIT, "micro_batch_per_rank": MICRO_BATCH,
+    report = {"quick": quick, "rate_mbit": rate_mbit, "micro_batch_per_rank": MICRO_BATCH,
               "reduce_bucket_size": BUCKET, "repeats": plan["repeats"], "launch": launch,
               "rows": [summarise(stage, marks, results, plan["repeats"], plan["short"], plan["long"])
                        for stage in plan["stages"]]}
-    return bc.finish_report(report, began, load_start, print_table, RESULTS)
+    out = RESULTS if rate_mbit == RATE_MBIT else RESULTS.with_name(f"overlap-{rate_mbit}mbit.json")
+    return bc.finish_report(report, began, load_start, print_table, out)
 
 
 def print_table(report):
@@ -159,6 +160,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="ZeRO-2, one repeat")
     parser.add_argument("--stages", default=None, help="ZeRO stages to run, e.g. 3 (default: 1,2,3; --quick: 2)")
+    parser.add_argument("--rate", type=int, default=RATE_MBIT,
+                        help=f"link rate in Mbit/s (default {RATE_MBIT}; another rate writes overlap-<rate>mbit.json)")
     arguments = parser.parse_args()
     os.chdir(REPO)
-    run(arguments.quick, tuple(int(s) for s in arguments.stages.split(",")) if arguments.stages else None)
+    run(arguments.quick, tuple(int(s) for s in arguments.stages.split(",")) if arguments.stages else None,
+        arguments.rate)

@@ -236,3 +236,6 @@ def test_the_setting_is_off_by_default_and_needs_the_overlapped_reduction():
             CommunicationConfig(overlap_parameter_gather=True, **conflict)
     with pytest.raises(ValueError, match="overlap_parameter_gather"):
         CommunicationConfig(mode="low_communication", overlap_parameter_gather=True)
+    for wrong in ("yes", 1, None):  # ("auto" is DeepSpeed's spelling of the default: false)
+        with pytest.raises(ValueError, match=f"{wrong!r} is not allowed; use true or false"):
+            CommunicationConfig(overlap_parameter_gather=wrong)

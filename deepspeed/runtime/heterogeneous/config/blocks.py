@@ -101,6 +101,16 @@ AutoOrBool = Annotated[Union[Literal["auto"], bool], BeforeValidator(_auto_or_bo
 """true / false / "auto" (on when the fork is enabled and the ranks span more than one host)."""
 
 
+def _bool(value):
+    if value is True or value is False:
+        return value
+    raise ValueError(f"{value!r} is not allowed; use true or false")
+
+
+Bool = Annotated[bool, BeforeValidator(_bool)]
+"""true / false only (not pydantic's lax "yes", 1, "on")."""
+
+
 class LowCommunicationConfig(DeepSpeedConfigModel):
     """``heterogeneous_config.communication.low_communication``: how the hosts' replicas meet in
     ``mode: "low_communication"`` (``comm/low_communication.py``, docs/multihost.md). Not exact."""
@@ -140,7 +150,7 @@ class CommunicationConfig(DeepSpeedConfigModel):
     (``comm/overlap.py``). Bitwise equal to the reduction without overlap. ``auto``: on wherever
     the hierarchical reduction is in force for ZeRO-1/2 and the buckets can be captured exactly;
     ``true`` where it cannot apply is an error naming why."""
-    overlap_parameter_gather: bool = False
+    overlap_parameter_gather: Bool = False
     """ZeRO-1/2: the all-gather of the updated parameters after each step runs in the overlap worker
     during the next forward, each module waiting only for its own parameters
     (``comm/parameter_gather.py``). Bitwise equal to the gather in the step. Opt-in: code that reads
