@@ -29,6 +29,7 @@ bitwise equal to ``sync`` (recorded per repeat).
     python tests/perf/bench_overlap.py           # ~2.5 min, root; JSON in tests/perf/results/overlap.json
     python tests/perf/bench_overlap.py --quick   # ZeRO-2, one repeat
     python tests/perf/bench_overlap.py --quick --stages 3   # ZeRO-3 (with hpZ), one repeat
+    python tests/perf/bench_overlap.py --stages 2,3 --micro-batch 36 --rate 100   # 3x the compute, flat ZeRO-2 at ~52%
 """
 
 import argparse
@@ -109,7 +110,7 @@ def summarise(stage, marks, results, repeats, short, long):
     return row
 
 
-def run(quick=False, stages=None, rate_mbit=RATE_MBIT):
+def run(quick=False, stages=None, rate_mbit=RATE_MBIT, micro_batch=MICRO_BATCH):
     plan = dict(FULL, **(QUICK if quick else {}))
     if stages:
         plan["stages"] = stages
@@ -118,14 +119,15 @@ def run(quick=False, stages=None, rate_mbit=RATE_MBIT):
     scenario = bc.Scenario(f"2x2 at {rate_mbit} Mbit/s", (2, 2), (rate_mbit, rate_mbit), plan["stages"])
     marks, results, launch = bc.run_scenario(
         scenario, plan["stages"], plan["repeats"], plan["warmup"], plan["short"], plan["long"],
-        micro_batch=MICRO_BATCH,
+        micro_batch=micro_batch,
         extra=["--modes", ",".join(ZERO3_MODES + ("fwd-gather", )), "--reduce-bucket", BUCKET,
                "--overlap-comm-stages", "1", "--profile"])
-    report = {"quick": quick, "rate_mbit": rate_mbit, "micro_batch_per_rank": MICRO_BATCH,
+    report = {"quick": quick, "rate_mbit": rate_mbit, "micro_batch_per_rank": micro_batch,
               "reduce_bucket_size": BUCKET, "repeats": plan["repeats"], "launch": launch,
               "rows": [summarise(stage, marks, results, plan["repeats"], plan["short"], plan["long"])
                        for stage in plan["stages"]]}
-    out = RESULTS if rate_mbit == RATE_MBIT else RESULTS.with_name(f"overlap-{rate_mbit}mbit.json")
+    out = RESULTS if (rate_mbit, micro_batch) == (RATE_MBIT, MICRO_BATCH) else \
+        RESULTS.with_name(f"overlap-{rate_mbit}mbit-mb{micro_batch}.json")
     return bc.finish_report(report, began, load_start, print_table, out)
 
 
@@ -161,8 +163,11 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true", help="ZeRO-2, one repeat")
     parser.add_argument("--stages", default=None, help="ZeRO stages to run, e.g. 3 (default: 1,2,3; --quick: 2)")
     parser.add_argument("--rate", type=int, default=RATE_MBIT,
-                        help=f"link rate in Mbit/s (default {RATE_MBIT}; another rate writes overlap-<rate>mbit.json)")
+                        help=f"link rate in Mbit/s (default {RATE_MBIT}; another rate or micro-batch writes "
+                             "overlap-<rate>mbit-mb<micro-batch>.json)")
+    parser.add_argument("--micro-batch", type=int, default=MICRO_BATCH,
+                        help=f"micro-batch per rank (default {MICRO_BATCH}): a longer forward and backward")
     arguments = parser.parse_args()
     os.chdir(REPO)
     run(arguments.quick, tuple(int(s) for s in arguments.stages.split(",")) if arguments.stages else None,
-        arguments.rate)
+        arguments.rate, arguments.micro_batch)
