@@ -127,7 +127,7 @@ def _train(rank, hosts, stage, sizes, gas, deferred, zero=None, memory=None, rel
     train_batch_size = sum(sizes) * gas
     inputs, targets = _data(train_batch_size)
     offset = sum(sizes[:rank])
-    states = []
+    states, finished = [], []  # finished: whether the gather was done after each state_dict / load
     try:
         with recording() as entries:
             for step in range(STEPS):
@@ -139,8 +139,10 @@ def _train(rank, hosts, stage, sizes, gas, deferred, zero=None, memory=None, rel
                     engine.step()
                 if step == 0:  # right after the step: the state_dict waits for the whole gather
                     states.append({k: v.clone() for k, v in engine.module.state_dict().items()})
+                    finished.append(gather is None or gather.pending is None)
                 if step == 1 and reload:  # a load right after a step must not race the worker's writes
                     engine.module.load_state_dict(states[0])
+                    finished.append(gather is None or gather.pending is None)
             engine.wait_for_parameters()  # the last step's gather, recorded too
     finally:
         if gather is not None:
@@ -151,7 +153,7 @@ def _train(rank, hosts, stage, sizes, gas, deferred, zero=None, memory=None, rel
             tensors = None if entry.op == "all_to_all_single" else entry.tensors
             per_group.setdefault((thread, entry.group), []).append((entry.op, tensors, entry.details))
     params = [p.detach().clone() for p in engine.module.parameters()]
-    return {"params": params, "states": states, "collectives": per_group, "waits": waits}
+    return {"params": params, "states": states, "collectives": per_group, "waits": waits, "finished": finished}
 
 
 def _case(rank, world_size, hosts, stage, sizes, gas=1, refused=None, **options):
@@ -205,6 +207,7 @@ def test_the_gather_during_the_forward_trains_bitwise_like_the_gather_in_the_ste
                     torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=lambda m: f"{case}: {m}")
             for key, value in off["states"][0].items():
                 assert torch.equal(on["states"][0][key], value), (case, key)
+            assert on["finished"] and all(on["finished"]), (case, on["finished"])
             # Every forward after a step waited module by module; some modules only for part of the gather.
             assert on["waits"] and not off["waits"], case
             if not case.get("reload"):  # there the state dict's read and load waited for everything

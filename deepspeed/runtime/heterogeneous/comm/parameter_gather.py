@@ -86,11 +86,10 @@ class GatherPlan:
             raise ValueError(f"chunk_elements must be positive, got {chunk_elements}")
         self.layout, self.host = layout, host
         self.starts = [[sum(group[:m]) for m in range(len(group))] for group in sizes]
-        # Host h's block of group i: its members' partitions, in member order.
-        self.blocks = [[[(m, 0, group[m]) for m in members] for members in layout.host_members] for group in sizes]
         block_sizes = [sum(sum(group[m] for m in members) for group in sizes) for members in layout.host_members]
         self.rounds = max(1, max(-(-size // chunk_elements) for size in block_sizes))
-        # Elements of group i's block of host h per round: every group's block spread over the rounds.
+        # Host h's block of group i is its members' partitions, in member order; per round, each
+        # group's block moves this many elements (every group's block spread over the rounds).
         self.per_round = [[max(1, -(-sum(group[m] for m in members) // self.rounds)) for members in layout.host_members]
                           for group in sizes]
         self.sizes = sizes
@@ -175,7 +174,7 @@ class DeferredGather:
                 self._hooks.append(sub.register_forward_pre_hook(self._pre_hook(max(indices)), prepend=True))
             # Reading or loading a state dict, of any module: the whole gather first (a load must
             # not race the worker's writes).
-            self._hooks += [sub.register_state_dict_pre_hook(whole)]
+            self._hooks += [sub.register_state_dict_pre_hook(whole), sub.register_load_state_dict_pre_hook(whole)]
 
     def _pre_hook(self, index):
         def hook(module, args):
