@@ -156,7 +156,54 @@ def _train(rank, hosts, stage, sizes, gas, deferred, zero=None, memory=None, rel
     return {"params": params, "states": states, "collectives": per_group, "waits": waits, "finished": finished}
 
 
-def _case(rank, world_size, hosts, stage, sizes, gas=1, refused=None, **options):
+def _failed_then_rebuilt(rank, hosts, sizes):
+    """Every rank's worker fails the third job of the first gather: the next forward raises on every
+    rank; an engine built anew on the same model then trains (the failed gather is not met again)."""
+    import deepspeed
+    from harness import patched_environ
+    from deepspeed.runtime.heterogeneous.comm import parameter_gather
+
+    parameter_gather.DEFAULT_CHUNK_ELEMENTS = CHUNK
+    model = _model()
+    inputs, targets = _data(sum(sizes))
+    chunk = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
+    original = parameter_gather.DeferredGather._round
+
+    def failing(gather, views):
+        run = original(gather, views)
+        if views is gather._rounds[1]:
+            def run():
+                raise RuntimeError("injected link failure")
+        return run
+
+    with patched_environ({"CROSS_RANK": hosts[rank]}):
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                               config=_config(2, sizes, 1, True))
+    parameter_gather.DeferredGather._round = failing
+    try:
+        engine.backward(torch.nn.functional.mse_loss(engine(inputs[chunk]), targets[chunk]))
+        engine.step()
+        try:
+            engine(inputs[chunk])
+            error = None
+        except Exception as exc:  # noqa: BLE001 -- what every rank saw
+            error = f"{type(exc).__name__}: {exc}"
+    finally:
+        parameter_gather.DeferredGather._round = original
+    engine.destroy()  # its gradient hooks off the model
+    with patched_environ({"CROSS_RANK": hosts[rank]}):
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                               config=_config(2, sizes, 1, True))
+    for _ in range(2):
+        engine.backward(torch.nn.functional.mse_loss(engine(inputs[chunk]), targets[chunk]))
+        engine.step()
+    engine.wait_for_parameters()
+    return {"error": error, "state": len(engine.module.state_dict())}
+
+
+def _case(rank, world_size, hosts, stage, sizes, gas=1, refused=None, failed=False, **options):
+    if failed:
+        return _failed_then_rebuilt(rank, hosts, sizes)
     if refused is not None:
         import deepspeed
         from harness import patched_environ
@@ -223,9 +270,13 @@ def test_the_gather_during_the_forward_trains_bitwise_like_the_gather_in_the_ste
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_true_where_it_cannot_apply_stops_every_rank_with_one_message():
-    cases = [dict(hosts=[0, 0, 1, 1], stage=2, sizes=[2, 2, 2, 2], refused={"reduce_scatter": False})]
-    (refused,) = run_subcases(_case, cases, world_size=4, timeout=240)
+def test_a_failed_gather_stops_every_rank_once_and_true_where_it_cannot_apply_is_refused():
+    cases = [dict(hosts=[0, 0, 1, 1], stage=2, sizes=[2, 2, 2, 2], refused={"reduce_scatter": False}),
+             dict(hosts=[0, 0, 1, 1], stage=2, sizes=[2, 2, 2, 2], failed=True)]
+    refused, failed = run_subcases(_case, cases, world_size=4, timeout=240)
+    for result in failed:
+        assert result == {"error": "OverlapError: deepspeed-hetero: the background parameter gather failed: "
+                                   "injected link failure", "state": 2 * LAYERS}, result
     assert refused == ["heterogeneous_config.communication.overlap_parameter_gather is true, but the gradient "
                        "reduction is not overlapped (communication.overlap), whose worker runs the gather; set it "
                        "false"] * 4, refused

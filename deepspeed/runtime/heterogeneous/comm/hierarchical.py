@@ -337,6 +337,8 @@ def attach(engine):
     state = engine._config.heterogeneous
     group = engine.seq_data_parallel_group
     previous = _reducers.pop(group, None) if _reducers else None
+    if previous is not None:  # a new engine: the last one's deferred parameter gathers finish first
+        parameter_gather.detach_reducer(previous)
     if not state.enabled:
         host_shards.attach(engine, None, False)  # parameters an earlier engine gave host shards gather flat again
         return None

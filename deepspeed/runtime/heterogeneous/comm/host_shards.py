@@ -290,7 +290,7 @@ class HostShards:
             self.in_flight += 1
         for started in handle.started[index]:
             self.finish_refresh(started)
-        handle.started[index] = ()
+        started = handle.started[index] = ()  # its buffers freed before the next chunk starts
         self.in_flight -= 1
         self.start_ahead()
         self.gather_in_host(handle.chunks[index], handle.available_status).wait()

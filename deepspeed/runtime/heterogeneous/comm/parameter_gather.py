@@ -210,11 +210,19 @@ class DeferredGather:
             self.pending = None
 
     def remove(self):
-        self.wait_all()
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
-        _live.discard(self)
+        """Finish the pending gather and take the hooks off the module, also after the gather
+        failed (its error was raised where it was waited for; an engine built anew must not meet
+        it again)."""
+        from .overlap import OverlapError
+        try:
+            self.wait_all()
+        except OverlapError:
+            self.pending = None
+        finally:
+            for handle in self._hooks:
+                handle.remove()
+            self._hooks = []
+            _live.discard(self)
 
     # -- the worker -----------------------------------------------------------------------------
 

@@ -268,7 +268,9 @@ def predict_peak(allocations, share=None, offloaded=0.0, activation_bytes=0.0, b
         state["host shard"] = n * pb * float(host_shard)
         # The refresh after a step runs in chunks during the forward's first gathers: at most
         # CHUNKS_IN_FLIGHT chunks, each under REFRESH_CHUNK_BYTES plus one parameter, with the rank's
-        # primary part packed once per host and what arrives for its host shard.
+        # primary part packed once per host and what arrives for its host shard. An upper bound:
+        # every chunk may end in a parameter as large as the largest, and the buffers are counted
+        # beside the whole forward's activations though they are freed as the forward goes on.
         chunk = REFRESH_CHUNK_BYTES + float(a.largest_parameter) * pb
         in_flight = min(n * pb, CHUNKS_IN_FLIGHT * chunk)
         refresh = {"refresh buffers": in_flight * (part * max(1, int(hosts)) + float(host_shard))}

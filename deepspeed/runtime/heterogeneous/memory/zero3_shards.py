@@ -32,7 +32,7 @@ REFRESH_CHUNK_BYTES = 1 << 20
 """Host shards (``comm/host_shards.py``): bytes of stale parameters per refresh all-to-all (a chunk
 closes after the parameter that reaches it): small enough that a bucket's first layers need not
 wait for its last, large enough that the all-to-alls' start-up stays small against their transfer.
-Here, beside the shards, so that the peak model (``peak.py``) reads the same numbers."""
+Here, beside the shards, so that the peak model (``peak.py``) reads the same defaults."""
 
 CHUNKS_IN_FLIGHT = 4
 """Host shards: refresh chunks whose all-to-alls run at once; the next starts when the oldest
