@@ -39,6 +39,7 @@ first (``wait_for_reducer``), and a worker is replaced only after its gathers ar
 """
 
 import bisect
+import collections
 import weakref
 
 import torch
@@ -128,6 +129,10 @@ class GatherPlan:
         return 1 + self.rounds
 
 
+_Round = collections.namedtuple("_Round", "own received in_sizes out_sizes")
+"""One round on this rank (``DeferredGather._round_views``)."""
+
+
 class _Gather:
     """One step's deferred gather: the worker's jobs, oldest first."""
 
@@ -183,10 +188,19 @@ class DeferredGather:
         return hook
 
     def _round_views(self, index):
-        """Per host: the partition slices round ``index`` moves, every group's, in group order."""
-        return [[self.partitions[group][member].narrow(0, start, end - start)
-                 for group in range(len(self.partitions)) for member, start, end in self.plan.chunk(group, host, index)]
-                for host in range(self.reducer.layout.num_hosts)]
+        """What round ``index`` moves on this rank, worked out once per buffer: this host's slices
+        (every group's, in group order), the other hosts' slices it receives (in host order), and
+        the all-to-all's split sizes."""
+        layout, mine = self.reducer.layout, self.reducer.host
+        per_host = [[self.partitions[group][member].narrow(0, start, end - start)
+                     for group in range(len(self.partitions)) for member, start, end in self.plan.chunk(group, host, index)]
+                    for host in range(layout.num_hosts)]
+        own = per_host[mine]
+        own_numel = sum(view.numel() for view in own)
+        return _Round(own=own, received=[view for host, views in enumerate(per_host) if host != mine for view in views],
+                      in_sizes=[0 if host == mine else own_numel for host in range(layout.num_hosts)],
+                      out_sizes=[0 if host == mine else sum(view.numel() for view in views)
+                                 for host, views in enumerate(per_host)])
 
     # -- the main thread ------------------------------------------------------------------------
 
@@ -237,28 +251,20 @@ class DeferredGather:
     def _round(self, views):
         def run():
             reducer = self.reducer
-            mine = reducer.host
-            others = [host for host in range(len(views)) if host != mine]
             if reducer.is_leader:
-                own = views[mine]
-                sent = torch.cat(own) if own else self.partitions[0][0].new_empty(0)
-                sizes = [0 if host == mine else sum(v.numel() for v in views[host]) for host in range(len(views))]
-                arrived = sent.new_empty(sum(sizes))
-                dist.all_to_all_single(arrived, torch.cat([sent.new_empty(0) if host == mine else sent
-                                                           for host in range(len(views))]),
-                                       output_split_sizes=sizes,
-                                       input_split_sizes=[0 if host == mine else sent.numel()
-                                                          for host in range(len(views))],
+                sent = torch.cat(views.own) if views.own else self.partitions[0][0].new_empty(0)
+                arrived = sent.new_empty(sum(views.out_sizes))
+                dist.all_to_all_single(arrived, sent.repeat(len(views.in_sizes) - 1),
+                                       output_split_sizes=views.out_sizes, input_split_sizes=views.in_sizes,
                                        group=reducer.leader_group)
-            received = [view for host in others for view in views[host]]
-            if not received:
+            if not views.received:
                 return
             if reducer.host_size > 1:
                 if not reducer.is_leader:
-                    arrived = received[0].new_empty(sum(v.numel() for v in received))
+                    arrived = views.received[0].new_empty(sum(view.numel() for view in views.received))
                 dist.broadcast(arrived, reducer.leader, group=reducer.intra_group)
             offset = 0
-            for view in received:
+            for view in views.received:
                 view.copy_(arrived.narrow(0, offset, view.numel()))
                 offset += view.numel()
         return run
