@@ -46,9 +46,11 @@ def test_compression_takes_false_bf16_fp16(value):
     ({"hierarchical_reduction": 1},
      "heterogeneous_config.communication.hierarchical_reduction: 1 is not allowed; use true, false or \"auto\""),
     ({"compress_inter_host": "int8"},
-     "heterogeneous_config.communication.compress_inter_host: 'int8' is not allowed; use false, \"bf16\" or \"fp16\""),
+     "heterogeneous_config.communication.compress_inter_host: 'int8' is not allowed; use false, \"lossless\" (exact), "
+     "\"bf16\" or \"fp16\""),
     ({"compress_inter_host": True},
-     "heterogeneous_config.communication.compress_inter_host: True is not allowed; use false, \"bf16\" or \"fp16\""),
+     "heterogeneous_config.communication.compress_inter_host: True is not allowed; use false, \"lossless\" (exact), "
+     "\"bf16\" or \"fp16\""),
     ({"hierarchical": True},
      "heterogeneous_config.communication.hierarchical: unknown key 'hierarchical'; did you mean 'hierarchical_reduction'? allowed keys: compress_inter_host, "
      "hierarchical_reduction, link_aware_buckets"),

@@ -40,6 +40,8 @@ def test_on_two_hosts_every_part_in_force_is_named():
                      "inter-host step compressed to bf16",
                      "gradient buckets reduced during the backward where they can be captured"]
     assert status_line(settings(), TWO_HOSTS, ZERO2).startswith("Active (hierarchical reduction on; link-aware")
+    _, parts = communication_status(settings({"compress_inter_host": "lossless"}), TWO_HOSTS, ZERO2)
+    assert parts[2] == "inter-host exchanges coded losslessly"
 
 
 @pytest.mark.parametrize("communication, topology, param_dict, active, expected", [

@@ -40,12 +40,13 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
-from . import host_shards, overlap, parameter_gather
+from . import host_shards, lossless, overlap, parameter_gather
 from .host_groups import (group_layout, host_ranges, pack, piece, piece_elements_for, ranges_numel,
                           reduction_decision, scatter_into, shard_size, unpack)
 
 
 COMPRESSION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+LOSSLESS = "lossless"  # compress_inter_host's exact setting: the leaders' exchanges coded by lossless.py
 
 _reducers = {}
 """Process group -> the HierarchicalReducer that all-reduces over it (set by ``attach``)."""
@@ -62,7 +63,8 @@ class HierarchicalReducer:
         Args:
             hosts: host of each member of ``group`` (member order), e.g. (0, 0, 1, 1).
             group: the data-parallel process group (None: the world).
-            compress: False, "bf16" or "fp16": the dtype of the inter-host step.
+            compress: False, "bf16" or "fp16" (the dtype of the inter-host step), or "lossless"
+                (the leaders' all-to-alls coded bit for bit, ``lossless.py``).
             piece_elements: the most elements the leaders' all-to-all sends a peer at once
                 (``piece_elements_for``; None: whole messages). The same on every rank.
         """
@@ -72,7 +74,7 @@ class HierarchicalReducer:
         self.background = None  # overlap.BackgroundReduction while ZeRO buckets are reduced during the backward
         self.layout = group_layout(hosts)
         self.group = group
-        self.compress = COMPRESSION_DTYPES[compress] if compress else None
+        self.set_compression(compress)
         ranks = dist.get_all_ranks_from_group(group) if group is not None else list(range(dist.get_world_size()))
         if len(ranks) != len(self.layout.hosts):
             raise ValueError(f"hosts {list(hosts)} name {len(self.layout.hosts)} ranks but the data-parallel group "
@@ -92,6 +94,10 @@ class HierarchicalReducer:
             self.inter_group, _ = torch.distributed.new_subgroups_by_enumeration(shards)
         else:
             self.inter_group = self.leader_group
+
+    def set_compression(self, compress):
+        self.lossless = compress == LOSSLESS
+        self.compress = COMPRESSION_DTYPES[compress] if compress and not self.lossless else None
 
     def all_reduce(self, tensor):
         """Sum ``tensor`` over the group, in place (as ``deepspeed.comm.all_reduce``)."""
@@ -198,6 +204,21 @@ class HierarchicalReducer:
         if largest == 0:
             return received
         pieces = 1 if not self.piece_elements else -(-largest // self.piece_elements)
+        if not self.lossless:
+            self._all_to_all_pieces(sends, received, pieces)
+            return received
+        # Lossless: every message coded, its size sent ahead; the pieces cut from the coded bytes
+        # (their count still from ``largest``, the same on every leader).
+        device = sends[0].device
+        payloads = [lossless.encode(tensor).to(device) for tensor in sends]
+        sizes = lossless.exchange_sizes([payload.numel() for payload in payloads], self.leader_group, device)
+        arrived = [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
+        self._all_to_all_pieces(payloads, arrived, pieces)
+        for output, payload in zip(received, arrived):
+            output.copy_(lossless.decode(payload, output.dtype, output.numel()))
+        return received
+
+    def _all_to_all_pieces(self, sends, received, pieces):
         for index in range(pieces):
             inputs = [piece(tensor, index, pieces) for tensor in sends]
             outputs = [piece(tensor, index, pieces) for tensor in received]
@@ -207,7 +228,6 @@ class HierarchicalReducer:
                                    input_split_sizes=[tensor.numel() for tensor in inputs], group=self.leader_group)
             for output, part in zip(outputs, arrived.split(sizes)):
                 output.copy_(part)
-        return received
 
     def all_gather_partitions(self, partitions):
         """Give every rank every member's partition (views of one flat buffer, in member order;
@@ -366,7 +386,7 @@ def attach(engine):
     pieces = piece_elements_for(topology.link_bandwidth if topology is not None else None)
     if previous is not None and previous.layout == group_layout(hosts):
         reducer = previous  # the same groups again: no second creation
-        reducer.compress = COMPRESSION_DTYPES[compress] if compress else None
+        reducer.set_compression(compress)
         reducer.piece_elements = pieces
     else:
         reducer = HierarchicalReducer(hosts, group=group, compress=compress, piece_elements=pieces)
@@ -388,13 +408,15 @@ def attach(engine):
     if dist.get_rank() == 0:
         layout = reducer.layout
         stage = engine.zero_optimization_stage()
+        coding = ("" if not compress else ", inter-host exchanges coded losslessly" if reducer.lossless else
+                  f", inter-host step in {compress}")
         scheme = ("ZeRO-3: gradient chunks to their owners' hosts only" if stage == 3 else
                   "ZeRO-1/2: owned slices and partitions between host leaders" if stage else
                   "sharded" if layout.even else "through host leaders")
         # Printed like the plan (runtime.log_plan): a default run shows WARNING and above only.
         print(f"[deepspeed-hetero] hierarchical gradient reduction over {layout.num_hosts} hosts "
               f"{[list(m) for m in layout.host_members]} ({scheme}"
-              f"{', inter-host step in ' + compress if compress else ''}"
+              f"{coding}"
               f"{', overlapped with the backward' if reducer.background is not None else ''}"
               f"{', parameters gathered during the next forward' if parameter_gather.deferred(engine.optimizer) else ''}"
               f"{', parameters gathered inside each host' if shards is not None else ''})", flush=True)

@@ -40,6 +40,7 @@ import torch
 from deepspeed.utils import logger
 
 from ..memory.zero3_shards import CHUNKS_IN_FLIGHT, REFRESH_CHUNK_BYTES, param_spans  # noqa: F401 (tests set them here)
+from . import lossless as lossless_coding
 from .gather_handles import MultipleHandles, UnevenGatherHandle, choose_mode
 from .host_groups import settle
 
@@ -177,12 +178,15 @@ def _zero_settings(zero):
 class HostShards:
     """The host shards of one engine's ZeRO-3 parameters (see the module docstring)."""
 
-    def __init__(self, params, group, layout, gather_group, device):
+    def __init__(self, params, group, layout, gather_group, device, lossless=False):
         from deepspeed import comm as dist
         self.group, self.gather_group, self.device = group, gather_group, device
         self.world = dist.get_world_size(group=group)
         self.rank = dist.get_rank(group=group)
         self.host_members = layout.host_members
+        # compress_inter_host "lossless": what goes to a rank of another host is coded (lossless.py)
+        self.coded_peers = ([layout.host_of(peer) != layout.host_of(self.rank) for peer in range(self.world)]
+                            if lossless else None)
         self.members = self.host_members[layout.host_of(self.rank)]
         self.local = self.members.index(self.rank)
         self.params = sorted(params, key=lambda p: p.ds_id)
@@ -252,16 +256,45 @@ class HostShards:
         for param, source, n in packs:
             send.narrow(0, offset, n).copy_(param.ds_tensor.view(-1).narrow(0, source, n))
             offset += n
+        if self.coded_peers is not None:
+            return self._start_coded(params, send, in_sizes, out_sizes, unpacks)
         received = torch.empty(sum(out_sizes), dtype=dtype, device=self.device)
         work = dist.all_to_all_single(received, send, output_split_sizes=out_sizes, input_split_sizes=in_sizes,
                                       group=self.group, async_op=True)
-        return params, [p.ds_host_generation for p in params], unpacks, send, received, work
+        return params, [p.ds_host_generation for p in params], unpacks, send, received, work, None
+
+    def _start_coded(self, params, send, in_sizes, out_sizes, unpacks):
+        """``start_refresh`` with the parts for other hosts coded: their sizes go first (one small
+        all-to-all, waited for here), then the bytes, asynchronously."""
+        from deepspeed import comm as dist
+        payloads = [lossless_coding.encode(part).to(self.device) if coded else part.view(torch.uint8)
+                    for part, coded in zip(send.split(in_sizes), self.coded_peers)]
+        sizes = lossless_coding.exchange_sizes([p.numel() for p in payloads], self.group, self.device)
+        received = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
+        send = torch.cat(payloads)
+        work = dist.all_to_all_single(received, send, output_split_sizes=sizes,
+                                      input_split_sizes=[p.numel() for p in payloads], group=self.group, async_op=True)
+        return params, [p.ds_host_generation for p in params], unpacks, send, received, work, (sizes, out_sizes)
+
+    def _decoded(self, received, sizes, out_sizes, dtype):
+        values = torch.empty(sum(out_sizes), dtype=dtype, device=self.device)
+        offset = 0
+        for part, n, coded in zip(received.split(sizes), out_sizes, self.coded_peers):
+            target = values.narrow(0, offset, n)
+            if coded:
+                target.copy_(lossless_coding.decode(part, dtype, n))
+            else:  # in-host bytes as sent (copied: a part need not start at an element boundary)
+                target.view(torch.uint8).copy_(part)
+            offset += n
+        return values
 
     @torch.no_grad()
     def finish_refresh(self, started):
         from deepspeed.accelerator import get_accelerator
-        params, generations, unpacks, _, received, work = started  # the send buffer lives until here
+        params, generations, unpacks, _, received, work, coded = started  # the send buffer lives until here
         work.wait()
+        if coded is not None:
+            received = self._decoded(received, *coded, params[0].ds_host_shard.dtype)
         if received.device.type != "cpu":  # read below on this stream; freed once the chunk completes
             received.record_stream(get_accelerator().current_stream())
         offset = 0
@@ -496,6 +529,7 @@ def attach(engine, reducer, setting, serves=None):
               and not getattr(p, "ds_persist", False) and (serves is None or serves(p.ds_process_group))]
     if not params:
         return None, "no partitioned parameters"
-    shards = HostShards(params, group, reducer.layout, _gather_group(reducer), get_accelerator().current_device_name())
+    shards = HostShards(params, group, reducer.layout, _gather_group(reducer), get_accelerator().current_device_name(),
+                        lossless=getattr(reducer, "lossless", False))
     logger.debug(f"host shards: {shards.held_elements()} elements on this rank")
     return shards, None

@@ -89,7 +89,8 @@ def communication_status(settings, topology=None, param_dict=None, link_sizes=No
     compression = config.compress_inter_host
     if compression:
         if reducing:
-            parts.append(f"inter-host step compressed to {compression}")
+            parts.append("inter-host exchanges coded losslessly" if compression == "lossless" else
+                         f"inter-host step compressed to {compression}")
         else:
             parts.append(f"inter-host compression {compression}: with the hierarchical reduction")
     if reducing and _zero_stage(param_dict) > 0:

@@ -92,9 +92,9 @@ def _auto_or_bool(value):
 
 
 def _compression_dtype(value):
-    if value is False or value is None or value in ("bf16", "fp16"):
+    if value is False or value is None or value in ("bf16", "fp16", "lossless"):
         return value or False
-    raise ValueError(f"{value!r} is not allowed; use false, \"bf16\" or \"fp16\"")
+    raise ValueError(f"{value!r} is not allowed; use false, \"lossless\" (exact), \"bf16\" or \"fp16\"")
 
 
 AutoOrBool = Annotated[Union[Literal["auto"], bool], BeforeValidator(_auto_or_bool)]
@@ -134,16 +134,20 @@ class CommunicationConfig(DeepSpeedConfigModel):
 
     The exact parts are on by default (``auto``) wherever they can matter: the fork is enabled and
     the data-parallel ranks span more than one host (``cluster/topology.py``); a user turns them off
-    with ``false``. Compression is not exact, hence opt-in."""
+    with ``false``. Compression is opt-in: bf16/fp16 is not exact, and lossless costs CPU time
+    that pays only on slow links."""
 
     hierarchical_reduction: AutoOrBool = "auto"
     """ZeRO-0/1/2 gradient all-reduce in three steps: inside each host, shards between hosts, inside
     each host again (``comm/hierarchical.py``). Equal to the flat all-reduce up to summation order.
     ``true`` where it cannot apply (data-parallel group smaller than the world) is an error."""
-    compress_inter_host: Union[Literal["bf16", "fp16"], bool] = False
-    """Send the inter-host step of the hierarchical reduction in bf16 or fp16 (in-host steps stay in
-    the gradient's dtype). Not exact: the sum between hosts is rounded to 8 (bf16) or 11 (fp16)
-    mantissa bits. Needs hierarchical_reduction in force."""
+    compress_inter_host: Union[Literal["lossless", "bf16", "fp16"], bool] = False
+    """``"lossless"``: code what the host leaders exchange (gradient partials, ZeRO-1/2's updated
+    partitions) and ZeRO-3's host-shard refresh between hosts bit for bit (``comm/lossless.py``):
+    exact, about 0.84 of the fp32 bytes (0.67 of bf16), for some CPU time per message.
+    ``"bf16"``/``"fp16"``: send the inter-host step of the hierarchical reduction in that dtype
+    (in-host steps stay in the gradient's dtype); not exact, the sum between hosts is rounded to 8
+    (bf16) or 11 (fp16) mantissa bits. Needs hierarchical_reduction in force."""
     overlap: AutoOrBool = "auto"
     """ZeRO-1/2: each full gradient bucket's hierarchical reduction runs in a background thread
     while the backward goes on; the step waits only for the buckets still on the wire when it ends
