@@ -18,8 +18,9 @@ with what overlap needs and the issue's share scenario asks for:
 
 One launch trains, per ZeRO stage and repeat, one engine per mode from the same weights on the same
 samples (``comm_train.py``, the order alternating by repeat): ``flat`` (upstream's reduction),
-``sync`` (the fork's hierarchical reduction, ``overlap: false``) and ``hier`` (``overlap: "auto"``); ZeRO-1/2
-also ``fwd-gather`` (``hier`` with ``overlap_parameter_gather: true``, bitwise equal to ``sync`` too).
+``sync`` (the fork's hierarchical reduction, ``overlap: false``), ``hier`` (``overlap: "auto"``) and
+``coded`` (``hier`` with ``compress_inter_host: "lossless"``, bitwise equal to ``sync``); ZeRO-1/2 also
+``fwd-gather`` (``hier`` with ``overlap_parameter_gather: true``, bitwise equal to ``sync`` too).
 Per mode: slow-link bytes per step (``tc`` counters), step time, the exposed communication (the main
 thread's time in collectives and in waits for the background reduction, the comm clock), its split
 over the forward, the backward and the step, and its share of the step, and the share the heterogeneous profiler reports for the same steps (its
@@ -47,7 +48,8 @@ RESULTS = REPO / "tests" / "perf" / "results" / "overlap.json"
 RATE_MBIT = 177
 MICRO_BATCH = 12
 BUCKET = 131072
-MODES = ("flat", "sync", "hier")
+MODES = ("flat", "sync", "hier", "coded")
+"""``coded``: ``hier`` with ``compress_inter_host: "lossless"`` (bitwise equal to ``sync`` too)."""
 ZERO12_MODES = MODES + ("fwd-gather", )
 """ZeRO-1/2 also runs ``hier`` with the parameter gather after the step moved into the next forward
 (``fwd-gather``: ``communication.overlap_parameter_gather``, opt-in)."""
@@ -95,6 +97,10 @@ def summarise(stage, marks, results, repeats, short, long):
     row["step_time_vs_sync"] = row["hier"]["step_time_s"] / row["sync"]["step_time_s"]
     row["step_time_vs_flat"] = row["hier"]["step_time_s"] / row["flat"]["step_time_s"]
     row["exposed_comm_vs_sync"] = row["hier"]["comm_time_s"] / row["sync"]["comm_time_s"]
+    row["bitwise_coded_vs_sync"] = all(result["runs"][f"zero{stage}-coded-r{r}"].get("bitwise_vs_sync")
+                                       for result in results for r in range(repeats))
+    row["step_time_coded_vs_hier"] = row["coded"]["step_time_s"] / row["hier"]["step_time_s"]
+    row["bytes_coded_vs_hier"] = row["coded"]["slow_link_bytes"] / row["hier"]["slow_link_bytes"]
     if "fwd-gather" in row:  # the parameter gather during the next forward against the gather in the step
         row["bitwise_fwd_gather_vs_sync"] = all(
             result["runs"][f"zero{stage}-fwd-gather-r{r}"].get("bitwise_vs_sync") for result in results
@@ -147,6 +153,8 @@ def print_table(report):
         print(f"      overlap vs sync: step x{row['step_time_vs_sync']:.2f}, exposed comm "
               f"x{row['exposed_comm_vs_sync']:.2f}; vs flat: step x{row['step_time_vs_flat']:.2f}; bitwise equal to "
               f"sync: {'yes' if row['bitwise_overlap_vs_sync'] else 'NO'}")
+        print(f"      coded vs hier: step x{row['step_time_coded_vs_hier']:.2f}, slow-link bytes "
+              f"x{row['bytes_coded_vs_hier']:.3f}; bitwise equal to sync: {'yes' if row['bitwise_coded_vs_sync'] else 'NO'}")
         if "fwd-gather" in row:
             print(f"      fwd-gather vs hier: step x{row['step_time_fwd_gather_vs_hier']:.2f}, exposed comm "
                   f"x{row['exposed_comm_fwd_gather_vs_hier']:.2f}; bitwise equal to sync: "

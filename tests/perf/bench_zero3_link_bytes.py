@@ -98,7 +98,7 @@ SLOW_HOST = 1
 """Both links run at the same rate: the last host's, as bench_communication.py picks on a tie."""
 MICRO_BATCH = 4
 FULL = dict(configs=tuple(CONFIGS), sizes=(262144, 1048576), warmup=2, short=1, long=3)
-QUICK = dict(configs=("flat", "flat-r0p0", "hier", "shards", "shards-r0p0", "hpz2-r0p0"), sizes=(1048576, ))
+QUICK = dict(configs=("flat", "flat-r0p0", "hier", "shards", "shards-r0p0", "coded", "hpz2-r0p0"), sizes=(1048576, ))
 """Configurations run in CONFIGS' order whatever the order here: hpZ last (see CONFIGS)."""
 RING_IDEAL = {"reduce_scatter_tensor": 1, "all_reduce": 2, "all_gather_into_tensor": 1}
 """A ring's bytes on one host's link (both directions) in units of 2 (P - 1) / P times the tensor."""
@@ -173,7 +173,9 @@ def derived(zero3, collectives):
                                                          / by_name["flat-p0"]["slow_link_bytes"])
     if "hpz2" in by_name and "flat" in by_name:
         facts["hpz_saves_without_regathers"] = by_name["flat"]["slow_link_bytes"] - by_name["hpz2"]["slow_link_bytes"]
-    for shards, hier in (("shards", "hier"), ("shards-r0p0", "hier-r0p0")):
+    # (row, the row it must equal bitwise): host shards only copy values, the coder gives back every bit
+    for shards, hier in (("shards", "hier"), ("shards-r0p0", "hier-r0p0"), ("coded", "shards"),
+                         ("coded-r0p0", "shards-r0p0")):
         if shards in by_name and "flat" in by_name:
             facts[f"{shards}_over_flat"] = by_name[shards]["slow_link_bytes"] / by_name["flat"]["slow_link_bytes"]
         if shards in by_name and "flat-r0p0" in by_name and shards.endswith("r0p0"):
@@ -268,7 +270,7 @@ def print_tables(report):
               f"{'yes' if row['hierarchical'] else 'no':>4}  {describe_regathers(row['backward_regathers'])}"
               f"{'' if row['same_regathers_on_every_rank'] else '  (other ranks re-gathered differently)'}"
               f"{'' if row['hpz_in_force'] else '  (hpZ group NOT as configured)'}"
-              f"{'' if row['host_shards'] == (row['mode'] == 'shards') else '  (host shards NOT as configured)'}")
+              f"{'' if row['host_shards'] == (row['mode'] in ('shards', 'coded')) else '  (host shards NOT as configured)'}")
     thresholds = sorted({row["settings"]["param_persistence_threshold"] for row in report["zero3"]})
     persistent = sorted({row["persistent_parameters"] for row in report["zero3"]})
     print(f"stage3_param_persistence_threshold in force (fork enabled): {thresholds} (upstream's default "
@@ -287,7 +289,7 @@ def print_tables(report):
               f"{facts['hpz_with_regathers_over_no_regathers']:.4f}")
 
     for key, value in facts.items():
-        if key.startswith("shards"):
+        if key.startswith(("shards", "coded")):
             print(f"{key.replace('_', ' ')}: {value if isinstance(value, bool) else format(value, '.4g')}")
     print(f"\n(b) gloo ({report['torch']}), world of {sum(RANKS)}, one call: slow-link bytes / tensor bytes "
           "(ring: what a ring moves)")
@@ -306,7 +308,7 @@ def print_tables(report):
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smoke run: 6 configurations, one size")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 7 configurations, one size")
     arguments = parser.parse_args()
     os.chdir(REPO)
     run(arguments.quick)

@@ -8,7 +8,8 @@ upstream's one flat all-reduce; ``hier``: ``"auto"``, the fork's default on seve
 ``overlap: "auto"`` (and ZeRO-3's ``zero3_host_shards: "auto"``); ``sync``: the same with
 ``overlap: false``; ``gather-all``: ``hier`` with ``zero3_host_shards: false``; ``one-chunk``: ``hier``
 with each gather's host-shard refresh in one all-to-all; ``fwd-gather``: ``hier`` with ZeRO-1/2's
-parameter gather during the next forward (``overlap_parameter_gather``); ``off``: the fork disabled,
+parameter gather during the next forward (``overlap_parameter_gather``); ``coded``: ``hier`` with
+``compress_inter_host: "lossless"``; ``off``: the fork disabled,
 upstream itself), alternating which mode goes first, and
 trains each from the same initial weights on the same samples:
 
@@ -87,6 +88,8 @@ def train(args, out, stage, mode, repeat, rank, world_size):
         communication["zero3_host_shards"] = False
     if mode == "fwd-gather":  # ZeRO-1/2: the parameter gather after the step runs during the next forward
         communication["overlap_parameter_gather"] = True
+    if mode == "coded":  # what crosses hosts coded bit for bit
+        communication["compress_inter_host"] = "lossless"
     if mode == "lowcomm":
         outer = {"sync_every": args.sync_every, "pseudo_gradient_dtype": args.pseudo_dtype,
                  "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
@@ -200,7 +203,7 @@ def main():
                              "disabled: upstream itself; its collectives are timed only after a fork engine was "
                              "built in the process), lowcomm (communication.mode \"low_communication\"), hpz (ZeRO-3 only, "
                              "run last: flat with zero_hpz_partition_size the ranks per host), fwd-gather (ZeRO-1/2: hier with "
-                             "overlap_parameter_gather true)")
+                             "overlap_parameter_gather true), coded (hier with compress_inter_host \"lossless\")")
     parser.add_argument("--sync-every", type=int, default=50, help="lowcomm: low_communication.sync_every")
     parser.add_argument("--pseudo-dtype", default="bf16", help="lowcomm: low_communication.pseudo_gradient_dtype")
     parser.add_argument("--outer-lr", type=float, default=1.0, help="lowcomm: low_communication.outer_lr")
@@ -248,9 +251,10 @@ def main():
             if "sync" in params and "hier" in params:
                 result["runs"][f"zero{stage}-hier-r{repeat}"].update(
                     bitwise_vs_sync=all(torch.equal(a, b) for a, b in zip(params["sync"], params["hier"])))
-            if "fwd-gather" in params and "sync" in params:
-                result["runs"][f"zero{stage}-fwd-gather-r{repeat}"].update(
-                    bitwise_vs_sync=all(torch.equal(a, b) for a, b in zip(params["sync"], params["fwd-gather"])))
+            for exact in ("fwd-gather", "coded"):
+                if exact in params and "sync" in params:
+                    result["runs"][f"zero{stage}-{exact}-r{repeat}"].update(
+                        bitwise_vs_sync=all(torch.equal(a, b) for a, b in zip(params["sync"], params[exact])))
             if "one-chunk" in params and "hier" in params:
                 result["runs"][f"zero{stage}-hier-r{repeat}"].update(
                     bitwise_vs_one_chunk=all(torch.equal(a, b) for a, b in zip(params["one-chunk"], params["hier"])))

@@ -65,6 +65,8 @@ CONFIGS = {
     "hier-r0p0": ("hier", REUSE0_PREFETCH0, "hier + reuse 0 + prefetch 0"),
     "shards": ("shards", {}, "hier + host shards"),
     "shards-r0p0": ("shards", REUSE0_PREFETCH0, "hier + host shards + reuse 0 + prefetch 0"),
+    "coded": ("coded", {}, "hier + host shards + lossless"),
+    "coded-r0p0": ("coded", REUSE0_PREFETCH0, "hier + host shards + lossless + reuse 0 + prefetch 0"),
     "hpz2": ("flat", HPZ2, "hpZ=2"),
     "hpz2-r0p0": ("flat", dict(HPZ2, **REUSE0_PREFETCH0), "hpZ=2 + reuse 0 + prefetch 0"),
 }
@@ -135,7 +137,8 @@ def train(args, out, name, rank, world_size):
               "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "uniform",
                                        "mixed_precision_support": "fp32",
                                        "communication": {"hierarchical_reduction": reduction,
-                                                         "zero3_host_shards": mode == "shards"}}}
+                                                         "zero3_host_shards": mode in ("shards", "coded"),
+                                                         "compress_inter_host": mode == "coded" and "lossless"}}}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     zero_config = engine._config.zero_config
     steps = args.warmup + args.short + args.long

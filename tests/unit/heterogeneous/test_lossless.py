@@ -97,7 +97,7 @@ def _data(train_batch_size):
             torch.randn(STEPS * train_batch_size, WIDTH, generator=generator))
 
 
-def _train(rank, hosts, stage, sizes, gas, coded, zero=None, memory=None):
+def _train(rank, hosts, stage, sizes, gas, coded, zero=None, memory=None, overlap="auto"):
     """Train STEPS steps; returns the parameters, the losses, this rank's collectives per thread and
     group, and what the coder was given and made: (input bytes, payload bytes) per call."""
     import deepspeed
@@ -111,7 +111,8 @@ def _train(rank, hosts, stage, sizes, gas, coded, zero=None, memory=None):
         "optimizer": {"type": "Adam", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}},
         "zero_optimization": {"stage": stage, **(zero or {})},
         "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "manual", "micro_batch_sizes": sizes,
-                                 "communication": {"compress_inter_host": "lossless" if coded else False}},
+                                 "communication": {"compress_inter_host": "lossless" if coded else False,
+                                                   "overlap": overlap}},
     }
     if memory:
         config["heterogeneous_memory"] = memory
@@ -131,6 +132,7 @@ def _train(rank, hosts, stage, sizes, gas, coded, zero=None, memory=None):
         reducer = hierarchical.reducer_for(engine.seq_data_parallel_group)
         assert reducer is not None and reducer.lossless == coded
         shards = any(getattr(p, host_shards.ATTRIBUTE, None) is not None for p in engine.module.parameters())
+        assert overlap is not False or reducer.background is None, reducer.background
         train_batch_size = sum(sizes) * gas
         inputs, targets = _data(train_batch_size)
         offset = sum(sizes[:rank])
@@ -173,6 +175,7 @@ CASES = [
     # Unequal partitions: blocks of unequal size between the leaders; gradient accumulation.
     dict(hosts=[0, 0, 1, 1], stage=1, sizes=[1, 3, 2, 2], gas=2, memory={"zero_partitions": [0.4, 0.3, 0.2, 0.1]}),
     dict(hosts=[0, 1, 0, 1], stage=3, sizes=[1, 3, 2, 3], gas=2),
+    dict(hosts=[0, 0, 1, 1], stage=3, sizes=[2, 1, 1, 2], overlap=False),  # the leaders' exchange on the main thread
     dict(hosts=[0, 1, 1], stage=3, sizes=[3, 1, 2]),
     dict(hosts=[0, 0, 1], stage=2, sizes=[1, 2, 4]),
 ]
@@ -181,8 +184,8 @@ CASES = [
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_training_with_the_coder_is_bitwise_training_without_it():
-    even = run_subcases(_case, CASES[:3], world_size=4, timeout=420)
-    uneven = run_subcases(_case, CASES[3:], world_size=3, timeout=300)
+    even = run_subcases(_case, CASES[:4], world_size=4, timeout=420)
+    uneven = run_subcases(_case, CASES[4:], world_size=3, timeout=300)
     for case, per_rank in zip(CASES, even + uneven):
         expected = _reference(case["sizes"], case.get("gas", 1))
         for result in per_rank:
