@@ -22,7 +22,9 @@ from the same weights on the same samples:
 - ``hier``: ``hierarchical_reduction: "auto"`` (the fork's reduction across hosts,
   ``deepspeed/runtime/heterogeneous/comm/hierarchical.py``) with ``zero3_host_shards: false``;
 - ``hier + host shards``: both ``"auto"`` (parameter gathers inside each host from each host's copy,
-  ``comm/host_shards.py``).
+  ``comm/host_shards.py``);
+- ``hier + host shards + lossless``: with ``compress_inter_host: "lossless"`` (the leaders' exchanges
+  and the host-shard refresh coded bit for bit, ``comm/lossless.py``).
 
 Slow-link bytes per step: the ``tc -s`` byte counters of host 1's link (both directions; the two
 links carry the same bytes), read at marks around a segment of 1 step and one of 3 after 2 warm-up
@@ -64,6 +66,8 @@ its own numbers; the bytes repeat to ~0.1%):
   1.05 N each way, half the refresh of the host shards, half the reduction); with reuse 0 +
   prefetch 0 also 7.08 MB (0.324x of flat's 21.83), the 28 re-gathers on the 2-rank groups. Its
   losses equal hier's bitwise and flat's within 4.8e-7.
+- hier + host shards + lossless: 6.04 MB (0.380x flat, 1.79 N); with reuse 0 + prefetch 0 6.18 MB
+  (0.283x of flat's 21.84); losses bitwise equal to the rows without coding.
 - With the fork enabled ``stage3_param_persistence_threshold`` is 0 in every row (upstream's
   default 100000, ``zero3_settings.py``) and no parameter is persistent: every parameter travels
   in the gathers above.
@@ -72,8 +76,8 @@ its own numbers; the bytes repeat to ~0.1%):
   their own setting; run after them, hier + reuse 0 + prefetch 0 measured 8.96 MB with in-host
   re-gathers (an hpZ engine). The rank script refuses that order.
 
-    python tests/perf/bench_zero3_link_bytes.py            # full run (70 s on 2 cores), JSON in tests/perf/results/
-    python tests/perf/bench_zero3_link_bytes.py --quick    # smoke run (50 s): 6 configurations, one size
+    python tests/perf/bench_zero3_link_bytes.py            # full run (85 s on 2 cores), JSON in tests/perf/results/
+    python tests/perf/bench_zero3_link_bytes.py --quick    # smoke run (55 s): 7 configurations, one size
 """
 
 import argparse
@@ -262,10 +266,10 @@ def print_tables(report):
           f"segments of {report['steps']['short']} and {report['steps']['long']} steps"
           f"{' (--quick)' if report['quick'] else ''}, "
           f"{report['elapsed_s']:.0f} s in all")
-    print(f"{'config':<42} {'MB/step':>8} {'/flat':>6} {'x N':>5} {'ms/step':>8}  {'hier':>4}  "
+    print(f"{'config':<50} {'MB/step':>8} {'/flat':>6} {'x N':>5} {'ms/step':>8}  {'hier':>4}  "
           "backward re-gathers per step (rank 0)")
     for row in report["zero3"]:
-        print(f"{row['label']:<42} {row['slow_link_bytes'] / mb:>8.2f} {row['vs_flat']:>6.3f} "
+        print(f"{row['label']:<50} {row['slow_link_bytes'] / mb:>8.2f} {row['vs_flat']:>6.3f} "
               f"{row['per_parameter_bytes']:>5.2f} {1e3 * row['step_time_s']:>8.0f}  "
               f"{'yes' if row['hierarchical'] else 'no':>4}  {describe_regathers(row['backward_regathers'])}"
               f"{'' if row['same_regathers_on_every_rank'] else '  (other ranks re-gathered differently)'}"
