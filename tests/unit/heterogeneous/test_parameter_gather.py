@@ -214,10 +214,21 @@ def _case(rank, world_size, hosts, stage, sizes, gas=1, refused=None, failed=Fal
             try:
                 deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
             except ValueError as exc:
-                return str(exc)
+                return str(exc), _overlap_workers_left()
         return None
     return {"on": _train(rank, hosts, stage, sizes, gas, True, **options),
             "off": _train(rank, hosts, stage, sizes, gas, False, **options)}
+
+
+def _overlap_workers_left():
+    """The overlap workers still running a moment after a refusal, and whether a reducer stayed
+    registered."""
+    import threading
+    from deepspeed.runtime.heterogeneous.comm import hierarchical
+    workers = [t for t in threading.enumerate() if t.name == "deepspeed-hetero-overlap"]
+    for worker in workers:
+        worker.join(timeout=10)
+    return sum(worker.is_alive() for worker in workers), bool(hierarchical._reducers)
 
 
 def _reference(sizes, gas):
@@ -272,14 +283,18 @@ def test_the_gather_during_the_forward_trains_bitwise_like_the_gather_in_the_ste
 @pytest.mark.timeout(300)
 def test_a_failed_gather_stops_every_rank_once_and_true_where_it_cannot_apply_is_refused():
     cases = [dict(hosts=[0, 0, 1, 1], stage=2, sizes=[2, 2, 2, 2], refused={"reduce_scatter": False}),
+             # ZeRO-3: overlap starts its worker before the gather is refused; the worker stops with it.
+             dict(hosts=[0, 0, 1, 1], stage=3, sizes=[2, 2, 2, 2], refused={}),
              dict(hosts=[0, 0, 1, 1], stage=2, sizes=[2, 2, 2, 2], failed=True)]
-    refused, failed = run_subcases(_case, cases, world_size=4, timeout=240)
+    refused, refused_zero3, failed = run_subcases(_case, cases, world_size=4, timeout=240)
     for result in failed:
         assert result == {"error": "OverlapError: deepspeed-hetero: the background parameter gather failed: "
                                    "injected link failure", "state": 2 * LAYERS}, result
-    assert refused == ["heterogeneous_config.communication.overlap_parameter_gather is true, but the gradient "
-                       "reduction is not overlapped (communication.overlap), whose worker runs the gather; set it "
-                       "false"] * 4, refused
+    assert refused == [("heterogeneous_config.communication.overlap_parameter_gather is true, but the gradient "
+                        "reduction is not overlapped (communication.overlap), whose worker runs the gather; set it "
+                        "false", (0, False))] * 4, refused
+    for message, left in refused_zero3:
+        assert "overlap_parameter_gather" in message and left == (0, False), (message, left)
 
 
 def test_the_setting_is_off_by_default_and_needs_the_overlapped_reduction():

@@ -401,6 +401,8 @@ def attach(engine):
         shards, shards_note = host_shards.attach(engine, reducer, communication.zero3_host_shards,
                                                  serves=lambda partition_group: zero3_reducer(partition_group) is reducer)
     except ValueError as exc:  # `true` where it cannot apply: every rank decided alike, rank 0 says it once
+        _reducers.pop(group, None)
+        overlap.attach(reducer, False, None)  # the refused engine's worker stops
         from ..config.errors import one_line_config_errors
         from ..config.settings import HeterogeneousConfigError
         one_line_config_errors()
