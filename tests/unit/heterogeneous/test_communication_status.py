@@ -69,7 +69,9 @@ def test_what_is_not_in_force_says_why(communication, topology, param_dict, acti
 
 def test_compression_without_the_reduction_is_not_in_force():
     active, parts = communication_status(settings({"compress_inter_host": "fp16"}), Topology((0, 0)), ZERO2)
-    assert active is False and parts[-1] == "inter-host compression fp16: with the hierarchical reduction"
+    assert active is False and parts[-1] == "inter-host step compressed to fp16: with the hierarchical reduction"
+    _, parts = communication_status(settings({"compress_inter_host": "lossless"}), Topology((0, 0)), ZERO2)
+    assert parts[-1] == "inter-host exchanges coded losslessly: with the hierarchical reduction"
 
 
 def test_the_fork_off_is_off():

@@ -88,11 +88,9 @@ def communication_status(settings, topology=None, param_dict=None, link_sizes=No
 
     compression = config.compress_inter_host
     if compression:
-        if reducing:
-            parts.append("inter-host exchanges coded losslessly" if compression == "lossless" else
-                         f"inter-host step compressed to {compression}")
-        else:
-            parts.append(f"inter-host compression {compression}: with the hierarchical reduction")
+        what = ("inter-host exchanges coded losslessly" if compression == "lossless" else
+                f"inter-host step compressed to {compression}")
+        parts.append(what if reducing else f"{what}: with the hierarchical reduction")
     if reducing and _zero_stage(param_dict) > 0:
         parts.append("gradient buckets reduced during the backward where they can be captured" if config.overlap
                      is not False else "overlap off")
