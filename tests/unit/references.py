@@ -15,6 +15,11 @@ def adam_mse_reference(model, inputs, targets, step_indices, lr, optimizer_class
     return list(model.parameters())
 
 
+def consecutive_batches(batch, steps):
+    """Step k's sample indices when every step takes the next ``batch`` samples."""
+    return [list(range(k * batch, (k + 1) * batch)) for k in range(steps)]
+
+
 class RecordingDataset(torch.utils.data.Dataset):
     """``samples`` deterministic (input, target) pairs of width ``width`` drawn with ``seed``;
     records every index it hands out (``seen``), so a test can check what each rank was fed."""

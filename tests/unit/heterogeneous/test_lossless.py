@@ -13,7 +13,7 @@ from deepspeed.runtime.heterogeneous.comm import lossless
 from deepspeed.runtime.heterogeneous.config.blocks import CommunicationConfig
 
 from harness import check_collectives_per_group, run_subcases
-from references import adam_mse_reference
+from references import adam_mse_reference, consecutive_batches
 
 WIDTH = 32
 LAYERS = 4
@@ -164,10 +164,9 @@ def _case(rank, world_size, hosts, stage, sizes, gas=1, **options):
 
 
 def _reference(sizes, gas):
+    """One process's Adam, each step on the global batch."""
     batch = sum(sizes) * gas
-    trained = adam_mse_reference(_model(), *_data(batch), [list(range(k * batch, k * batch + batch)) for k in range(STEPS)],
-                                 LR)
-    return [p.detach() for p in trained]
+    return [p.detach() for p in adam_mse_reference(_model(), *_data(batch), consecutive_batches(batch, STEPS), LR)]
 
 
 CASES = [

@@ -18,7 +18,7 @@ from deepspeed.runtime.heterogeneous.comm.parameter_gather import GatherPlan
 from deepspeed.runtime.heterogeneous.config.blocks import CommunicationConfig
 
 from harness import check_collectives_per_group, run_subcases
-from references import adam_mse_reference
+from references import adam_mse_reference, consecutive_batches
 
 WIDTH = 24
 LAYERS = 6
@@ -234,9 +234,7 @@ def _overlap_workers_left():
 def _reference(sizes, gas):
     """One process's Adam, each step on the global batch."""
     batch = sum(sizes) * gas
-    trained = adam_mse_reference(_model(), *_data(batch), [list(range(k * batch, k * batch + batch)) for k in range(STEPS)],
-                                 LR)
-    return [p.detach() for p in trained]
+    return [p.detach() for p in adam_mse_reference(_model(), *_data(batch), consecutive_batches(batch, STEPS), LR)]
 
 
 CASES = [
