@@ -42,6 +42,13 @@ def test_on_two_hosts_every_part_in_force_is_named():
     assert status_line(settings(), TWO_HOSTS, ZERO2).startswith("Active (hierarchical reduction on; link-aware")
     _, parts = communication_status(settings({"compress_inter_host": "lossless"}), TWO_HOSTS, ZERO2)
     assert parts[2] == "inter-host exchanges coded losslessly"
+    # It codes the all-to-all exchanges between hosts, not an all-reduce between them.
+    for zero, said in (({"stage": 0}, "codes nothing here (ZeRO-0's all-reduce between hosts travels raw)"),
+                       ({"stage": 2, "reduce_scatter": False}, "the gradient all-reduce of reduce_scatter false "
+                                                               "travels raw")):
+        _, parts = communication_status(settings({"compress_inter_host": "lossless"}), TWO_HOSTS,
+                                        {"zero_optimization": zero})
+        assert any(said in part for part in parts), parts
 
 
 @pytest.mark.parametrize("communication, topology, param_dict, active, expected", [

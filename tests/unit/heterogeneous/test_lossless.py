@@ -6,6 +6,8 @@ runs without it, the coder really carried what crossed hosts (ZeRO-3's host-shar
 rank, the leaders' exchanges), and each group's collectives are one sequence on all its members.
 """
 
+import sys
+
 import pytest
 import torch
 
@@ -46,6 +48,11 @@ def test_the_coder_gives_back_every_bit_and_shrinks_weights_and_gradients():
     integers = torch.arange(1000)
     assert lossless.encode(integers).numel() == integers.numel() * 8 + 1
     assert torch.equal(lossless.decode(lossless.encode(integers), torch.int64, 1000), integers)
+    # A 0-d tensor, flags, bytes, and a view into the middle of a larger tensor.
+    offset = (torch.randn(3000, generator=generator) * 0.02)[7:2900]
+    for tensor in (torch.tensor(1.5), torch.arange(400) % 3 == 0, torch.arange(300, dtype=torch.uint8), offset):
+        decoded = lossless.decode(lossless.encode(tensor), tensor.dtype, tensor.numel())
+        assert torch.equal(decoded, tensor.reshape(-1)), tensor.dtype
     # What the coder is for: weights and gradients. Random bits do not shrink, and travel raw.
     layer = torch.nn.Linear(256, 256)
     layer(torch.randn(32, 256, generator=generator)).tanh().sum().backward()
@@ -67,6 +74,10 @@ def test_a_payload_that_does_not_fit_is_refused():
         lossless.decode(payload[:10], torch.float32, 2000)
     with pytest.raises(ValueError, match="decodes to 1000 top bytes, not 1001"):
         lossless.decode(torch.cat([tensor.view(torch.uint8)[:3], payload]), torch.float32, 1001)
+    damaged = payload.clone()
+    damaged[3000:3010] = 0xFF  # inside the coded top plane
+    with pytest.raises(ValueError, match="does not decode"):
+        lossless.decode(damaged, torch.float32, 1000)
     with pytest.raises(ValueError, match="for an empty tensor"):
         lossless.decode(payload, torch.float32, 0)
 
@@ -121,7 +132,13 @@ def _train(rank, hosts, stage, sizes, gas, coded, zero=None, memory=None, overla
 
     def recorded(tensor):
         payload = encode(tensor)
-        calls.append((tensor.numel() * tensor.element_size(), payload.numel()))
+        frame, callers = sys._getframe(1), set()
+        for _ in range(4):  # what coded it: the host-shard refresh, or the leaders' reduce or gather
+            callers.add(frame.f_code.co_name)
+            frame = frame.f_back
+        kind = ("refresh" if "_start_coded" in callers else "reduce" if "_exchange_owned" in callers else
+                "gather" if "all_gather_partitions" in callers else str(sorted(callers)))
+        calls.append((kind, tensor.numel() * tensor.element_size(), payload.numel()))
         return payload
 
     lossless.encode = recorded
@@ -196,10 +213,12 @@ def test_training_with_the_coder_is_bitwise_training_without_it():
                 torch.testing.assert_close(got, want, rtol=0, atol=5e-5, msg=lambda m: f"{case}: {m}")
             assert not off["calls"], case
             assert on["shards"] == off["shards"] == (case["stage"] == 3), case
-            # What crossed hosts went through the coder, and came out smaller.
-            given, made = sum(n for n, _ in on["calls"]), sum(n for _, n in on["calls"])
-            if on["leader"] or case["stage"] == 3:  # ZeRO-3's refresh: every rank sends to other hosts
-                assert given and made < 0.95 * given, (case, given, made)
-            else:
-                assert not on["calls"], case
+            # What crossed hosts went through the coder, and came out smaller: the leaders' gradient
+            # exchange, ZeRO-1/2's updated partitions between the leaders, ZeRO-3's refresh on every rank.
+            kinds = {kind for kind, _, _ in on["calls"]}
+            want = ({"reduce"} if on["leader"] else set()) | ({"refresh"} if case["stage"] == 3 else
+                                                              {"gather"} if on["leader"] else set())
+            assert kinds == want, (case, kinds, want)
+            given, made = sum(n for _, n, _ in on["calls"]), sum(n for _, _, n in on["calls"])
+            assert not want or made < 0.95 * given, (case, given, made)
         check_collectives_per_group([result["on"] for result in per_rank])

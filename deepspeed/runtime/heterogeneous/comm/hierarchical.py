@@ -386,6 +386,7 @@ def attach(engine):
     pieces = piece_elements_for(topology.link_bandwidth if topology is not None else None)
     if previous is not None and previous.layout == group_layout(hosts):
         reducer = previous  # the same groups again: no second creation
+        overlap.attach(reducer, False, None)  # the last engine's worker stops before the settings change
         reducer.set_compression(compress)
         reducer.piece_elements = pieces
     else:
@@ -402,6 +403,7 @@ def attach(engine):
                                                  serves=lambda partition_group: zero3_reducer(partition_group) is reducer)
     except ValueError as exc:  # `true` where it cannot apply: every rank decided alike, rank 0 says it once
         _reducers.pop(group, None)
+        parameter_gather.detach_reducer(reducer)
         overlap.attach(reducer, False, None)  # the refused engine's worker stops
         from ..config.errors import one_line_config_errors
         from ..config.settings import HeterogeneousConfigError
@@ -410,8 +412,8 @@ def attach(engine):
     if dist.get_rank() == 0:
         layout = reducer.layout
         stage = engine.zero_optimization_stage()
-        coding = ("" if not compress else ", inter-host exchanges coded losslessly" if reducer.lossless else
-                  f", inter-host step in {compress}")
+        coding = ("" if not compress else f", {lossless.scope(stage, engine._config.zero_config.reduce_scatter)}"
+                  if reducer.lossless else f", inter-host step in {compress}")
         scheme = ("ZeRO-3: gradient chunks to their owners' hosts only" if stage == 3 else
                   "ZeRO-1/2: owned slices and partitions between host leaders" if stage else
                   "sharded" if layout.even else "through host leaders")

@@ -15,6 +15,7 @@ feature Active only for a topology of several hosts where a part is in force.
 
 from .host_groups import reduction_decision
 from .link_buckets import describe_link_buckets, link_bucket_sizes, link_buckets_decision
+from .lossless import scope as lossless_scope
 from .low_communication import OuterSettings
 
 ACROSS_HOSTS = "on when the data-parallel ranks span more than one host"
@@ -88,7 +89,9 @@ def communication_status(settings, topology=None, param_dict=None, link_sizes=No
 
     compression = config.compress_inter_host
     if compression:
-        what = ("inter-host exchanges coded losslessly" if compression == "lossless" else
+        zero = (param_dict or {}).get("zero_optimization")
+        reduce_scatter = zero.get("reduce_scatter", True) if isinstance(zero, dict) else True
+        what = (lossless_scope(_zero_stage(param_dict), reduce_scatter) if compression == "lossless" else
                 f"inter-host step compressed to {compression}")
         parts.append(what if reducing else f"{what}: with the hierarchical reduction")
     if reducing and _zero_stage(param_dict) > 0:
