@@ -116,7 +116,7 @@ def summarise(stage, marks, results, repeats, short, long):
     return row
 
 
-def run(quick=False, stages=None, rate_mbit=RATE_MBIT, micro_batch=MICRO_BATCH):
+def run(quick=False, stages=None, rate_mbit=RATE_MBIT, micro_batch=MICRO_BATCH, dilation=0.0):
     plan = dict(FULL, **(QUICK if quick else {}))
     if stages:
         plan["stages"] = stages
@@ -127,19 +127,21 @@ def run(quick=False, stages=None, rate_mbit=RATE_MBIT, micro_batch=MICRO_BATCH):
         scenario, plan["stages"], plan["repeats"], plan["warmup"], plan["short"], plan["long"],
         micro_batch=micro_batch,
         extra=["--modes", ",".join(ZERO3_MODES + ("fwd-gather", )), "--reduce-bucket", BUCKET,
-               "--overlap-comm-stages", "1", "--profile"])
-    report = {"quick": quick, "rate_mbit": rate_mbit, "micro_batch_per_rank": micro_batch,
+               "--overlap-comm-stages", "1", "--profile", "--dilation", dilation])
+    report = {"quick": quick, "rate_mbit": rate_mbit, "micro_batch_per_rank": micro_batch, "dilation": dilation,
               "reduce_bucket_size": BUCKET, "repeats": plan["repeats"], "launch": launch,
               "rows": [summarise(stage, marks, results, plan["repeats"], plan["short"], plan["long"])
                        for stage in plan["stages"]]}
-    out = RESULTS if (rate_mbit, micro_batch) == (RATE_MBIT, MICRO_BATCH) else \
-        RESULTS.with_name(f"overlap-{rate_mbit}mbit-mb{micro_batch}.json")
+    out = RESULTS if (rate_mbit, micro_batch, dilation) == (RATE_MBIT, MICRO_BATCH, 0.0) else \
+        RESULTS.with_name(f"overlap-{rate_mbit}mbit-mb{micro_batch}{f'-dilation{dilation:g}' if dilation else ''}.json")
     return bc.finish_report(report, began, load_start, print_table, out)
 
 
 def print_table(report):
+    dilation = report.get("dilation")
+    dilated = f", every rank dilated to speed {dilation:g}" if dilation else ""
     print(f"\noverlap: 2 hosts x 2 ranks at {report['rate_mbit']} Mbit/s, tiny GPT, micro-batch "
-          f"{report['micro_batch_per_rank']}, reduce_bucket_size {report['reduce_bucket_size']}, median of "
+          f"{report['micro_batch_per_rank']}{dilated}, reduce_bucket_size {report['reduce_bucket_size']}, median of "
           f"{report['repeats']} repeat(s), {report['elapsed_s']:.0f} s")
     print(f"{'ZeRO':>4}  {'mode':<10} {'step ms':>8} {'exposed comm ms':>16} {'share':>6} {'profiler':>9} "
           f"{'slow-link MB':>13}  {'exposed in forward/backward/step ms':>35}")
@@ -175,7 +177,10 @@ if __name__ == "__main__":
                              "overlap-<rate>mbit-mb<micro-batch>.json)")
     parser.add_argument("--micro-batch", type=int, default=MICRO_BATCH,
                         help=f"micro-batch per rank (default {MICRO_BATCH}): a longer forward and backward")
+    parser.add_argument("--dilation", type=float, default=0.0,
+                        help="every rank emulated at this speed by time dilation (it sleeps 1/speed - 1 times its "
+                             "compute, leaving the cores to communication, as a GPU's compute leaves its host's)")
     arguments = parser.parse_args()
     os.chdir(REPO)
     run(arguments.quick, tuple(int(s) for s in arguments.stages.split(",")) if arguments.stages else None,
-        arguments.rate, arguments.micro_batch)
+        arguments.rate, arguments.micro_batch, arguments.dilation)

@@ -104,6 +104,8 @@ def train(args, out, stage, mode, repeat, rank, world_size):
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
               "heterogeneous_config": {"enabled": mode != "off", "load_balancing_strategy": "uniform",
                                        "mixed_precision_support": "fp32", "communication": communication}}
+    if args.dilation:  # every rank's compute stretched by sleeping: the cores stay free for communication
+        config["heterogeneous_config"]["emulation"] = {"mode": "dilation", "speeds": [args.dilation] * world_size}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     reducer = hierarchical.reducer_for(engine.seq_data_parallel_group)
     build_seconds = time.perf_counter() - build_started
@@ -216,6 +218,8 @@ def main():
                         help="ZeRO stages run with zero_optimization.overlap_comm true, e.g. 1")
     parser.add_argument("--reduce-bucket", type=int, default=0,
                         help="zero_optimization.reduce_bucket_size (0: the fork's link-aware size)")
+    parser.add_argument("--dilation", type=float, default=0.0,
+                        help="emulate every rank at this speed by time dilation (0: none)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)

@@ -129,3 +129,35 @@ def test_time_dilation_stretches_the_compute_before_each_collective():
     # stretched again: tests/unit/heterogeneous/test_emulation_note.py's pure checks cover the rule).
     assert closing1 >= 0.055, f"the closing sleep was {closing1:.3f} s, expected about 0.06"
     assert cleared0 and cleared1, "the dilation hook must not outlive the micro-step"
+
+
+def _dilated_wait_for_the_worker(rank, world_size):
+    """Speed 0.25 by time dilation: 40 ms of compute, then a wait for an overlap worker's job that
+    finishes 50 ms later. Returns the seconds dilation slept at the wait."""
+    import threading
+    import time
+
+    from deepspeed.runtime.heterogeneous.comm.overlap import _Job, wait_for_job
+    from deepspeed.runtime.heterogeneous.emulation.emulator import Emulator
+    from deepspeed.runtime.heterogeneous.measure import comm_clock
+
+    comm_clock.enable()
+    emulator = Emulator(0.25, mode="dilation")
+    job = _Job(None, None)
+    emulator.begin_compute()
+    slept = comm_clock.seconds_dilated
+    time.sleep(0.04)  # the forward's compute up to a module that waits for its parameters
+    threading.Thread(target=lambda: (time.sleep(0.05), job.done.set())).start()
+    wait_for_job(job, "test job")
+    slept = comm_clock.seconds_dilated - slept
+    emulator.after_compute()
+    emulator.close()
+    return slept
+
+
+def test_time_dilation_stretches_the_compute_before_a_wait_for_the_overlap_worker():
+    """A slower device reaches a wait for the worker (the forward's wait for its parameters) later by
+    its own slowness, as it reaches a collective: the 40 ms before it are stretched there (120 ms more),
+    so the worker's job runs beside the stretched compute, as beside a slower device's."""
+    (slept, ) = run_ranks(_dilated_wait_for_the_worker, world_size=1, timeout=120)
+    assert slept >= 0.11, f"dilation slept {slept:.3f} s before the wait, expected about 0.12"

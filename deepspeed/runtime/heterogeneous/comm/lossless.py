@@ -74,7 +74,8 @@ def decode(payload, dtype, numel):
         return payload[:-1].clone().view(dtype)
     low = numel * (size - 1)
     if flag != CODED or payload.numel() <= low + 1:
-        raise ValueError(f"a payload of {payload.numel()} bytes (flag {flag}) does not hold {numel} elements of {dtype}")
+        raise ValueError(f"a payload of {payload.numel()} bytes (flag {flag}) does not hold {numel} elements "
+                         f"of {dtype}")
     try:  # at most one byte past what fits, so a damaged payload cannot fill memory
         top = zlib.decompressobj(-15).decompress(payload[low:-1].numpy(), numel + 1)
     except zlib.error as exc:

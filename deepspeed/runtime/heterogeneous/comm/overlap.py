@@ -171,6 +171,8 @@ class _Job:
 def wait_for_job(job, what):
     """The main thread waits for the worker's ``job`` (exposed communication on the comm clock) and
     raises its failure as an ``OverlapError`` naming ``what`` the job was."""
+    if comm_clock.enabled and comm_clock.before_collective is not None and not job.done.is_set():
+        comm_clock.before_collective()  # time dilation: a slower device reaches the wait later
     if not job.done.is_set():
         comm_clock.enter()  # the step or the forward waits for the link: exposed communication
         try:
