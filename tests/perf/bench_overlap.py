@@ -31,6 +31,7 @@ bitwise equal to ``sync`` (recorded per repeat).
     python tests/perf/bench_overlap.py --quick   # ZeRO-2, one repeat
     python tests/perf/bench_overlap.py --quick --stages 3   # ZeRO-3 (with hpZ), one repeat
     python tests/perf/bench_overlap.py --stages 2,3 --micro-batch 36 --rate 100   # 3x the compute, flat ZeRO-2 at ~52%
+    python tests/perf/bench_overlap.py --stages 2,3 --rate 60 --dilation 0.25    # cores left to communication
 """
 
 import argparse
