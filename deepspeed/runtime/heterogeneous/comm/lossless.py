@@ -7,9 +7,9 @@ carries 2-4 bits of information in 8, while the mantissa bytes below it look ran
 sends the lower bytes as they are and entropy-codes the top byte plane (zlib's Huffman-only
 deflate: no match search; 500-600 MB/s of tensor coded, about 850 MB/s decoded, on one core here):
 an fp32 tensor of weights or gradients shrinks to about 0.83-0.86 of its bytes, a bf16 one to about
-0.67, an fp16 one (5 exponent bits) to about 0.81-0.84. Decoding
-gives back the same bits, NaN payloads, infinities, signed zeros and subnormals included, so a run
-with it is bitwise the run without it.
+0.67, an fp16 one (5 exponent bits) to about 0.81-0.84. Decoding gives back the same bits, NaN
+payloads, infinities, signed zeros and subnormals included, so a run with it is bitwise the run
+without it.
 
 A payload is self-describing given the dtype and the element count both sides already know:
 ``[lower bytes of every element, element-major][coded top plane][flag]``, or ``[raw bytes][flag]``
