@@ -31,7 +31,7 @@ _CODER_ARGS = (1, zlib.DEFLATED, -15, 9, zlib.Z_HUFFMAN_ONLY)  # raw deflate: no
 
 
 def _codable(dtype, numel):
-    return (dtype.is_floating_point and torch.empty(0, dtype=dtype).element_size() > 1 and sys.byteorder == "little"
+    return (dtype.is_floating_point and dtype.itemsize > 1 and sys.byteorder == "little"
             and numel >= MIN_CODED_ELEMENTS)
 
 
@@ -68,7 +68,7 @@ def decode(payload, dtype, numel):
             raise ValueError(f"a payload of {payload.numel()} bytes for an empty tensor")
         return torch.empty(0, dtype=dtype)
     payload = payload.cpu()
-    size = torch.empty(0, dtype=dtype).element_size()
+    size = dtype.itemsize
     flag = int(payload[-1]) if payload.numel() else None
     if flag == RAW and payload.numel() == numel * size + 1:
         return payload[:-1].clone().view(dtype)
