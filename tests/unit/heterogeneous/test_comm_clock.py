@@ -161,3 +161,62 @@ def test_time_dilation_stretches_the_compute_before_a_wait_for_the_overlap_worke
     so the worker's job runs beside the stretched compute, as beside a slower device's."""
     (slept, ) = run_ranks(_dilated_wait_for_the_worker, world_size=1, timeout=120)
     assert slept >= 0.11, f"dilation slept {slept:.3f} s before the wait, expected about 0.12"
+
+
+def test_dilation_stretches_the_devices_time_not_a_wait_for_a_core():
+    from deepspeed.runtime.heterogeneous.emulation.emulator import dilation_sleep
+
+    # Alone on its core: (1/speed - 1) x the compute, as before.
+    assert dilation_sleep(0.25, 0.04) == pytest.approx(0.12)
+    assert dilation_sleep(0.5, 0.1, waiting=0.0) == pytest.approx(0.1)
+    # 0.1 s of which 0.04 waited for a core: 0.06 s of the device's time, 0.12 s at half speed, 0.02 left.
+    assert dilation_sleep(0.5, 0.1, waiting=0.04) == pytest.approx(0.02)
+    # The wait alone took longer than the slower device would have: no sleep; never below zero.
+    assert dilation_sleep(0.5, 0.1, waiting=0.08) == 0.0
+    assert dilation_sleep(0.5, 0.1, waiting=0.5) == 0.0 and dilation_sleep(0.5, 0.1, waiting=-1.0) == pytest.approx(0.1)
+
+
+def test_a_rank_sharing_its_core_is_not_stretched_by_the_wait():
+    """A busy neighbour on the same core: the kernel counts the rank's wait for the core, and dilation
+    at speed 0.5 stretches only the rank's own 0.2 s (to 0.4 s in all), not the wait as well (which
+    would add the whole elapsed time again)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from deepspeed.runtime.heterogeneous.emulation.emulator import Emulator, run_queue_seconds
+    from deepspeed.runtime.heterogeneous.measure import comm_clock
+
+    saved = os.sched_getaffinity(0)
+    core = min(saved)
+    rival = subprocess.Popen([sys.executable, "-c", f"import os, time\nos.sched_setaffinity(0, {{{core}}})\n"
+                              "end = time.time() + 60\nwhile time.time() < end: pass"])
+    try:
+        os.sched_setaffinity(0, {core})
+        time.sleep(0.3)  # the neighbour is running
+        emulator = Emulator(0.5, mode="dilation")
+        emulator.begin_compute()
+        waited, began, slept = run_queue_seconds(), time.perf_counter(), comm_clock.seconds_dilated
+        _compute(0.2)
+        waited, elapsed = run_queue_seconds() - waited, time.perf_counter() - began
+        emulator.after_compute()
+        slept = comm_clock.seconds_dilated - slept
+        emulator.close()
+    finally:
+        os.sched_setaffinity(0, saved)
+        rival.kill()
+        rival.wait()
+    assert waited > 0.25 * elapsed, f"waited {waited:.3f} s of {elapsed:.3f} s beside a busy loop on one core"
+    # Stretching the elapsed time would sleep all of it again (speed 0.5); the device's 0.2 s need at most
+    # 0.4 s in all, of which the elapsed time is already past.
+    assert slept <= max(0.0, 0.4 - elapsed) + 0.02, f"slept {slept:.3f} s after {elapsed:.3f} s"
+    assert slept < 0.5 * elapsed
+
+
+def _compute(seconds):
+    """Busy the calling thread for ``seconds`` of its CPU time."""
+    import time
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
