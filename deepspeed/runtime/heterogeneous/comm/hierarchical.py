@@ -181,7 +181,7 @@ class HierarchicalReducer:
         sends = [flat.new_empty(0, dtype=dtype) if host == self.host else pack(flat, owned).to(dtype)
                  for host, owned in enumerate(ranges)]
         wanted = ranges_numel(ranges[self.host])
-        partials = self._leaders_all_to_all(sends, [0 if host == self.host else wanted for host in range(len(ranges))],
+        partials = self.leaders_all_to_all(sends, [0 if host == self.host else wanted for host in range(len(ranges))],
                                             largest=max(ranges_numel(owned) for owned in ranges))
         if not wanted:
             return
@@ -191,7 +191,7 @@ class HierarchicalReducer:
             total.add_(partial.to(flat.dtype))
         unpack(total, flat, ranges[self.host])
 
-    def _leaders_all_to_all(self, sends, receive_sizes, largest):
+    def leaders_all_to_all(self, sends, receive_sizes, largest):
         """Leaders only: ``sends[h]`` to host h's leader, ``receive_sizes[h]`` elements from it;
         returns what came, per host. ``largest`` (the same on every leader) bounds every send.
 
@@ -246,7 +246,7 @@ class HierarchicalReducer:
             own = torch.cat([partitions[m] for m in layout.host_members[self.host]])
             sizes = [sum(partitions[m].numel() for m in members) for members in layout.host_members]
             sends = [own.new_empty(0) if host == self.host else own for host in range(layout.num_hosts)]
-            blocks = self._leaders_all_to_all(sends, [0 if host == self.host else size for host, size in enumerate(sizes)],
+            blocks = self.leaders_all_to_all(sends, [0 if host == self.host else size for host, size in enumerate(sizes)],
                                               largest=max(sizes))
             for host, block in enumerate(blocks):
                 if host != self.host:

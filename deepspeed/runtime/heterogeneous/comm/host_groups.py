@@ -131,7 +131,7 @@ def unpack(packed, flat, ranges):
 
 PIECE_SECONDS = 0.004
 """An inter-host piece takes about this long on the slowest measured link (see
-``HierarchicalReducer._leaders_all_to_all``); on a 200 Mbit/s link that is 100 KB."""
+``HierarchicalReducer.leaders_all_to_all``); on a 200 Mbit/s link that is 100 KB."""
 
 MIN_PIECE_ELEMENTS = 16 * 1024
 

@@ -13,9 +13,10 @@ The gather, as jobs the worker runs in order (``GatherPlan``):
 
 - **local**: inside each host every member broadcasts its partitions (every group's), so each rank
   holds its host's block: the partitions of its host's members;
-- **round r** (r = 0 .. R-1): the host leaders exchange the r-th chunk of each host's block (one
-  all-to-all on the leaders' group, every group's chunk in one message, about one piece of the
-  slowest link), and each leader broadcasts what came to its host. Every host sends at once, so
+- **round r** (r = 0 .. R-1): the host leaders exchange the r-th chunk of each host's block
+  (every group's chunk together, ``PIECES_PER_ROUND`` of the slowest link's pieces, through the
+  reducer's all-to-all of the leaders: sent piece by piece, and coded where ``compress_inter_host``
+  is ``"lossless"``), and each leader broadcasts what came to its host. Every host sends at once, so
   the links carry both directions as the synchronous all-to-all does, and each host's block
   crosses in flat order: the first layers a remote host needs come first.
 
@@ -52,9 +53,13 @@ was not measured (the reducer sends whole messages then)."""
 
 PIECES_PER_ROUND = 4
 """A round moves about this many of the reducer's pieces (``host_groups.piece_elements_for``: a
-few ms of the slowest link each), fewer round trips than one piece per round: on the 2 x 2 bench at
-177 Mbit/s one quick repeat each gave the step x1.02 of overlap's with rounds of one piece and
-x0.90-0.92 with 5 or 19; medians of 3 with 4 pieces x0.91-1.00."""
+few ms of the slowest link each), fewer hand-overs between the worker and the forward than one
+piece per round: on the 2 x 2 bench at 177 Mbit/s one quick repeat each gave the step x1.02 of
+overlap's with rounds of one piece and x0.90-0.92 with 5 or 19; medians of 3 with 4 pieces
+x0.91-1.00. Within a round the pieces travel one by one, as in every exchange of the leaders: sent
+as one message, a round crossed a 60 Mbit/s link at 41 Mbit/s (50 ms for 257 KB each way), in pieces
+at the link's rate (34 ms), which cut the forward's exposed wait from 185 ms to 61-85 ms
+(``bench_overlap.py --dilation``)."""
 
 
 def chunk_elements_for(piece_elements):
@@ -249,14 +254,13 @@ class DeferredGather:
                 dist.broadcast(parts[member], reducer.ranks[member], group=reducer.intra_group)
 
     def _round(self, views):
-        def run():
+        def gather_round():
             reducer = self.reducer
             if reducer.is_leader:
                 sent = torch.cat(views.own) if views.own else self.partitions[0][0].new_empty(0)
-                arrived = sent.new_empty(sum(views.out_sizes))
-                dist.all_to_all_single(arrived, sent.repeat(len(views.in_sizes) - 1),
-                                       output_split_sizes=views.out_sizes, input_split_sizes=views.in_sizes,
-                                       group=reducer.leader_group)
+                sends = [sent.new_empty(0) if host == reducer.host else sent for host in range(len(views.in_sizes))]
+                arrived = torch.cat(reducer.leaders_all_to_all(sends, views.out_sizes,
+                                                                largest=max(views.in_sizes + views.out_sizes)))
             if not views.received:
                 return
             if reducer.host_size > 1:
@@ -267,7 +271,7 @@ class DeferredGather:
             for view in views.received:
                 view.copy_(arrived.narrow(0, offset, view.numel()))
                 offset += view.numel()
-        return run
+        return gather_round
 
 
 def decision(setting, reducer, optimizer, served=True):
