@@ -16,6 +16,11 @@ with what overlap needs and the issue's share scenario asks for:
   there are buckets to overlap (the link-aware size at this rate is the model in one bucket);
 - ZeRO-1 with ``overlap_comm: true`` in every mode (without it ZeRO-1 reduces after the backward).
 
+With ``--dilation S`` every rank computes at speed S by time dilation, which leaves the cores to the
+communication threads as a GPU node's compute does; the compute is then 1/S times longer, so the
+rate that gives flat ZeRO-2 the same 50-60% share is found by measuring flat: at S = 0.25, 100 Mbit/s
+(55%; 60 Mbit/s gave 68%, 90 gave 61%).
+
 One launch trains, per ZeRO stage and repeat, one engine per mode from the same weights on the same
 samples (``comm_train.py``, the order alternating by repeat): ``flat`` (upstream's reduction),
 ``sync`` (the fork's hierarchical reduction, ``overlap: false``), ``hier`` (``overlap: "auto"``) and
@@ -31,7 +36,7 @@ bitwise equal to ``sync`` (recorded per repeat).
     python tests/perf/bench_overlap.py --quick   # ZeRO-2, one repeat
     python tests/perf/bench_overlap.py --quick --stages 3   # ZeRO-3 (with hpZ), one repeat
     python tests/perf/bench_overlap.py --stages 2,3 --micro-batch 36 --rate 100   # 3x the compute, flat ZeRO-2 at ~52%
-    python tests/perf/bench_overlap.py --stages 2,3 --rate 60 --dilation 0.25    # cores left to communication
+    python tests/perf/bench_overlap.py --stages 2,3 --rate 100 --dilation 0.25   # cores left to communication
 """
 
 import argparse
@@ -51,9 +56,10 @@ MICRO_BATCH = 12
 BUCKET = 131072
 MODES = ("flat", "sync", "hier", "coded")
 """``coded``: ``hier`` with ``compress_inter_host: "lossless"`` (bitwise equal to ``sync`` too)."""
-ZERO12_MODES = MODES + ("fwd-gather", )
+ZERO12_MODES = MODES + ("fwd-gather", "fwd-coded")
 """ZeRO-1/2 also runs ``hier`` with the parameter gather after the step moved into the next forward
-(``fwd-gather``: ``communication.overlap_parameter_gather``, opt-in)."""
+(``fwd-gather``: ``communication.overlap_parameter_gather``, opt-in), and that with ``coded``'s
+lossless coding (``fwd-coded``), both bitwise equal to ``sync``."""
 ZERO3_MODES = MODES + ("one-chunk", "gather-all", "hpz")
 """ZeRO-3 also runs the fork with each gather's host-shard refresh in one all-to-all waited for as
 a whole (``one-chunk``: ``hier`` without the refresh in chunks), the fork without host shards
@@ -108,6 +114,10 @@ def summarise(stage, marks, results, repeats, short, long):
             for r in range(repeats))
         row["step_time_fwd_gather_vs_hier"] = row["fwd-gather"]["step_time_s"] / row["hier"]["step_time_s"]
         row["exposed_comm_fwd_gather_vs_hier"] = row["fwd-gather"]["comm_time_s"] / row["hier"]["comm_time_s"]
+        row["bitwise_fwd_coded_vs_sync"] = all(
+            result["runs"][f"zero{stage}-fwd-coded-r{r}"].get("bitwise_vs_sync") for result in results
+            for r in range(repeats))
+        row["step_time_fwd_coded_vs_hier"] = row["fwd-coded"]["step_time_s"] / row["hier"]["step_time_s"]
     if "one-chunk" in row:  # the host-shard refresh in chunks against one all-to-all per gather
         row["bitwise_chunks_vs_one_chunk"] = all(
             result["runs"][f"zero{stage}-hier-r{r}"].get("bitwise_vs_one_chunk") for result in results
@@ -127,7 +137,7 @@ def run(quick=False, stages=None, rate_mbit=RATE_MBIT, micro_batch=MICRO_BATCH, 
     marks, results, launch = bc.run_scenario(
         scenario, plan["stages"], plan["repeats"], plan["warmup"], plan["short"], plan["long"],
         micro_batch=micro_batch,
-        extra=["--modes", ",".join(ZERO3_MODES + ("fwd-gather", )), "--reduce-bucket", BUCKET,
+        extra=["--modes", ",".join(ZERO3_MODES + ("fwd-gather", "fwd-coded")), "--reduce-bucket", BUCKET,
                "--overlap-comm-stages", "1", "--profile", "--dilation", dilation])
     report = {"quick": quick, "rate_mbit": rate_mbit, "micro_batch_per_rank": micro_batch, "dilation": dilation,
               "reduce_bucket_size": BUCKET, "repeats": plan["repeats"], "launch": launch,
@@ -162,6 +172,8 @@ def print_table(report):
             print(f"      fwd-gather vs hier: step x{row['step_time_fwd_gather_vs_hier']:.2f}, exposed comm "
                   f"x{row['exposed_comm_fwd_gather_vs_hier']:.2f}; bitwise equal to sync: "
                   f"{'yes' if row['bitwise_fwd_gather_vs_sync'] else 'NO'}")
+            print(f"      fwd-coded vs hier: step x{row['step_time_fwd_coded_vs_hier']:.2f}; bitwise equal to sync: "
+                  f"{'yes' if row['bitwise_fwd_coded_vs_sync'] else 'NO'}")
         if "one-chunk" in row:
             print(f"      refresh in chunks vs one-chunk: step x{row['step_time_vs_one_chunk']:.2f}, exposed in forward "
                   f"x{row['exposed_forward_vs_one_chunk']:.2f}; bitwise equal: "

@@ -9,7 +9,7 @@ upstream's one flat all-reduce; ``hier``: ``"auto"``, the fork's default on seve
 ``overlap: false``; ``gather-all``: ``hier`` with ``zero3_host_shards: false``; ``one-chunk``: ``hier``
 with each gather's host-shard refresh in one all-to-all; ``fwd-gather``: ``hier`` with ZeRO-1/2's
 parameter gather during the next forward (``overlap_parameter_gather``); ``coded``: ``hier`` with
-``compress_inter_host: "lossless"``; ``off``: the fork disabled,
+``compress_inter_host: "lossless"``; ``fwd-coded``: both; ``off``: the fork disabled,
 upstream itself), alternating which mode goes first, and
 trains each from the same initial weights on the same samples:
 
@@ -86,9 +86,9 @@ def train(args, out, stage, mode, repeat, rank, world_size):
                      "overlap": False if mode == "sync" else "auto"}
     if mode == "gather-all":  # ZeRO-3 without host shards: parameter gathers over every rank
         communication["zero3_host_shards"] = False
-    if mode == "fwd-gather":  # ZeRO-1/2: the parameter gather after the step runs during the next forward
+    if mode in ("fwd-gather", "fwd-coded"):  # ZeRO-1/2: the parameter gather after the step, in the next forward
         communication["overlap_parameter_gather"] = True
-    if mode == "coded":  # what crosses hosts coded bit for bit
+    if mode in ("coded", "fwd-coded"):  # what crosses hosts coded bit for bit
         communication["compress_inter_host"] = "lossless"
     if mode == "lowcomm":
         outer = {"sync_every": args.sync_every, "pseudo_gradient_dtype": args.pseudo_dtype,
@@ -242,7 +242,7 @@ def main():
             modes = modes if repeat % 2 == 0 else modes[::-1]  # alternate: no order bias
             # hpZ is ZeRO-3's, and last in its repeat (``train`` clears the hpZ group it leaves).
             modes = [m for m in modes if m != "hpz" and (m not in ("gather-all", "one-chunk") or stage == 3)
-                     and (m != "fwd-gather" or stage != 3)] + (
+                     and (m not in ("fwd-gather", "fwd-coded") or stage != 3)] + (
                 ["hpz"] if "hpz" in modes and stage == 3 else [])
             params = {}
             for mode in modes:
@@ -255,7 +255,7 @@ def main():
             if "sync" in params and "hier" in params:
                 result["runs"][f"zero{stage}-hier-r{repeat}"].update(
                     bitwise_vs_sync=all(torch.equal(a, b) for a, b in zip(params["sync"], params["hier"])))
-            for exact in ("fwd-gather", "coded"):
+            for exact in ("fwd-gather", "coded", "fwd-coded"):
                 if exact in params and "sync" in params:
                     result["runs"][f"zero{stage}-{exact}-r{repeat}"].update(
                         bitwise_vs_sync=all(torch.equal(a, b) for a, b in zip(params["sync"], params[exact])))
