@@ -105,7 +105,8 @@ def train(args, out, stage, mode, repeat, rank, world_size):
               "heterogeneous_config": {"enabled": mode != "off", "load_balancing_strategy": "uniform",
                                        "mixed_precision_support": "fp32", "communication": communication}}
     if args.dilation:  # every rank's compute stretched by sleeping: the cores stay free for communication
-        config["heterogeneous_config"]["emulation"] = {"mode": "dilation", "speeds": [args.dilation] * world_size}
+        config["heterogeneous_config"]["emulation"] = {"mode": "dilation", "speeds": [args.dilation] * world_size,
+                                                       "dilation_clock": args.dilation_clock}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     reducer = hierarchical.reducer_for(engine.seq_data_parallel_group)
     build_seconds = time.perf_counter() - build_started
@@ -220,6 +221,8 @@ def main():
                         help="zero_optimization.reduce_bucket_size (0: the fork's link-aware size)")
     parser.add_argument("--dilation", type=float, default=0.0,
                         help="emulate every rank at this speed by time dilation (0: none)")
+    parser.add_argument("--dilation-clock", choices=("own", "elapsed"), default="own",
+                        help="emulation.dilation_clock: stretch each rank's own compute (default) or its elapsed time")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)

@@ -163,23 +163,22 @@ def test_time_dilation_stretches_the_compute_before_a_wait_for_the_overlap_worke
     assert slept >= 0.11, f"dilation slept {slept:.3f} s before the wait, expected about 0.12"
 
 
-def test_dilation_stretches_the_devices_time_not_a_wait_for_a_core():
+def test_dilation_sleep_with_and_without_the_waits_for_a_core():
     from deepspeed.runtime.heterogeneous.emulation.emulator import dilation_sleep
 
-    # Alone on its core: (1/speed - 1) x the compute, as before.
+    # elapsed (no waiting given): (1/speed - 1) x the compute.
     assert dilation_sleep(0.25, 0.04) == pytest.approx(0.12)
     assert dilation_sleep(0.5, 0.1, waiting=0.0) == pytest.approx(0.1)
-    # 0.1 s of which 0.04 waited for a core: 0.06 s of the device's time, 0.12 s at half speed, 0.02 left.
+    # own: 0.1 s of which 0.04 waited for a core: 0.06 s of the rank's own, 0.12 s at half speed, 0.02 left.
     assert dilation_sleep(0.5, 0.1, waiting=0.04) == pytest.approx(0.02)
     # The wait alone took longer than the slower device would have: no sleep; never below zero.
     assert dilation_sleep(0.5, 0.1, waiting=0.08) == 0.0
     assert dilation_sleep(0.5, 0.1, waiting=0.5) == 0.0 and dilation_sleep(0.5, 0.1, waiting=-1.0) == pytest.approx(0.1)
 
 
-def test_a_rank_sharing_its_core_is_not_stretched_by_the_wait():
-    """A busy neighbour on the same core: the kernel counts the rank's wait for the core, and dilation
-    at speed 0.5 stretches only the rank's own 0.2 s (to 0.4 s in all), not the wait as well (which
-    would add the whole elapsed time again)."""
+def _beside_a_busy_neighbour(clock):
+    """Speed 0.5 by dilation with ``clock``, 0.1 s of compute three times on one core shared with a
+    busy loop; returns the last interval's (run-queue wait, elapsed, slept) in seconds."""
     import os
     import subprocess
     import sys
@@ -195,23 +194,33 @@ def test_a_rank_sharing_its_core_is_not_stretched_by_the_wait():
     try:
         os.sched_setaffinity(0, {core})
         time.sleep(0.3)  # the neighbour is running
-        emulator = Emulator(0.5, mode="dilation")
-        emulator.begin_compute()
-        waited, began, slept = run_queue_seconds(), time.perf_counter(), comm_clock.seconds_dilated
-        _compute(0.2)
-        waited, elapsed = run_queue_seconds() - waited, time.perf_counter() - began
-        emulator.after_compute()
-        slept = comm_clock.seconds_dilated - slept
+        emulator = Emulator(0.5, mode="dilation", clock=clock)
+        for _ in range(3):
+            emulator.begin_compute()
+            waited, began, slept = run_queue_seconds(), time.perf_counter(), comm_clock.seconds_dilated
+            _compute(0.1)
+            waited, elapsed = run_queue_seconds() - waited, time.perf_counter() - began
+            emulator.after_compute()
+            slept = comm_clock.seconds_dilated - slept
         emulator.close()
     finally:
         os.sched_setaffinity(0, saved)
         rival.kill()
         rival.wait()
+    return waited, elapsed, slept
+
+
+def test_dilation_clock_own_leaves_out_the_wait_for_a_shared_core():
+    """A busy loop on the same core: the kernel counts the rank's wait for the core. At speed 0.5,
+    ``elapsed`` sleeps the whole elapsed time again (a rank at full speed waits as much here, so the
+    ratio holds); ``own`` stretches only the rank's own 0.1 s, to 0.2 s in all, most of it past."""
+    waited, elapsed, slept = _beside_a_busy_neighbour("elapsed")
     assert waited > 0.25 * elapsed, f"waited {waited:.3f} s of {elapsed:.3f} s beside a busy loop on one core"
-    # Stretching the elapsed time would sleep all of it again (speed 0.5); the device's 0.2 s need at most
-    # 0.4 s in all, of which the elapsed time is already past.
-    assert slept <= max(0.0, 0.4 - elapsed) + 0.02, f"slept {slept:.3f} s after {elapsed:.3f} s"
-    assert slept < 0.5 * elapsed
+    assert slept >= 0.99 * elapsed, f"elapsed: slept {slept:.3f} s after {elapsed:.3f} s"
+    waited, elapsed, slept = _beside_a_busy_neighbour("own")
+    assert waited > 0.25 * elapsed, f"waited {waited:.3f} s of {elapsed:.3f} s beside a busy loop on one core"
+    assert slept <= max(0.0, 0.2 - elapsed) + 0.02 and slept < 0.5 * elapsed, \
+        f"own: slept {slept:.3f} s after {elapsed:.3f} s"
 
 
 def _compute(seconds):

@@ -63,7 +63,7 @@ def test_design_example_parses():
     ({"heterogeneous_config": {"scheduler": {"interval": 5}}},
      "heterogeneous_config.scheduler.interval: unknown key 'interval'; did you mean 'check_interval'? allowed keys: check_interval"),
     ({"heterogeneous_config": {"emulation": {"speed": [1]}}},
-     "heterogeneous_config.emulation.speed: unknown key 'speed'; did you mean 'speeds'? allowed keys: memory_gb, mode, speed_schedule, speeds"),
+     "heterogeneous_config.emulation.speed: unknown key 'speed'; did you mean 'speeds'? allowed keys: dilation_clock, memory_gb, mode, speed_schedule, speeds"),
     ({"heterogeneous_memory": {"hbm_threshold": 0.5}},
      "heterogeneous_memory.hbm_threshold: unknown key 'hbm_threshold'; allowed keys: adaptive_chunking"),
     ({"zero_optimization": {"heterogeneous_offload": {"gpu_offload": True}}},

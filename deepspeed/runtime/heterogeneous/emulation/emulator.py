@@ -13,12 +13,15 @@ device's speed, by one of two means:
   last one) and at the micro-step's end (the rest). A peer then waits at each collective as it
   would for a slower device; one sleep at the end would let the collectives inside backward
   (ZeRO-2 buckets, ZeRO-3's reduce-scatter and gathers) run at full speed and the peers wait
-  twice, at them and after. Portable, but only compute is slowed. What is stretched is the
-  compute less the time the rank's thread waited for a core other ranks held (Linux schedstat,
-  ``dilation_sleep``): where ranks share the cores, stretching that wait too would slow each rank
-  by its neighbours as well. On 2 cores x 4 ranks at speed 0.25 it made the ranks reach their first
-  gradient bucket 65-300 ms apart in a 1.2 s step (their forwards all start at once and contend);
-  without it, 21-61 ms.
+  twice, at them and after. Portable, but only compute is slowed. ``emulation.dilation_clock``
+  says what is stretched: ``elapsed`` (the default), the compute's elapsed time, so that a slowed
+  rank keeps its ratio to a rank at full speed that waits for the cores as much on a busy machine;
+  ``own``, the rank's own compute only, the time its thread waited for a core other processes held
+  (Linux schedstat) absorbed into the sleep (``dilation_sleep``). ``own`` is for clusters whose
+  every rank is dilated to stand for devices that leave the host's cores free: there ranks that
+  share cores wait in bursts (their forwards start together), and ``elapsed`` stretches each burst
+  by ``1/speed``: 4 ranks at speed 0.25 on 2 cores reached their first gradient bucket 65-300 ms
+  apart in a 1.2 s step, 21-61 ms with ``own``.
 
 ``auto`` picks cgroup where the machine allows it, else dilation. A quota only caps a rank: where
 other processes already hold the cores it slows the rank less than asked (measured on 2 cores
@@ -61,17 +64,13 @@ def run_queue_seconds():
 
 
 def dilation_sleep(speed, compute, waiting=0.0):
-    """Seconds to sleep after ``compute`` seconds so that the compute lasts as long as on a device
-    ``speed`` times as fast. Of those seconds, ``waiting`` went to waiting for a core that other
-    ranks held: that is not the device's time, so the device's (``compute - waiting``) is what is
-    stretched, to ``(compute - waiting) / speed`` in all, less the ``compute`` already past
-    (nothing where the wait alone took longer). Without waiting: ``compute * (1/speed - 1)``."""
+    """Seconds to sleep after ``compute`` seconds of compute so that it lasts as long as on a device
+    ``speed`` times as fast: ``compute * (1/speed - 1)``. With ``waiting`` (``dilation_clock: own``:
+    the part of ``compute`` spent waiting for a core other processes held), only the rank's own part
+    is stretched, to ``(compute - waiting) / speed`` in all, less the ``compute`` already past
+    (nothing where the wait alone took longer)."""
     device = compute - min(max(waiting, 0.0), compute)
     return max(0.0, device / speed - compute)
-
-# A short period keeps the throttling smooth at the scale of one micro-step (tens of ms): with the
-# default 100 ms a rank would run at full speed for its quota, then stall for the rest.
-CFS_PERIOD_US = 10_000
 
 
 def _controller(controller, needed):
@@ -245,15 +244,16 @@ def speeds_hold(asked, achieved, tolerance=SPEED_TOLERANCE):
 class Emulator:
     """Slows this rank to ``speed``; ``mode`` is the means in force ('cgroup', 'dilation' or 'none')."""
 
-    def __init__(self, speed, mode="auto", threads=None, label=""):
+    def __init__(self, speed, mode="auto", threads=None, label="", clock="elapsed"):
         import torch
         self._label = label
+        self.clock = clock  # emulation.dilation_clock: "elapsed" or "own" (dilation_sleep)
         self.speed = 1.0
         self.mode = "none"
         self._requested = mode
         self._threads = threads or torch.get_num_threads()
         self._cgroup = None
-        self._since = None  # dilation: (time, seconds in collectives) where the unstretched compute began
+        self._since = None  # dilation: (time, seconds in collectives, run-queue seconds) where the unstretched compute began
         self.set_speed(speed)
 
     def set_speed(self, speed):
@@ -311,7 +311,9 @@ class Emulator:
             return
         began, in_collectives, waited = self._since
         compute = time.perf_counter() - began - (comm_clock.seconds_in_collectives() - in_collectives)
-        slept = dilation_sleep(self.speed, compute, run_queue_seconds() - waited) if compute > 0 else 0.0
+        slept = 0.0
+        if compute > 0:
+            slept = dilation_sleep(self.speed, compute, run_queue_seconds() - waited if self.clock == "own" else 0.0)
         if slept > 0:
             time.sleep(slept)
             comm_clock.seconds_dilated += slept
@@ -330,7 +332,8 @@ def start_emulation(emulation, rank):
     """The Emulator of data-parallel ``rank`` for an EmulationConfig (None: no emulation)."""
     if emulation is None or not (emulation.speeds or emulation.speed_schedule):
         return None
-    emulator = Emulator(emulation.speeds[rank] if emulation.speeds else 1.0, emulation.mode, label=f"rank{rank}")
+    emulator = Emulator(emulation.speeds[rank] if emulation.speeds else 1.0, emulation.mode, label=f"rank{rank}",
+                        clock=emulation.dilation_clock)
     logger.info(f"deepspeed-hetero emulation: rank {rank} runs at speed {emulator.speed} by {emulator.mode}")
     return emulator
 
