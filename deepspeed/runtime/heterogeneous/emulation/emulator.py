@@ -49,8 +49,9 @@ from .cgroups import (GIB, HOST_ALLOWANCE_BYTES, ProcessCgroup, describe_memory_
                       memory_limit_bytes)
 
 
-def _own_mark():
-    return time.perf_counter(), comm_clock.seconds_in_collectives(), run_queue_seconds()
+def _own_mark(clock):
+    return (time.perf_counter(), comm_clock.seconds_in_collectives(),
+            run_queue_seconds() if clock == "own" else 0.0)
 
 
 def run_queue_seconds():
@@ -71,6 +72,10 @@ def dilation_sleep(speed, compute, waiting=0.0):
     (nothing where the wait alone took longer)."""
     device = compute - min(max(waiting, 0.0), compute)
     return max(0.0, device / speed - compute)
+
+# A short period keeps the throttling smooth at the scale of one micro-step (tens of ms): with the
+# default 100 ms a rank would run at full speed for its quota, then stall for the rest.
+CFS_PERIOD_US = 10_000
 
 
 def _controller(controller, needed):
@@ -288,7 +293,7 @@ class Emulator:
         """A forward+backward starts: dilation stretches its compute from here on."""
         if self.mode != "dilation":
             return
-        self._since = _own_mark()
+        self._since = _own_mark(self.clock)
         comm_clock.before_collective = self._dilate
 
     def after_compute(self, seconds=None):
@@ -306,7 +311,7 @@ class Emulator:
             comm_clock.before_collective = None
 
     def _dilate(self):
-        """Sleep (1/speed - 1) times the compute since the last mark (time in collectives left out)."""
+        """Stretch the compute since the last mark (time in collectives left out; ``dilation_sleep``)."""
         if self._since is None:
             return
         began, in_collectives, waited = self._since
@@ -317,7 +322,7 @@ class Emulator:
         if slept > 0:
             time.sleep(slept)
             comm_clock.seconds_dilated += slept
-        self._since = _own_mark()
+        self._since = _own_mark(self.clock)
 
     def close(self):
         if comm_clock.before_collective == self._dilate:
