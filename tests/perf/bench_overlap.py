@@ -27,14 +27,15 @@ One launch trains, per ZeRO stage and repeat, one engine per mode from the same 
 samples (``comm_train.py``, the order alternating by repeat): ``flat`` (upstream's reduction),
 ``sync`` (the fork's hierarchical reduction, ``overlap: false``), ``hier`` (``overlap: "auto"``) and
 ``coded`` (``hier`` with ``compress_inter_host: "lossless"``, bitwise equal to ``sync``); ZeRO-1/2 also
-``fwd-gather`` (``hier`` with ``overlap_parameter_gather: true``, bitwise equal to ``sync`` too).
+``fwd-gather`` (``hier`` with ``overlap_parameter_gather: true``) and ``fwd-coded`` (that with ``coded``'s
+coding), bitwise equal to ``sync`` too.
 Per mode: slow-link bytes per step (``tc`` counters), step time, the exposed communication (the main
 thread's time in collectives and in waits for the background reduction, the comm clock), its split
 over the forward, the backward and the step, and its share of the step, and the share the heterogeneous profiler reports for the same steps (its
 ``communication_share``: transfer plus waits, over the slowest rank's step time). ``hier`` must be
 bitwise equal to ``sync`` (recorded per repeat).
 
-    python tests/perf/bench_overlap.py           # ~2.5 min, root; JSON in tests/perf/results/overlap.json
+    python tests/perf/bench_overlap.py           # ~5 min, root; JSON in tests/perf/results/overlap.json
     python tests/perf/bench_overlap.py --quick   # ZeRO-2, one repeat
     python tests/perf/bench_overlap.py --quick --stages 3   # ZeRO-3 (with hpZ), one repeat
     python tests/perf/bench_overlap.py --stages 2,3 --micro-batch 36 --rate 100   # 3x the compute, flat ZeRO-2 at ~52%
@@ -195,8 +196,8 @@ if __name__ == "__main__":
     parser.add_argument("--micro-batch", type=int, default=MICRO_BATCH,
                         help=f"micro-batch per rank (default {MICRO_BATCH}): a longer forward and backward")
     parser.add_argument("--dilation", type=float, default=0.0,
-                        help="every rank emulated at this speed by time dilation (it sleeps 1/speed - 1 times its "
-                             "compute, leaving the cores to communication, as a GPU's compute leaves its host's)")
+                        help="every rank emulated at this speed by time dilation (its compute stretched to 1/speed "
+                             "times, leaving the cores to communication, as a GPU's compute leaves its host's)")
     parser.add_argument("--dilation-clock", choices=("own", "elapsed"), default="own",
                         help="emulation.dilation_clock with --dilation: stretch each rank's own compute (default: "
                              "its waits for a core that other ranks hold left out) or its elapsed time")

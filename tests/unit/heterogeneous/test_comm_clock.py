@@ -184,26 +184,28 @@ def _beside_a_busy_neighbour(clock):
     import sys
     import time
 
-    from deepspeed.runtime.heterogeneous.emulation.emulator import Emulator, run_queue_seconds
+    from deepspeed.runtime.heterogeneous.emulation.emulator import Emulator
     from deepspeed.runtime.heterogeneous.measure import comm_clock
 
     saved = os.sched_getaffinity(0)
     core = min(saved)
     rival = subprocess.Popen([sys.executable, "-c", f"import os, time\nos.sched_setaffinity(0, {{{core}}})\n"
                               "end = time.time() + 60\nwhile time.time() < end: pass"])
+    emulator = None
     try:
         os.sched_setaffinity(0, {core})
         time.sleep(0.3)  # the neighbour is running
         emulator = Emulator(0.5, mode="dilation", clock=clock)
         for _ in range(3):
             emulator.begin_compute()
-            waited, began, slept = run_queue_seconds(), time.perf_counter(), comm_clock.seconds_dilated
+            waited, began, slept = comm_clock.run_queue_seconds(), time.perf_counter(), comm_clock.seconds_dilated
             _compute(0.1)
-            waited, elapsed = run_queue_seconds() - waited, time.perf_counter() - began
+            waited, elapsed = comm_clock.run_queue_seconds() - waited, time.perf_counter() - began
             emulator.after_compute()
             slept = comm_clock.seconds_dilated - slept
-        emulator.close()
     finally:
+        if emulator is not None:
+            emulator.close()
         os.sched_setaffinity(0, saved)
         rival.kill()
         rival.wait()
@@ -214,6 +216,9 @@ def test_dilation_clock_own_leaves_out_the_wait_for_a_shared_core():
     """A busy loop on the same core: the kernel counts the rank's wait for the core. At speed 0.5,
     ``elapsed`` sleeps the whole elapsed time again (a rank at full speed waits as much here, so the
     ratio holds); ``own`` stretches only the rank's own 0.1 s, to 0.2 s in all, most of it past."""
+    from deepspeed.runtime.heterogeneous.measure import comm_clock
+    if comm_clock.run_queue_seconds() is None:
+        pytest.skip("the kernel gives no run-queue time (/proc/thread-self/schedstat)")
     waited, elapsed, slept = _beside_a_busy_neighbour("elapsed")
     assert waited > 0.25 * elapsed, f"waited {waited:.3f} s of {elapsed:.3f} s beside a busy loop on one core"
     assert slept >= 0.99 * elapsed, f"elapsed: slept {slept:.3f} s after {elapsed:.3f} s"
@@ -221,6 +226,25 @@ def test_dilation_clock_own_leaves_out_the_wait_for_a_shared_core():
     assert waited > 0.25 * elapsed, f"waited {waited:.3f} s of {elapsed:.3f} s beside a busy loop on one core"
     assert slept <= max(0.0, 0.2 - elapsed) + 0.02 and slept < 0.5 * elapsed, \
         f"own: slept {slept:.3f} s after {elapsed:.3f} s"
+    assert not comm_clock._track_run_queue, "closing the emulator stops counting waits inside collectives"
+
+
+def test_the_dilation_clock_reaches_the_emulator_and_a_wrong_one_is_refused():
+    from deepspeed.runtime.heterogeneous.config.blocks import EmulationConfig
+    from deepspeed.runtime.heterogeneous.emulation.emulator import Emulator, start_emulation
+
+    from deepspeed.runtime.heterogeneous.measure import comm_clock
+
+    for clock in ("elapsed", "own"):
+        emulator = start_emulation(EmulationConfig(speeds=[0.5], mode="dilation", dilation_clock=clock), 0)
+        try:
+            # "own" without the kernel's run-queue time stretches the elapsed time, and says so.
+            expected = clock if comm_clock.run_queue_seconds() is not None else "elapsed"
+            assert emulator.mode == "dilation" and emulator.clock == expected
+        finally:
+            emulator.close()
+    with pytest.raises(ValueError, match="dilation_clock 'wall' is not allowed; use \"elapsed\" or \"own\""):
+        Emulator(0.5, mode="dilation", clock="wall")
 
 
 def _compute(seconds):

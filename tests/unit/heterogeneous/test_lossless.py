@@ -138,17 +138,23 @@ def _train(rank, hosts, stage, sizes, gas, coded, zero=None, memory=None, overla
             callers.add(frame.f_code.co_name)
             frame = frame.f_back
         kind = ("refresh" if "_start_coded" in callers else "reduce" if "_exchange_owned" in callers else
-                "gather" if callers & {"all_gather_partitions", "gather_round"} else str(sorted(callers)))
+                "gather" if "all_gather_partitions" in callers else "round" if "gather_round" in callers else
+                str(sorted(callers)))
         calls.append((kind, tensor.numel() * tensor.element_size(), payload.numel()))
         return payload
 
     lossless.encode = recorded
+    if parameter_gather:
+        from deepspeed.runtime.heterogeneous.comm import parameter_gather as deferred
+        deferred.DEFAULT_CHUNK_ELEMENTS = 64  # many rounds (of 4 pieces: below)
     try:
         with patched_environ({"CROSS_RANK": hosts[rank]}):
             model = _model()
             engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         reducer = hierarchical.reducer_for(engine.seq_data_parallel_group)
         assert reducer is not None and reducer.lossless == coded
+        if parameter_gather:
+            reducer.piece_elements = 16  # every exchange in pieces, as where the link was measured
         shards = any(getattr(p, host_shards.ATTRIBUTE, None) is not None for p in engine.module.parameters())
         assert overlap is not False or reducer.background is None, reducer.background
         train_batch_size = sum(sizes) * gas
@@ -164,7 +170,7 @@ def _train(rank, hosts, stage, sizes, gas, coded, zero=None, memory=None, overla
                     losses.append(loss.item())
                     engine.backward(loss)
                     engine.step()
-        engine.wait_for_parameters()  # a gather deferred to the next forward (overlap_parameter_gather)
+            engine.wait_for_parameters()  # a gather deferred to the next forward, recorded to its end
     finally:
         lossless.encode = encode
     per_group = {}
@@ -198,6 +204,8 @@ CASES = [
     dict(hosts=[0, 0, 1, 1], stage=2, sizes=[2, 3, 1, 2], gas=2, parameter_gather=True),
     dict(hosts=[0, 1, 1], stage=3, sizes=[3, 1, 2]),
     dict(hosts=[0, 0, 1], stage=2, sizes=[1, 2, 4]),
+    dict(hosts=[0, 1, 1], stage=1, sizes=[2, 2, 3], parameter_gather=True,  # unequal blocks per round
+         zero={"overlap_comm": True}),
 ]
 
 
@@ -220,8 +228,9 @@ def test_training_with_the_coder_is_bitwise_training_without_it():
             # What crossed hosts went through the coder, and came out smaller: the leaders' gradient
             # exchange, ZeRO-1/2's updated partitions between the leaders, ZeRO-3's refresh on every rank.
             kinds = {kind for kind, _, _ in on["calls"]}
+            gather = "round" if case.get("parameter_gather") else "gather"  # in the next forward, or in the step
             want = ({"reduce"} if on["leader"] else set()) | ({"refresh"} if case["stage"] == 3 else
-                                                              {"gather"} if on["leader"] else set())
+                                                              {gather} if on["leader"] else set())
             assert kinds == want, (case, kinds, want)
             given, made = sum(n for _, n, _ in on["calls"]), sum(n for _, _, n in on["calls"])
             assert not want or made < 0.95 * given, (case, given, made)

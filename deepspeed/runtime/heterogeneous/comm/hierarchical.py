@@ -182,7 +182,7 @@ class HierarchicalReducer:
                  for host, owned in enumerate(ranges)]
         wanted = ranges_numel(ranges[self.host])
         partials = self.leaders_all_to_all(sends, [0 if host == self.host else wanted for host in range(len(ranges))],
-                                            largest=max(ranges_numel(owned) for owned in ranges))
+                                           largest=max(ranges_numel(owned) for owned in ranges))
         if not wanted:
             return
         partials[self.host] = pack(flat, ranges[self.host]).to(dtype)  # rounded alike when compressed
@@ -246,8 +246,8 @@ class HierarchicalReducer:
             own = torch.cat([partitions[m] for m in layout.host_members[self.host]])
             sizes = [sum(partitions[m].numel() for m in members) for members in layout.host_members]
             sends = [own.new_empty(0) if host == self.host else own for host in range(layout.num_hosts)]
-            blocks = self.leaders_all_to_all(sends, [0 if host == self.host else size for host, size in enumerate(sizes)],
-                                              largest=max(sizes))
+            wanted = [0 if host == self.host else size for host, size in enumerate(sizes)]
+            blocks = self.leaders_all_to_all(sends, wanted, largest=max(sizes))
             for host, block in enumerate(blocks):
                 if host != self.host:
                     scatter_into(block, [partitions[m] for m in layout.host_members[host]])

@@ -134,7 +134,7 @@ class GatherPlan:
         return 1 + self.rounds
 
 
-_Round = collections.namedtuple("_Round", "own received in_sizes out_sizes")
+_Round = collections.namedtuple("_Round", "own received out_sizes largest")
 """One round on this rank (``DeferredGather._round_views``)."""
 
 
@@ -194,18 +194,18 @@ class DeferredGather:
 
     def _round_views(self, index):
         """What round ``index`` moves on this rank, worked out once per buffer: this host's slices
-        (every group's, in group order), the other hosts' slices it receives (in host order), and
-        the all-to-all's split sizes."""
+        (every group's, in group order), the other hosts' slices it receives (in host order), the
+        elements it receives from each host, and the most any host sends in the round (the same
+        on every rank: it sets the exchange's pieces)."""
         layout, mine = self.reducer.layout, self.reducer.host
         per_host = [[self.partitions[group][member].narrow(0, start, end - start)
                      for group in range(len(self.partitions)) for member, start, end in self.plan.chunk(group, host, index)]
                     for host in range(layout.num_hosts)]
         own = per_host[mine]
-        own_numel = sum(view.numel() for view in own)
         return _Round(own=own, received=[view for host, views in enumerate(per_host) if host != mine for view in views],
-                      in_sizes=[0 if host == mine else own_numel for host in range(layout.num_hosts)],
                       out_sizes=[0 if host == mine else sum(view.numel() for view in views)
-                                 for host, views in enumerate(per_host)])
+                                 for host, views in enumerate(per_host)],
+                      largest=max(sum(view.numel() for view in views) for views in per_host))
 
     # -- the main thread ------------------------------------------------------------------------
 
@@ -258,9 +258,8 @@ class DeferredGather:
             reducer = self.reducer
             if reducer.is_leader:
                 sent = torch.cat(views.own) if views.own else self.partitions[0][0].new_empty(0)
-                sends = [sent.new_empty(0) if host == reducer.host else sent for host in range(len(views.in_sizes))]
-                arrived = torch.cat(reducer.leaders_all_to_all(sends, views.out_sizes,
-                                                                largest=max(views.in_sizes + views.out_sizes)))
+                sends = [sent.new_empty(0) if host == reducer.host else sent for host in range(reducer.layout.num_hosts)]
+                arrived = torch.cat(reducer.leaders_all_to_all(sends, views.out_sizes, largest=views.largest))
             if not views.received:
                 return
             if reducer.host_size > 1:

@@ -76,9 +76,9 @@ class EmulationConfig(DeepSpeedConfigModel):
     auto: cgroup where the machine allows it, else dilation."""
     dilation_clock: Literal["elapsed", "own"] = "elapsed"
     """What dilation stretches: elapsed, the compute's elapsed time, waits for a core included (a
-    slowed rank keeps its ratio to a full-speed rank on a busy machine); own, the rank's own compute,
-    its waits for a core other processes held left out (every rank dilated, standing for devices
-    that leave the host's cores free)."""
+    slowed rank keeps its ratio to a full-speed rank on a busy machine); own, the rank's own
+    compute, its waits for a core other threads or processes held left out (every rank dilated,
+    standing for devices that leave the host's cores free)."""
 
     @model_validator(mode="after")
     def _schedule_steps_increase(self):

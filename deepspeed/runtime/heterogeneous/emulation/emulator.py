@@ -16,12 +16,12 @@ device's speed, by one of two means:
   twice, at them and after. Portable, but only compute is slowed. ``emulation.dilation_clock``
   says what is stretched: ``elapsed`` (the default), the compute's elapsed time, so that a slowed
   rank keeps its ratio to a rank at full speed that waits for the cores as much on a busy machine;
-  ``own``, the rank's own compute only, the time its thread waited for a core other processes held
-  (Linux schedstat) absorbed into the sleep (``dilation_sleep``). ``own`` is for clusters whose
-  every rank is dilated to stand for devices that leave the host's cores free: there ranks that
-  share cores wait in bursts (their forwards start together), and ``elapsed`` stretches each burst
-  by ``1/speed``: 4 ranks at speed 0.25 on 2 cores reached their first gradient bucket 65-300 ms
-  apart in a 1.2 s step, 21-61 ms with ``own``.
+  ``own``, the rank's own compute only, the time its thread waited for a core other threads or
+  processes held (Linux schedstat; outside collectives, as the compute is) absorbed into the sleep
+  (``dilation_sleep``). ``own`` is for clusters whose every rank is dilated to stand for devices
+  that leave the host's cores free: there ranks that share cores wait in bursts (their forwards
+  start together), and ``elapsed`` stretches each burst by ``1/speed``: 4 ranks at speed 0.25 on 2
+  cores reached their first gradient bucket 65-300 ms apart in a 1.2 s step, 21-61 ms with ``own``.
 
 ``auto`` picks cgroup where the machine allows it, else dilation. A quota only caps a rank: where
 other processes already hold the cores it slows the rank less than asked (measured on 2 cores
@@ -50,24 +50,18 @@ from .cgroups import (GIB, HOST_ALLOWANCE_BYTES, ProcessCgroup, describe_memory_
 
 
 def _own_mark(clock):
-    return (time.perf_counter(), comm_clock.seconds_in_collectives(),
-            run_queue_seconds() if clock == "own" else 0.0)
-
-
-def run_queue_seconds():
-    """The calling thread's time runnable but waiting for a core, in seconds (Linux
-    ``/proc/thread-self/schedstat``; 0.0 where the kernel does not say)."""
-    try:
-        with open("/proc/thread-self/schedstat", "rb") as stats:
-            return int(stats.read().split()[1]) / 1e9
-    except (OSError, ValueError, IndexError):
-        return 0.0
+    """Where an unstretched stretch of compute begins: the time, the time in collectives, and for the
+    ``own`` clock the waits for a core in all and inside collectives."""
+    if clock != "own":
+        return time.perf_counter(), comm_clock.seconds_in_collectives(), 0.0, 0.0
+    return (time.perf_counter(), comm_clock.seconds_in_collectives(), comm_clock.run_queue_seconds() or 0.0,
+            comm_clock.run_queue_in_collectives())
 
 
 def dilation_sleep(speed, compute, waiting=0.0):
     """Seconds to sleep after ``compute`` seconds of compute so that it lasts as long as on a device
     ``speed`` times as fast: ``compute * (1/speed - 1)``. With ``waiting`` (``dilation_clock: own``:
-    the part of ``compute`` spent waiting for a core other processes held), only the rank's own part
+    the part of ``compute`` spent waiting for a core other threads or processes held), only the rank's own part
     is stretched, to ``(compute - waiting) / speed`` in all, less the ``compute`` already past
     (nothing where the wait alone took longer)."""
     device = compute - min(max(waiting, 0.0), compute)
@@ -252,13 +246,23 @@ class Emulator:
     def __init__(self, speed, mode="auto", threads=None, label="", clock="elapsed"):
         import torch
         self._label = label
-        self.clock = clock  # emulation.dilation_clock: "elapsed" or "own" (dilation_sleep)
+        if clock not in ("elapsed", "own"):
+            raise ValueError(f"heterogeneous_config.emulation.dilation_clock {clock!r} is not allowed; use \"elapsed\" "
+                             "or \"own\"")
+        if clock == "own" and comm_clock.run_queue_seconds() is None:
+            logger.warning("deepspeed-hetero emulation: dilation_clock 'own' needs the kernel's run-queue time "
+                           "(/proc/thread-self/schedstat), which this machine does not give; dilation stretches "
+                           "the elapsed time")
+            clock = "elapsed"
+        self.clock = clock  # emulation.dilation_clock (dilation_sleep)
+        if clock == "own":
+            comm_clock.track_run_queue(True)
         self.speed = 1.0
         self.mode = "none"
         self._requested = mode
         self._threads = threads or torch.get_num_threads()
         self._cgroup = None
-        self._since = None  # dilation: (time, seconds in collectives, run-queue seconds) where the unstretched compute began
+        self._since = None  # dilation: _own_mark() where the unstretched compute began
         self.set_speed(speed)
 
     def set_speed(self, speed):
@@ -314,11 +318,13 @@ class Emulator:
         """Stretch the compute since the last mark (time in collectives left out; ``dilation_sleep``)."""
         if self._since is None:
             return
-        began, in_collectives, waited = self._since
+        began, in_collectives, waited, waited_in_collectives = self._since
         compute = time.perf_counter() - began - (comm_clock.seconds_in_collectives() - in_collectives)
-        slept = 0.0
-        if compute > 0:
-            slept = dilation_sleep(self.speed, compute, run_queue_seconds() - waited if self.clock == "own" else 0.0)
+        waiting = 0.0
+        if self.clock == "own":  # the waits for a core outside collectives, as the compute is
+            waiting = ((comm_clock.run_queue_seconds() or 0.0) - waited -
+                       (comm_clock.run_queue_in_collectives() - waited_in_collectives))
+        slept = dilation_sleep(self.speed, compute, waiting) if compute > 0 else 0.0
         if slept > 0:
             time.sleep(slept)
             comm_clock.seconds_dilated += slept
@@ -327,6 +333,8 @@ class Emulator:
     def close(self):
         if comm_clock.before_collective == self._dilate:
             comm_clock.before_collective = None
+        if self.clock == "own":
+            comm_clock.track_run_queue(False)
         self._since = None
         if self._cgroup is not None:
             self._cgroup.close()

@@ -34,8 +34,10 @@ class _Clock(threading.local):
 
     def __init__(self):
         self.total = 0.0
+        self.run_queue_total = 0.0  # seconds waiting for a core inside collectives (track_run_queue)
         self.depth = 0
         self.entered = 0.0
+        self.run_queue_entered = 0.0
         self.background = False  # a worker thread's collectives: no dilation, no device synchronisation
 
 
@@ -93,6 +95,8 @@ def set_listener(callback):
 def enter():
     if _clock.depth == 0:
         _clock.entered = time.perf_counter()
+        if _track_run_queue:
+            _clock.run_queue_entered = run_queue_seconds() or 0.0
     _clock.depth += 1
 
 
@@ -100,6 +104,33 @@ def leave():
     _clock.depth -= 1
     if _clock.depth == 0:
         _clock.total += time.perf_counter() - _clock.entered
+        if _track_run_queue:
+            _clock.run_queue_total += (run_queue_seconds() or 0.0) - _clock.run_queue_entered
+
+
+_track_run_queue = False
+
+
+def track_run_queue(on):
+    """Count each thread's waits for a core inside collectives too (``run_queue_in_collectives``):
+    for time dilation's ``own`` clock, which reads a rank's waits outside them."""
+    global _track_run_queue
+    _track_run_queue = bool(on)
+
+
+def run_queue_seconds():
+    """The calling thread's time runnable but waiting for a core, in seconds (Linux
+    ``/proc/thread-self/schedstat``); None where the kernel does not say."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as stats:
+            return int(stats.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def run_queue_in_collectives():
+    """Running total of this thread's waits for a core inside collectives (``track_run_queue``)."""
+    return _clock.run_queue_total
 
 
 def mark_background_thread():
