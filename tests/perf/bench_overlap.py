@@ -20,8 +20,8 @@ With ``--dilation S`` every rank computes at speed S by time dilation, which lea
 communication threads as a GPU node's compute does (``emulation.dilation_clock`` ``own`` by default:
 each rank's own compute is stretched, not its waits for a core the other ranks hold; ``--dilation-clock
 elapsed`` stretches those too); the compute is then 1/S times longer, so the rate that gives flat
-ZeRO-2 the same 50-60% share is found by measuring flat: at S = 0.25 with ``own``, 100 Mbit/s (55%;
-60 Mbit/s gave 68%, 90 gave 61%).
+ZeRO-2 the same 50-60% share is found by measuring flat: at S = 0.25 with ``own``, 100 Mbit/s (52%;
+with a first version of the clock, 55% there, 68% at 60 Mbit/s and 61% at 90).
 
 One launch trains, per ZeRO stage and repeat, one engine per mode from the same weights on the same
 samples (``comm_train.py``, the order alternating by repeat): ``flat`` (upstream's reduction),
