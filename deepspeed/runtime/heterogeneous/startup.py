@@ -24,7 +24,7 @@ from .memory.meter import EMULATED, MemoryMeter
 from .memory.placement import engine_placement, offloads_per_rank, refuse_unfit_peaks
 from .memory.pool import HeterogeneousMemoryPool, ModelStateSpec, memory_capacities
 from .memory.zero3_shards import existing_shares
-from .memory.partitions import check_shares
+from .memory.partitions import check_shares, shares_differ
 from .planning.planner import Plan, plan_micro_batches, time_models_from_scores
 
 
@@ -203,8 +203,11 @@ def place_engine_state(state, ds_config, model, optimizer=None):
     setting = memory.zero_partitions
     stage = int(ds_config.zero_optimization_stage or 0)
     world = int(ds_config.world_size)
-    if stage == 3:  # a model zero.Init partitioned already keeps its cut, which the placement then checks
-        setting = existing_shares(model) or setting
+    # A model zero.Init partitioned already keeps its cut, which the placement then checks, unless
+    # "auto" finds other shares better for it (zero.Init decided before the model existed).
+    cut = existing_shares(model) if stage == 3 else None
+    recut = cut is not None and setting == "auto" and memory.enabled and world >= 2
+    setting = cut or setting
     if not memory.enabled:
         explicit = stage in (1, 2, 3) and world >= 2 and setting not in ("auto", "even")
         return None, check_shares(setting, world) if explicit else None, {}
@@ -219,6 +222,12 @@ def place_engine_state(state, ds_config, model, optimizer=None):
         spec = replace(spec, host_shards=True)  # each host's copy of the parameters, cut among its ranks
     placement, offloaded = engine_placement(pool, spec, setting, offload.cpu_offload, offload.nvme_offload,
                                             baseline_bytes=baselines)
+    if recut:
+        wanted = engine_placement(pool, spec, "auto", offload.cpu_offload, offload.nvme_offload,
+                                  baseline_bytes=baselines)
+        if shares_differ(cut, wanted[0].partition_shares, world):
+            recut_zero3_model(state, model, cut, wanted[0].partition_shares, world)
+            placement, offloaded = wanted
     if state.dp_rank == 0:
         cpu_unapplied = offload.cpu_offload and not offloads_per_rank(stage, world)
         nvme_unapplied = offload.nvme_offload and not (stage == 3 and offloads_per_rank(stage, world))
@@ -233,6 +242,28 @@ def place_engine_state(state, ds_config, model, optimizer=None):
             logger.warning(f"deepspeed-hetero memory pool: {problem}")
     refuse_unfit_peaks(pool, placement, offload.cpu_offload or offload.nvme_offload)
     return pool, placement.partition_shares, offloaded
+
+
+def recut_zero3_model(state, model, cut, shares, world):
+    """Cut the ZeRO-3 parameters of ``model`` (cut by ``zero.Init`` into ``cut``) into ``shares``, the
+    engine's ``"auto"`` for this model, before its optimizer exists: parameter by parameter
+    (``uneven_shards.repartition``), exactly, once. Every rank decides it alike from the gathered
+    devices and the model; the optimizer compares the slices' digest before its first collective."""
+    import time
+    from deepspeed.utils import logger
+    from .comm.uneven_shards import repartition
+    from .memory.partitions import describe_shares
+    from .memory.zero3_shards import shard_layout
+    started = time.perf_counter()
+    params = [p for p in model.parameters() if hasattr(p, "ds_id")]
+    moved, elements = repartition(params, shard_layout(shares, world), world)
+    if state.dp_rank == 0:
+        before = "equal slices" if cut == "even" else describe_shares(cut)
+        after = "equal slices" if shares is None else describe_shares(shares)
+        logger.warning(f"deepspeed-hetero: re-cut the ZeRO-3 parameters zero.Init had partitioned into {before} to "
+                       f"{after}, the shares heterogeneous_memory.zero_partitions \"auto\" gives this model on these "
+                       f"ranks: {moved} parameters ({elements / 1e6:.3g}M elements) in "
+                       f"{time.perf_counter() - started:.2f} s")
 
 
 def gather_baselines(state, world):

@@ -159,3 +159,29 @@ def reduce_scatter(params, grads, group):
         out.append(mine.narrow(0, offset, keep))
         offset += size
     return out
+
+
+@torch.no_grad()
+def repartition(params, layout, world_size):
+    """Cut ``params`` (ZeRO-3 parameters, partitioned, before the optimizer holds their slices) by
+    ``layout`` (a ``ShardLayout``, or None for upstream's equal slices), one parameter at a time: it is
+    gathered whole from its current slices and cut again, so a rank holds one whole parameter at
+    most beyond its slices. Parameters partitioned over another group (experts) and those whose
+    slices do not change are left alone. Every rank must pass the same parameters in the same order
+    and the same layout (the slices decide which parameters move, so every rank moves the same).
+    Returns ``(parameters moved, elements moved)``."""
+    from ..memory.zero3_shards import init_param
+    moved = elements = 0
+    for param in params:
+        if int(param.ds_zero_partition_world_size) != int(world_size):
+            continue
+        spans = None if layout is None else layout.spans(param.ds_numel)
+        if spans == getattr(param, "ds_shard_spans", None):
+            param.ds_shard_layout = layout  # as init_param: a parameter too small to cut keeps it too
+            continue
+        param.all_gather()
+        param.ds_tensor = None  # its old slice: _partition_param allocates the new one
+        init_param(param, layout, world_size)
+        param.partition()
+        moved, elements = moved + 1, elements + int(param.ds_numel)
+    return moved, elements

@@ -164,6 +164,20 @@ def describe_shares(shares):
     return "[" + ", ".join(f"{s:.3f}" for s in shares) + "]"
 
 
+RECUT_TOLERANCE = 0.1
+"""A model cut before the engine started is cut again only when some rank's share would change by more
+than this fraction of it: a re-cut moves every parameter once, a small change is not worth it."""
+
+
+def shares_differ(current, wanted, world_size, tolerance=RECUT_TOLERANCE):
+    """Whether ``wanted`` moves some rank's share by more than ``tolerance`` of its ``current`` one
+    (either may be None or "even": equal shares)."""
+    def shares_of(value):
+        return [1.0 / world_size] * world_size if value is None or value == "even" else [float(v) for v in value]
+
+    return any(abs(w - c) > tolerance * c for c, w in zip(shares_of(current), shares_of(wanted)))
+
+
 class ZeroPartitionLayout:
     """The uneven layout of one ZeRO-1/2 optimizer: per parameter group, every rank's slice.
 

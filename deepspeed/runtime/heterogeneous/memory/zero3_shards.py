@@ -160,10 +160,10 @@ def engine_partitioning(shares):
 
 def partition_shares_for_init(ds_config, world_size):
     """The shares a ``zero.Init`` partitions with: the engine's, while it builds its optimizer;
-    else an explicit ``zero_partitions`` list in ``ds_config`` (a ``DeepSpeedConfig``) with
-    ``heterogeneous_config.enabled`` and ZeRO stage 3; else None (equal slices). ``"auto"``
-    needs the model and the devices, which the engine has: a model built under ``zero.Init``
-    before ``deepspeed.initialize`` keeps equal slices unless the config lists the shares."""
+    else, with ``heterogeneous_config.enabled`` and ZeRO stage 3 in ``ds_config`` (a coordinated
+    ``DeepSpeedConfig``), an explicit ``zero_partitions`` list, or for ``"auto"`` (with
+    ``heterogeneous_memory.enabled``) the prior from the gathered devices (``init_prior_shares``);
+    else None (equal slices)."""
     if _engine_shares:
         return _engine_shares[-1]
     state = getattr(ds_config, "heterogeneous", None) if ds_config is not None else None
@@ -173,15 +173,38 @@ def partition_shares_for_init(ds_config, world_size):
     if int(getattr(ds_config, "zero_optimization_stage", 0) or 0) != 3:
         return None
     shares = settings.memory.zero_partitions
-    if not isinstance(shares, (list, tuple)):
-        if shares == "auto" and settings.memory.enabled and int(world_size) > 1:
+    if isinstance(shares, (list, tuple)):
+        from .partitions import check_shares
+        return check_shares(shares, int(world_size))
+    if shares == "auto" and settings.memory.enabled and int(world_size) > 1 and state.devices:
+        prior = init_prior_shares(state, int(world_size))
+        if prior is not None and state.dp_rank == 0:
             from deepspeed.utils import logger
-            logger.warning("deepspeed-hetero: zero.Init cuts the model into equal ZeRO-3 slices: "
-                           "heterogeneous_memory.zero_partitions \"auto\" is decided by the engine, from the model; "
-                           "give the shares as a list to cut a model built under zero.Init by them")
-        return None
-    from .partitions import check_shares
-    return check_shares(shares, int(world_size))
+            from .partitions import describe_shares
+            logger.warning(f"deepspeed-hetero: zero.Init cuts the ZeRO-3 parameters by the ranks' memory, "
+                           f"{describe_shares(prior)} (heterogeneous_memory.zero_partitions \"auto\", before the "
+                           "model is known); the engine re-partitions once if the model calls for other shares")
+        return prior
+    return None
+
+
+def init_prior_shares(state, world_size):
+    """``"auto"``'s shares in ``zero.Init``, where the devices are gathered but the model does not exist
+    yet (None: equal slices). The engine's rule (``partitions.choose_partition_shares``: shares by speed,
+    none above what its memory holds) for a model as large as the ranks can hold together, the reason
+    to build it under ``zero.Init``: each rank's share is its part of the memory budgets, and ranks of
+    unknown memory share what is left by speed. The engine, which knows the model, revisits the cut
+    once (``startup.place_engine_state``)."""
+    from .partitions import choose_partition_shares, is_even
+    from .pool import HeterogeneousMemoryPool
+    pool = HeterogeneousMemoryPool.from_state(state, world_size)
+    budgets = pool.budgets
+    known = [b for b in budgets if b is not None]
+    if known:
+        shares = choose_partition_shares(pool.speeds, budgets, sum(known))
+    else:
+        shares = choose_partition_shares(pool.speeds)
+    return None if is_even(shares) else shares
 
 
 def existing_shares(model):
