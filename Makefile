@@ -45,10 +45,10 @@ $(VENV)/.torch:
 
 venv: $(VENV)/.torch
 
-# What only the tests need: the Hugging Face Trainer integration is tested with the real packages.
+# What only the tests need: the Hugging Face Trainer integration (and PEFT LoRA on it) is tested with the real packages.
 # The installed torch is pinned as a constraint so that nothing replaces it.
-TEST_EXTRAS := transformers==5.24.0 accelerate==1.15.0
-$(VENV)/.test-extras: $(VENV)/.torch
+TEST_EXTRAS := transformers==5.24.0 accelerate==1.15.0 peft==0.21.2
+$(VENV)/.test-extras: $(VENV)/.torch Makefile
 	$(PY) -c 'import torch; print("torch==" + torch.__version__)' > $(VENV)/torch-constraint.txt
 	$(PIP) install -q $(TEST_EXTRAS) -c $(VENV)/torch-constraint.txt
 	@touch $@
