@@ -7,7 +7,8 @@ ZeRO-3 config first, the model from ``AutoModelForCausalLM.from_config`` (built 
 
 Against one process (plain torch and peft, SGD on the union of what the ranks were fed at each
 step, the mean over the global batch's tokens; SGD shows a wrong gradient scale where Adam would
-hide it): the trained adapters, the tokens ``generate`` gives between steps, the adapters
+hide it): the trained adapters, the tokens ``generate`` gives between steps, the evaluation loss
+(``prediction_step``), the Trainer's checkpoint merged by ``zero_to_fp32``, the adapters
 ``save_model`` wrote (loaded with ``PeftModel.from_pretrained``), the model merged from them and
 saved with ``save_pretrained``, and a run resumed from the Trainer's checkpoint.
 """
@@ -74,7 +75,10 @@ def _reference(script, initial, global_batches):
                 generated = model.generate(input_ids=torch.tensor(script.PROMPT), max_new_tokens=script.NEW_TOKENS,
                                            min_new_tokens=script.NEW_TOKENS, do_sample=False).tolist()
             model.train()
-    return model, states, generated
+    with torch.no_grad():
+        rows = ids[:script.EVAL_SAMPLES]
+        eval_loss = model(input_ids=rows, labels=rows).loss.item()
+    return model, states, generated, eval_loss
 
 
 def _assert_close(got, want, start, what):
@@ -127,14 +131,21 @@ def test_lora_with_gradient_checkpointing_on_uneven_zero3_shards_is_exact_saves_
         global_batches = [fed[0][step] + fed[1][step] for step in range(STEPS)]
         initial = ranks[0]["initial"]
         torch.testing.assert_close(ranks[1]["initial"], initial, rtol=0, atol=0)
-        model, states, generated = _reference(script, initial, global_batches)
+        model, states, generated, eval_loss = _reference(script, initial, global_batches)
         for rank in range(2):
             _assert_close(ranks[rank]["trainable"], states[-1], initial, f"{case} rank {rank}")
             assert ranks[rank]["generated"] == generated, (case, ranks[rank]["generated"], generated)
             # Resumed at step RESUME_AT: the same rows and the same parameters as the uninterrupted run.
             assert resumed[rank]["fed"] == fed[rank][RESUME_AT:], case
             _assert_close(resumed[rank]["trainable"], states[-1], None, f"{case} resumed, rank {rank}")
+        assert [r["eval_loss"] for r in ranks] == pytest.approx([eval_loss] * 2, rel=1e-5), case
         case_dir = tmp_path / case.replace(":", "-").replace(",", "-")
+        # zero_to_fp32 on the Trainer's checkpoint (uneven shards): the adapters at that step.
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        merged_fp32 = get_fp32_state_dict_from_zero_checkpoint(str(case_dir / "trainer" / f"checkpoint-{RESUME_AT}"))
+        at_save = states[RESUME_AT - 1]
+        assert set(at_save) <= set(merged_fp32), sorted(set(at_save) - set(merged_fp32))[:4]
+        _assert_close(merged_fp32, at_save, None, f"{case} zero_to_fp32")
         merged = _merged_from_saved(script, initial, case_dir / "adapters", tmp_path / f"{case_dir.name}-merged")
         want = model.merge_and_unload()
         _assert_close(merged, {n: p.detach() for n, p in want.named_parameters()}, None, f"{case} merged")

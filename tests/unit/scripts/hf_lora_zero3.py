@@ -52,10 +52,13 @@ def tokens():
     return torch.randint(1, VOCAB, (DATASET, SEQUENCE), generator=torch.Generator().manual_seed(3))
 
 
+EVAL_SAMPLES = 16
+
+
 class TokenDataset(torch.utils.data.Dataset):
 
-    def __init__(self):
-        self.ids = tokens()
+    def __init__(self, size=DATASET):
+        self.ids = tokens()[:size]
 
     def __len__(self):
         return len(self.ids)
@@ -106,6 +109,7 @@ def train(case, out, steps, save_at=None, resume=False):
     # TrainingArguments first: with a ZeRO-3 config it makes from_config build under zero.Init.
     args = TrainingArguments(output_dir=os.path.join(case_dir, "trainer"),
                              per_device_train_batch_size=GLOBAL_BATCH // world_size,
+                             per_device_eval_batch_size=EVAL_SAMPLES // world_size,
                              gradient_accumulation_steps=1, max_steps=steps, learning_rate=LR,
                              lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, seed=DATA_SEED,
                              gradient_checkpointing=True, deepspeed=ds_config(split), report_to=[],
@@ -149,30 +153,11 @@ def train(case, out, steps, save_at=None, resume=False):
     result = {"fed": fed, "trainable": trainable, "generated": generated.get("tokens"), "initial": initial,
               "shares": engine.optimizer.zero3_shares, "plan": list(engine.heterogeneous_plan.micro_batch_sizes)}
     if not resume:
+        # Evaluation (the Trainer's prediction_step on its own equal shards) and the adapters saved
+        # through the engine's 16-bit gather (stage3_gather_16bit_weights_on_model_save).
+        result["eval_loss"] = trainer.evaluate(TokenDataset(EVAL_SAMPLES))["eval_loss"]
         trainer.save_model(os.path.join(case_dir, "adapters"))
-        # The merged model: every rank gathers and merges (collectives on every rank), rank 0 saves.
-        full = gathered_state(engine.module)
-        if rank == 0:
-            torch.save(merged_state(full), os.path.join(case_dir, "merged.pt"))
     torch.save(result, result_path(out, case, resume).format(rank=rank))
-
-
-def merged_state(full):
-    """The base model's parameters with each LoRA pair folded in (W + scale * B @ A, transposed for
-    GPT-2's Conv1D), named as the base model names them."""
-    config = lora_config()
-    scale = config.lora_alpha / config.r
-    merged = {}
-    for name, value in full.items():
-        if ".lora_" in name:
-            continue
-        base = name.replace("base_model.model.", "", 1).replace(".base_layer", "")
-        if ".base_layer.weight" in name:
-            prefix = name[:-len(".base_layer.weight")]
-            delta = full[f"{prefix}.lora_B.default.weight"] @ full[f"{prefix}.lora_A.default.weight"]
-            value = value + scale * delta.T
-        merged[base] = value
-    return merged
 
 
 def main():
