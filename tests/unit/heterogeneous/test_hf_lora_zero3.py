@@ -124,6 +124,7 @@ def test_lora_with_gradient_checkpointing_on_uneven_zero3_shards_is_exact_saves_
         resumed = [torch.load(script.result_path(tmp_path, case, resumed=True).format(rank=rank)) for rank in range(2)]
         assert [r["shares"] for r in ranks] == [tuple(script.SHARES)] * 2, case
         assert [r["plan"] for r in ranks] == [sizes] * 2, case
+        assert [r["checkpointing"] for r in ranks] == [True, True], case
         fed = [r["fed"] for r in ranks]
         # HeterogeneousTrainer feeds the plan; the stock Trainer feeds equal batches the engine re-splits.
         fed_sizes = [8, 8] if trainer == "stock" else sizes

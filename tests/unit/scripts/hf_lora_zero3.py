@@ -112,7 +112,7 @@ def train(case, out, steps, save_at=None, resume=False):
                              per_device_eval_batch_size=EVAL_SAMPLES // world_size,
                              gradient_accumulation_steps=1, max_steps=steps, learning_rate=LR,
                              lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, seed=DATA_SEED,
-                             gradient_checkpointing=True, deepspeed=ds_config(split), report_to=[],
+                             activation_checkpointing=True, deepspeed=ds_config(split), report_to=[],
                              save_strategy="steps" if save_at else "no", save_steps=save_at or 500,
                              logging_strategy="no", disable_tqdm=True, use_cpu=True)
     # Seeded: a resumed run builds the base model again, and a ZeRO-3 checkpoint holds the trained
@@ -151,7 +151,8 @@ def train(case, out, steps, save_at=None, resume=False):
     trainable = {name: p for name, p in gathered_state(engine.module).items()
                  if dict(engine.module.named_parameters())[name].requires_grad}
     result = {"fed": fed, "trainable": trainable, "generated": generated.get("tokens"), "initial": initial,
-              "shares": engine.optimizer.zero3_shares, "plan": list(engine.heterogeneous_plan.micro_batch_sizes)}
+              "shares": engine.optimizer.zero3_shares, "plan": list(engine.heterogeneous_plan.micro_batch_sizes),
+              "checkpointing": bool(engine.module.get_base_model().is_activation_checkpointing)}
     if not resume:
         # Evaluation (the Trainer's prediction_step on its own equal shards) and the adapters saved
         # through the engine's 16-bit gather (stage3_gather_16bit_weights_on_model_save).
