@@ -213,7 +213,8 @@ def place_engine_state(state, ds_config, model, optimizer=None):
         return None, check_shares(setting, world) if explicit else None, {}
     pool = HeterogeneousMemoryPool.from_state(state, world)
     offload = state.settings.offload
-    baselines = gather_baselines(state, world)
+    # A model zero.Init partitioned is in use already: its slices, which the spec counts, are not baseline.
+    baselines = gather_baselines(state, world, counted_bytes=partitioned_bytes(model) if cut is not None else 0)
     # An emulated device (capacity by accounting alone) is not the host, whatever the accelerator.
     spec = ModelStateSpec.for_engine(ds_config, model, optimizer,
                                      emulated_device=state.memory_meter.source == EMULATED)
@@ -266,13 +267,21 @@ def recut_zero3_model(state, model, cut, shares, world):
                        f"{time.perf_counter() - started:.2f} s")
 
 
-def gather_baselines(state, world):
+def partitioned_bytes(model):
+    """The bytes of this rank's slices of ``model``'s trainable ZeRO-3 parameters (partitioned by
+    ``zero.Init`` before the engine): the spec counts them as the rank's parameters."""
+    return sum(int(p.ds_tensor.numel()) * p.ds_tensor.element_size() for p in model.parameters()
+               if p.requires_grad and getattr(p, "ds_tensor", None) is not None)
+
+
+def gather_baselines(state, world, counted_bytes=0):
     """Per data-parallel rank, the bytes in use on its device as the engine starts (``memory_meter``,
-    started here and kept as ``state.memory_meter``), gathered so that every rank places alike; a
-    replica counts its fullest member."""
+    started here and kept as ``state.memory_meter``), less ``counted_bytes`` that the model state
+    counts already (what is not in use, an emulated device's, is 0), gathered so that every rank
+    places alike; a replica counts its fullest member."""
     import torch.distributed as dist
     state.memory_meter = rank_memory_meter(state)
-    mine = state.memory_meter.start()
+    mine = max(0, state.memory_meter.start() - int(counted_bytes))
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [mine] * world
     gathered = Agreement(f"data-parallel rank {state.dp_rank}").gather_from_every_rank(

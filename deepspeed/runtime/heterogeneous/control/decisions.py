@@ -113,7 +113,41 @@ class PlanDecisions:
                 note = "; ".join(filter(None, [note, unchecked]))
             return PlanDecision(plan=plan.to_dict(), note=note, verify=verify)
         except Exception as exc:  # noqa: BLE001 -- every failure must reach every rank
-            return PlanDecision.failed(exc)
+            return PlanDecision.failed(self._with_share_advice(exc))
+
+    def _with_share_advice(self, exc):
+        """A rank that cannot hold one sample under ``"auto"`` shares, chosen before any activation was
+        measured: the error names the shares that leave every rank room for its part of the micro-step
+        with the activations measured now (the shares are fixed once the optimizer holds its state)."""
+        from ..memory.model_state import RankCannotFitError, fit_activation_model
+        from ..memory.partitions import describe_shares
+        pool = getattr(self.state, "memory_pool", None)
+        if not isinstance(exc, RankCannotFitError) or pool is None or pool.placement is None or \
+                self.state.settings.memory.zero_partitions != "auto" or not self.history:
+            return exc
+        try:
+            rates = measured_rates(self.history)
+            samples = sum(self.plan.micro_batch_sizes)
+            speeds = [1.0 / rate for rate in rates]
+            targets = [max(1, round(samples * speed / sum(speeds))) for speed in speeds]
+            per_sample = []
+            for rank in range(len(rates)):
+                measured = [(m, b) for step in self.history for m, _, b in step[rank]["samples"] if b is not None]
+                per_sample.append(fit_activation_model(measured).bytes_for(1) if measured else 0.0)
+            # A copy: placing again must leave the engine's pool and its placement as they are.
+            placement = copy.copy(pool).place(pool.model_state, "auto", strict=False, baseline_bytes=pool._baselines,
+                                              activation_bytes=[b * t for b, t in zip(per_sample, targets)])
+        except Exception:  # noqa: BLE001 -- the advice is a courtesy; the error stands without it
+            return exc
+        shares = placement.partition_shares
+        if shares is None or placement.problems:
+            return exc
+        return RankCannotFitError(
+            f"{exc}; or, since heterogeneous_memory.zero_partitions \"auto\" chose the shares "
+            f"{describe_shares(pool.placement.partition_shares or [1 / len(rates)] * len(rates))} before any "
+            f"activation was measured, set it to {list(shares)}: with the activations measured now "
+            f"({', '.join(f'{b / 2**20:.3g}' for b in per_sample)} MiB per sample) these leave the ranks room for "
+            f"{targets} samples per micro-step")
 
     # -- checks -------------------------------------------------------------------------------
 
