@@ -112,13 +112,26 @@ class HeterogeneousEngineMixin:
 
     # -- hooks the engine calls (no-ops when the fork is off) ---------------------------------
 
+    def _heterogeneous_start_runtime(self):
+        """The engine's construction calls this on every rank, before it builds any loader: the
+        runtime controller is created here, and with it every collective its construction runs
+        (the emulation's speed check). Never later, at a hook: some ranks reach a hook first (a
+        pipeline's later stages run their first forward only once the earlier stages' activations
+        arrive), and a collective there would wait for ranks that wait for it."""
+        state = self._config.heterogeneous
+        if state.plan is not None and state.runtime is None:
+            from .runtime import HeterogeneousRuntime
+            state.runtime = HeterogeneousRuntime(self)
+
     def _heterogeneous_runtime(self):
+        """The runtime controller ``_heterogeneous_start_runtime`` created; None when the fork is off.
+        Never created here: a collective of its construction would run where only this rank is."""
         state = self._config.heterogeneous
         if state.plan is None:
             return None
         if state.runtime is None:
-            from .runtime import HeterogeneousRuntime
-            state.runtime = HeterogeneousRuntime(self)
+            raise RuntimeError("deepspeed-hetero: the runtime controller is created as the engine starts "
+                               "(_heterogeneous_start_runtime), on every rank; this engine has none")
         return state.runtime
 
     def _heterogeneous_micro_step_begin(self, inputs=(), kwargs=None):

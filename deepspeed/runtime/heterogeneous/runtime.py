@@ -74,7 +74,10 @@ class Phase(str, enum.Enum):
 
 
 class HeterogeneousRuntime:
-    """Created by the engine at its first hook (``state.runtime``); one per engine."""
+    """Created on every rank as the engine starts (``state.runtime``,
+    ``HeterogeneousEngineMixin._heterogeneous_start_runtime``); one per engine. Its construction
+    runs collectives (the emulation's speed check), so it is never created where only some ranks
+    are."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -109,6 +112,7 @@ class HeterogeneousRuntime:
         periodic = self.settings.elastic.checkpoint
         self.periodic = None if periodic is None else PeriodicCheckpoints(periodic, self.agreement)
         self._step_completed = False  # an optimizer step ended in the engine.step() now returning
+        self._forward_seen = False  # the first training forward restarts the timer (see micro_step_begin)
         self._update_comm_clock()
         self.limits.apply_speed_schedule(1)
         # A CPU quota does not bind where other processes hold the cores: measured, not assumed.
@@ -148,7 +152,7 @@ class HeterogeneousRuntime:
     @property
     def steps(self):
         """Optimizer steps taken. The engine's own count, not a second one: the runtime is created
-        at the first forward (count 0), the hook runs right after the engine increments it, and
+        as the engine starts (count 0), the hook runs right after the engine increments it, and
         the speed schedule, event steps and logs then use the step numbers the user sees. The
         number of profiling steps taken is ``len(history)``, which a resumed count cannot skew."""
         return self.engine.global_steps
@@ -192,6 +196,11 @@ class HeterogeneousRuntime:
     def micro_step_begin(self, inputs=(), kwargs=None):
         """A training forward begins: returns the ``(inputs, kwargs)`` the model computes (this
         rank's planned share when the ranks were fed otherwise and re-splitting is on)."""
+        if not self._forward_seen:
+            # The first step's wall time and time in collectives count from its first forward, not
+            # from the engine's start (the rest of its construction, the caller's set-up).
+            self._forward_seen = True
+            self.timer.restart()
         inputs, kwargs = self.feeding.begin(inputs, kwargs)
         if self.measuring_memory:
             self.meter.start()

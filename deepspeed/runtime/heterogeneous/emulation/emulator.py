@@ -180,7 +180,7 @@ def start_memory_limit(emulation, rank):
     limit = memory_limit_bytes(sizes[rank])
     current = _memory_cgroup if _memory_cgroup is not None and _memory_cgroup.cgroup is not None else None
     if current is not None and current.limit_bytes == limit:
-        return current  # the engine's start joined it; the runtime asks again at its first hook
+        return current  # the engine's start joined it; the runtime asks again as it is created
     try:
         if current is not None:
             current.set_limit(limit)  # a later engine of this process, with its own config
