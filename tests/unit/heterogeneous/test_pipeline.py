@@ -2,8 +2,10 @@
 """Heterogeneous pipeline parallelism: stages sized to their devices, uneven replicas, exact.
 
 The partition arithmetic is checked against brute force; the pipeline runs (2 stages, and 2
-stages x 2 replicas with ZeRO-1, activation checkpointing on and off) against one process training
-the same layers on the global batch."""
+stages x 2 replicas with ZeRO-1, activation checkpointing on and off; fed by the engine's loader
+and by the user's own iterator) against one process training the same layers on the global batch.
+The collectives each rank issues are recorded and compared: in the steps, and at every point
+outside a step where the fork issues some (start-up, checkpoints)."""
 
 import itertools
 import json
@@ -120,7 +122,10 @@ def _config(heterogeneous, zero=0):
 
 
 def _pipeline(rank, world_size, heterogeneous, stages=2, zero=0, checkpoint_interval=0,
-              partition_method="heterogeneous", eager_parameters=True, layers=None, bf16=False, extra=None):
+              partition_method="heterogeneous", eager_parameters=True, layers=None, bf16=False, extra=None,
+              data_iter=False):
+    """``data_iter``: the caller's own iterator feeds ``train_batch(data_iter=...)`` (no
+    ``training_data``, so no loader of the engine's); else the engine's loader."""
     import deepspeed
     from deepspeed.pipe import PipelineModule
     net = PipelineModule(layers=_uneven_layers() if layers == "uneven" else _layers(), num_stages=stages,
@@ -132,14 +137,25 @@ def _pipeline(rank, world_size, heterogeneous, stages=2, zero=0, checkpoint_inte
     if bf16:  # the pipeline feeds its inputs as they come: in the model's dtype
         config["bf16"] = {"enabled": True}
         data = torch.utils.data.TensorDataset(*(t.bfloat16() for t in data.tensors))
-    engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=parameters, config=config, training_data=data)
-    losses = [float(engine.train_batch()) for _ in range(STEPS)]
+    if data_iter:
+        engine = deepspeed.initialize(model=net, model_parameters=parameters, config=config)[0]
+        batches = _users_batches(engine, data)
+        losses = [float(engine.train_batch(data_iter=batches)) for _ in range(STEPS)]
+    else:
+        engine = deepspeed.initialize(model=net, model_parameters=parameters, config=config, training_data=data)[0]
+        losses = [float(engine.train_batch()) for _ in range(STEPS)]
     return {"losses": losses, "parts": [int(p) for p in net.parts], "stage": engine.stage_id,
             "cost_unit": engine._config.heterogeneous.pipeline.cost_unit,
             "layer_costs": list(engine._config.heterogeneous.pipeline.layer_costs),
             "stage_speeds": list(engine._config.heterogeneous.pipeline.stage_speeds),
             "sizes": list(engine.heterogeneous_plan.micro_batch_sizes),
             "state": {key: value.detach().float().clone() for key, value in engine.module.state_dict().items()}}
+
+
+def _users_batches(engine, data):
+    """A user's iterator: the micro-batches in order, as a plain DataLoader gives them (one replica,
+    so the replica's micro-batch is the plan's only one)."""
+    return iter(torch.utils.data.DataLoader(data, batch_size=engine.train_micro_batch_size_per_gpu()))
 
 
 def _reference(layers=None):
@@ -198,6 +214,25 @@ def test_two_stages_on_mixed_speeds_are_sized_to_them_and_exact():
     assert [r["parts"] for r in results[7]] == [[0, 6, 12]] * 2
     assert [r["parts"] for r in results[8]] == [[0, 7, 12]] * 2
     for case in results:
+        _assert_exact(case)
+
+
+@pytest.mark.multiprocess
+def test_a_pipeline_fed_by_the_users_iterator_trains_exactly_and_ends():
+    """Two stages at speeds [1.0, 0.5] fed through ``train_batch(data_iter=...)``, the other way
+    DeepSpeed's pipeline docs show. The runtime controller's construction runs the emulation's
+    speed check, a gather over every rank; built at the first forward, only the first stage reached
+    it while the second waited for its activations, and both waited forever (issue 57). With
+    strategy uniform too, and through ``training_data=`` for comparison: all exact."""
+    dilation = {"emulation": {"speeds": [1.0, 0.5], "mode": "dilation"}, "pipeline": {"layer_cost": "parameters"}}
+    cases = [
+        dict(heterogeneous=dilation, data_iter=True),
+        dict(heterogeneous={**dilation, "load_balancing_strategy": "uniform"}, data_iter=True),
+        dict(heterogeneous=dilation),
+    ]
+    results = run_subcases(_pipeline, cases, world_size=2, timeout=600)
+    for case in results:
+        assert [r["parts"] for r in case] == [[0, 7, 12]] * 2
         _assert_exact(case)
 
 
@@ -514,3 +549,64 @@ def test_uneven_replicas_issue_the_same_collectives_in_every_group():
         assert members[0], group
         report = mismatch_report(members)
         assert not report, f"group {group}:\n{report}"
+
+
+_POINT_TO_POINT = ("send", "recv", "isend", "irecv")
+_TRAINING_STEPS = ("first step", "step after the load")  # the phases of _walked inside a training step
+
+
+def _walked(rank, world_size, save_dir):
+    """2 stages at speeds [1.0, 0.5] fed by the user's iterator: each rank's collectives recorded
+    apart at every point outside a training step where the fork issues some (the engine's start,
+    save_checkpoint, load_checkpoint) and in the training steps around them."""
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.heterogeneous.measure.collective_log import recording
+    heterogeneous = {"emulation": {"speeds": [1.0, 0.5], "mode": "dilation"}, "pipeline": {"layer_cost": "parameters"}}
+    phases = {}
+    net = PipelineModule(layers=_layers(), num_stages=2, loss_fn=torch.nn.MSELoss(), partition_method="heterogeneous")
+    with recording() as entries:
+        engine = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=_config(heterogeneous))[0]
+    phases["start-up"] = list(entries)
+    # The controller and its speed check (a gather over every rank) exist before any training step.
+    runtime = engine._config.heterogeneous.runtime
+    speed_check = None if runtime is None or runtime.limits.speed_check is None else runtime.limits.speed_check.mode
+    batches = _users_batches(engine, _data(BATCH * (STEPS + 1)))
+    steps = [("first step", lambda: engine.train_batch(data_iter=batches)),
+             ("save_checkpoint", lambda: engine.save_checkpoint(save_dir, tag="walk")),
+             ("load_checkpoint", lambda: engine.load_checkpoint(save_dir, tag="walk")),
+             ("step after the load", lambda: engine.train_batch(data_iter=batches))]
+    for phase, call in steps:
+        with recording() as entries:
+            call()
+        phases[phase] = list(entries)
+    return {"phases": phases, "speed_check": speed_check}
+
+
+@pytest.mark.multiprocess
+def test_every_rank_of_a_pipeline_reaches_each_collective_outside_a_training_step(tmp_path):
+    """The collectives issued outside a training step (the fork's start-up agreements, among them
+    the runtime controller's speed check, and its checkpoint agreements) are issued where every rank
+    is: in each process group, each member issues the same sequence at each of those points. None
+    of the fork's object agreements waits inside a pipeline's training step, which the stages enter
+    at different times (issue 57); the steps' own collectives are compared by
+    ``test_uneven_replicas_issue_the_same_collectives_in_every_group``. Point-to-point ops pair a
+    send with a receive and are left out."""
+    from harness import run_ranks
+    from deepspeed.runtime.heterogeneous.measure.collective_log import mismatch_report
+    results = run_ranks(_walked, world_size=2, timeout=600, args=(str(tmp_path), ))
+    assert [result["speed_check"] for result in results] == ["dilation"] * 2, results
+    for phase in results[0]["phases"]:
+        sequences = [result["phases"][phase] for result in results]
+        agreements = [[entry for entry in sequence if entry.op in ("all_gather_object", "broadcast_object_list")]
+                      for sequence in sequences]
+        if phase in _TRAINING_STEPS:
+            assert agreements == [[], []], f"{phase}: {[[str(entry) for entry in mine] for mine in agreements]}"
+            continue
+        assert agreements[0] and all(entry.group == (0, 1) for entry in agreements[0]), (phase, agreements)
+        groups = {entry.group for sequence in sequences for entry in sequence if len(entry.group) > 1}
+        for group in sorted(groups):
+            members = [[entry for entry in sequences[rank] if entry.group == group and entry.op not in _POINT_TO_POINT]
+                       for rank in group]
+            report = mismatch_report(members)
+            assert not report, f"{phase}, group {group}:\n{report}"
