@@ -146,6 +146,9 @@ def _settle_config(state, param_dict):
         state.chunk_sizes = apply_adaptive_chunking(param_dict, memory_capacities(state))
     state.link_bucket_sizes = configure_link_buckets(state, param_dict, user_zero)
     configure_zero3_settings(state, param_dict, user_zero)  # ZeRO-3: fewer collectives per step
+    if state.settings.memory.enabled and state.settings.memory.zero_partitions == "auto":
+        from .memory.pool import init_prior_shares
+        state.init_shares = init_prior_shares(state, len(state.devices or ()))  # zero.Init's cut of "auto"
 
 
 class _ConfigModuleFilter(logging.Filter):

@@ -18,8 +18,8 @@ Life cycle (docs/architecture.md, "Start-up"):
    start-up plan's batch fields (``configure``).
 3. ``engine_starting`` goes on with the memory placement and per-rank offload
    (``startup.place_engine_state``, ``startup.apply_rank_offload``) and the first step's memory cap.
-4. The engine creates the runtime controller at its first hook (``runtime``); plans change
-   through ``startup.apply_plan`` at step boundaries.
+4. The engine creates the runtime controller on every rank as it starts, before any loader
+   (``runtime``); plans change through ``startup.apply_plan`` at step boundaries.
 """
 
 from dataclasses import dataclass, field
@@ -75,7 +75,7 @@ class HeterogeneousState:
     caller normalised the loss by its count of the fed items: ``runtime.micro_step_begin``); None:
     the plan's. A loss over returned outputs needs none: the exchange rescales its gradient."""
     runtime: Optional[object] = field(default=None, repr=False)
-    """The engine's ``HeterogeneousRuntime``, created at its first hook."""
+    """The engine's ``HeterogeneousRuntime``, created on every rank as the engine starts."""
     low_communication: Optional[object] = field(default=None, repr=False)
     """``comm/low_communication.LowCommunication`` in ``communication.mode: "low_communication"``
     (each host trains a replica; the hosts meet every ``sync_every`` steps); None: exact training."""
@@ -92,6 +92,10 @@ class HeterogeneousState:
     (``topology.discover_topology``, as the config is coordinated); None until then."""
     partition_shares: Optional[tuple] = None
     """Each data-parallel rank's share of the ZeRO-1/2 partitioned state (None: equal slices)."""
+    init_shares: Optional[tuple] = None
+    """``zero_partitions: "auto"``: the ZeRO-3 shares ``zero.Init`` cuts a model by before it exists,
+    from the gathered devices (``pool.init_prior_shares``, as the config is coordinated); None: equal
+    slices. The engine revisits them once it knows the model (``startup.place_engine_state``)."""
     memory_meter: Optional[object] = field(default=None, repr=False)
     """This rank's ``MemoryMeter``, started as the engine starts (``startup.gather_baselines``)."""
     memory_cgroup: Optional[object] = field(default=None, repr=False)

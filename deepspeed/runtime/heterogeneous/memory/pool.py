@@ -430,6 +430,22 @@ def known_speeds(devices):
 __all__ = ["HeterogeneousMemoryPool", "MemoryReport", "ModelStateSpec", "known_speeds"]
 
 
+def init_prior_shares(state, world_size):
+    """``"auto"``'s ZeRO-3 shares in ``zero.Init``, where the devices are gathered but the model does not
+    exist yet (None: equal slices). The engine's rule (``choose_partition_shares``: shares by speed,
+    none above what its memory holds) for a model as large as the ranks can hold together, the reason
+    to build it under ``zero.Init``: each rank's share is its part of the memory budgets, and ranks of
+    unknown memory share what is left by speed. The engine, which knows the model, revisits the cut
+    once (``startup.place_engine_state``)."""
+    if not state.devices or len(state.devices) != int(world_size) or int(world_size) < 2:
+        return None
+    pool = HeterogeneousMemoryPool.from_state(state, world_size)
+    known = [b for b in pool.budgets if b is not None]
+    shares = choose_partition_shares(pool.speeds, pool.budgets, sum(known)) if known else \
+        choose_partition_shares(pool.speeds)
+    return None if is_even(shares) else shares
+
+
 def memory_capacities(state):
     """Per data-parallel rank, the device memory plans must fit in (bytes), or None where no limit
     is known: the CPU accelerator reports host RAM, which its ranks share, so there a limit comes

@@ -162,7 +162,8 @@ def partition_shares_for_init(ds_config, world_size):
     """The shares a ``zero.Init`` partitions with: the engine's, while it builds its optimizer;
     else, with ``heterogeneous_config.enabled`` and ZeRO stage 3 in ``ds_config`` (a coordinated
     ``DeepSpeedConfig``), an explicit ``zero_partitions`` list, or for ``"auto"`` (with
-    ``heterogeneous_memory.enabled``) the prior from the gathered devices (``init_prior_shares``);
+    ``heterogeneous_memory.enabled``) the prior from the gathered devices (``pool.init_prior_shares``,
+    settled by the coordinator as ``state.init_shares``);
     else None (equal slices)."""
     if _engine_shares:
         return _engine_shares[-1]
@@ -176,35 +177,19 @@ def partition_shares_for_init(ds_config, world_size):
     if isinstance(shares, (list, tuple)):
         from .partitions import check_shares
         return check_shares(shares, int(world_size))
-    if shares == "auto" and settings.memory.enabled and int(world_size) > 1 and state.devices:
-        prior = init_prior_shares(state, int(world_size))
-        if prior is not None and state.dp_rank == 0:
-            from deepspeed.utils import logger
-            from .partitions import describe_shares
-            logger.warning(f"deepspeed-hetero: zero.Init cuts the ZeRO-3 parameters by the ranks' memory, "
-                           f"{describe_shares(prior)} (heterogeneous_memory.zero_partitions \"auto\", before the "
-                           "model is known); the engine re-partitions once if the model calls for other shares")
-        return prior
+    if shares == "auto" and settings.memory.enabled and int(world_size) > 1:
+        # The coordinator's prior from the gathered devices (coordinator._settle_config), when the
+        # config was coordinated over this world.
+        prior = getattr(state, "init_shares", None)
+        if prior is not None and len(prior) == int(world_size):
+            if state.dp_rank == 0:
+                from deepspeed.utils import logger
+                from .partitions import describe_shares
+                logger.warning(f"deepspeed-hetero: zero.Init cuts the ZeRO-3 parameters by the ranks' memory, "
+                               f"{describe_shares(prior)} (heterogeneous_memory.zero_partitions \"auto\", before the "
+                               "model is known); the engine re-partitions once if the model calls for other shares")
+            return tuple(prior)
     return None
-
-
-def init_prior_shares(state, world_size):
-    """``"auto"``'s shares in ``zero.Init``, where the devices are gathered but the model does not exist
-    yet (None: equal slices). The engine's rule (``partitions.choose_partition_shares``: shares by speed,
-    none above what its memory holds) for a model as large as the ranks can hold together, the reason
-    to build it under ``zero.Init``: each rank's share is its part of the memory budgets, and ranks of
-    unknown memory share what is left by speed. The engine, which knows the model, revisits the cut
-    once (``startup.place_engine_state``)."""
-    from .partitions import choose_partition_shares, is_even
-    from .pool import HeterogeneousMemoryPool
-    pool = HeterogeneousMemoryPool.from_state(state, world_size)
-    budgets = pool.budgets
-    known = [b for b in budgets if b is not None]
-    if known:
-        shares = choose_partition_shares(pool.speeds, budgets, sum(known))
-    else:
-        shares = choose_partition_shares(pool.speeds)
-    return None if is_even(shares) else shares
 
 
 def existing_shares(model):
