@@ -10,10 +10,12 @@ runs once ``engine.step()`` has completed an optimizer step (a hook at the end o
   since the last save, gathered at a few step boundaries (``next_time_check`` spaces the gathers
   from the gathered times, so they are the same everywhere). A rank-local clock must never decide:
   a rank alone in ``save_checkpoint`` would wait for the others forever;
-- ``save_checkpoint(dir, tag="global_step<N>", save_latest=False)``, a barrier, then global rank 0
-  writes ``latest`` (to a temporary file, renamed) and removes tags beyond ``keep_last``. Upstream
-  writes ``latest`` before every rank has written its files; a rank dying in between would leave
-  ``latest`` naming a torn tag.
+- ``save_checkpoint(dir, tag="global_step<N>.partial", save_latest=False)`` into a folder cleared
+  first, a barrier, then global rank 0 renames it to ``global_step<N>`` (replacing an earlier save
+  of that name), writes ``latest`` (to a temporary file, renamed) and removes tags beyond
+  ``keep_last``. Upstream writes ``latest`` before every rank has written its files, and into a
+  folder that may hold another save's files; a rank dying in between would leave ``latest`` naming
+  a torn tag, or a tag mixing two saves.
 
 Saves are synchronous. Upstream's decoupled writer (``checkpoint.writer.decoupled``) is refused with
 them: it writes after ``save_checkpoint`` returns, and in 0.19.8 it fails on a ZeRO-1/2 state on
@@ -117,17 +119,41 @@ class PeriodicCheckpoints:
         return False
 
     def save(self, engine, step):
+        """Save under a temporary tag, cleared first, and rename it to ``global_step<N>`` once every
+        rank has written: a tag folder is never a mix of two saves (a torn save on a larger world
+        leaves no files of ranks that are gone, a save under a reused name no files of the old one)."""
         folder = self.settings.dir
         tag = f"{TAG_PREFIX}{step}"
-        engine.save_checkpoint(folder, tag=tag, save_latest=False)
+        partial = f"{tag}{PARTIAL_SUFFIX}"
+        if dist.get_rank() == 0:
+            shutil.rmtree(os.path.join(folder, partial), ignore_errors=True)
+        self.agreement.barrier(f"checkpoint {tag}'s folder to be cleared")
+        engine.save_checkpoint(folder, tag=partial, save_latest=False)
         self.restart_clock(step)
         self.agreement.barrier(f"every rank's files of checkpoint {tag}")
         if dist.get_rank() != 0:
             return
+        publish_tag(folder, partial, tag)
         write_latest(folder, tag)
         for old in tags_to_remove(os.listdir(folder), self.settings.keep_last, tag):
             shutil.rmtree(os.path.join(folder, old), ignore_errors=True)
             shutil.rmtree(os.path.join(folder, old + UNIVERSAL_SUFFIX), ignore_errors=True)
+
+
+PARTIAL_SUFFIX = ".partial"
+"""A periodic save's folder until every rank has written it (``tags_to_remove`` never matches it)."""
+
+
+def publish_tag(folder, partial, tag):
+    """Rename the complete save ``partial`` to ``tag``, replacing an earlier save of that name and its
+    universal conversion."""
+    final = os.path.join(folder, tag)
+    if os.path.exists(final):
+        retired = f"{final}.replaced-{os.getpid()}"
+        os.replace(final, retired)
+        shutil.rmtree(retired, ignore_errors=True)
+    shutil.rmtree(final + UNIVERSAL_SUFFIX, ignore_errors=True)
+    os.replace(os.path.join(folder, partial), final)
 
 
 def write_latest(folder, tag):

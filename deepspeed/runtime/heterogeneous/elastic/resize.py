@@ -37,6 +37,7 @@ import time
 import torch
 
 from deepspeed import comm as dist
+from deepspeed.utils import logger
 
 from ..comm.low_communication import replica_folder
 from ..memory.partitions import PartitionLayoutError, check_checkpoint_layout, saved_bounds
@@ -88,12 +89,15 @@ def prepare_load(engine, load_dir, tag, load_optimizer_states=True, load_module_
     _refuse_unsupported(engine, facts[0])
     target = universal_folder(state.settings.config.elastic.conversion_dir, load_dir, tag)
     outcome = None
+    # The conversion may take minutes: the other ranks wait for its outcome in the rendezvous store,
+    # not in a collective, which the process group's timeout would end.
+    key = _conversion_key(state, tag)
     if dist.get_rank() == 0:
         try:
             outcome = convert(folder, target, saved_world=facts[0]["saved_world"])
         except Exception as exc:
             outcome = {"error": f"{type(exc).__name__}: {exc}"}
-    outcome = runtime.agreement.broadcast_from_rank0(outcome, "the outcome of the checkpoint's conversion")
+    outcome = wait_for_rank0(key, outcome, f"global rank 0's conversion of {folder} to a universal checkpoint")
     if "error" in outcome:
         raise ElasticLoadError(f"deepspeed-hetero: load_checkpoint: converting {folder} to a universal checkpoint "
                                f"(to re-partition its optimizer state for this world) failed: {outcome['error']}")
@@ -169,8 +173,26 @@ def saved_facts(engine, folder):
         "mismatch": bool(mismatch),
         "saved_shares": _saved_shares(optimizer_state),
         "shares": _current_shares(engine.optimizer, world),
+        "state_keys": _state_keys(optimizer_state),
     }
     return facts, buffers
+
+
+CONVERTED_STATE = ("exp_avg", "exp_avg_sq")
+"""The optimizer state upstream's converter (``ds_to_universal``) merges and a universal load slices: Adam's
+and AdamW's moments. Other optimizers' state (SGD's momentum buffer, Lion's exp_avg alone, Adagrad's sum) or
+none at all fail inside the converter."""
+
+
+def _state_keys(optimizer_state):
+    """The tensors the saved optimizer keeps per parameter (one entry's keys), or [] where it keeps none."""
+    # ZeRO-1/2 keep the base optimizer's state dict under base_optimizer_state, ZeRO-3 under optimizer_state_dict.
+    inner = optimizer_state.get("base_optimizer_state", optimizer_state.get("optimizer_state_dict", {}))
+    state = inner.get("state", {}) if isinstance(inner, dict) else {}
+    for entry in state.values():
+        if isinstance(entry, dict):
+            return sorted(key for key, value in entry.items() if torch.is_tensor(value) and value.dim() > 0)
+    return []
 
 
 def _load(path):
@@ -225,6 +247,10 @@ def _refuse_unsupported(engine, facts):
         what = "an optimizer offloaded to NVMe (its swap files are per rank)"
     elif engine.mp_world_size > 1:
         what = "a model- or tensor-parallel run"
+    elif not set(CONVERTED_STATE) <= set(facts.get("state_keys") or ()):
+        kept = facts.get("state_keys") or []
+        what = (f"the optimizer {type(engine.basic_optimizer).__name__} (its saved state per parameter is "
+                f"{kept or 'empty'}; the universal checkpoint carries Adam's and AdamW's {list(CONVERTED_STATE)} only)")
     if what is not None:
         raise ElasticLoadError(
             f"deepspeed-hetero: load_checkpoint: the checkpoint's ZeRO optimizer state was cut for "
@@ -241,13 +267,21 @@ def convert(folder, target, saved_world):
     """Write the universal form of the tag in ``folder`` to ``target`` unless it is there already.
     Runs upstream's converter as a subprocess (this process holds the process group's threads and
     perhaps a device context; the child returns its memory when it ends)."""
-    if os.path.isfile(os.path.join(target, DONE_FILE)):
-        return {"converted": False, "seconds": None}
+    remove_abandoned_work(target)
+    source = source_listing(folder)
+    done = os.path.join(target, DONE_FILE)
+    if os.path.isfile(done):
+        if conversion_source(done) == source:
+            return {"converted": False, "seconds": None}
+        # The tag was saved again since (a rerun into the same folder, a rollback, a reused name).
+        logger.warning(f"deepspeed-hetero: {target} was converted from other files than {folder} holds now; "
+                       "converting it again")
+        shutil.rmtree(target)
     if os.path.exists(target):  # not written by this module (its folders appear complete or not at all)
         raise FileExistsError(f"{target} exists and is not a conversion of deepspeed-hetero (it has no {DONE_FILE}); "
                               f"move it away, or set heterogeneous_config.elastic.conversion_dir")
     began = time.perf_counter()
-    work = f"{target}.partial-{os.getpid()}"
+    work = f"{target}{PARTIAL_INFIX}{os.getpid()}"
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
     output = os.path.join(work, "universal")
@@ -265,9 +299,91 @@ def convert(folder, target, saved_world):
             raise RuntimeError(f"{' '.join(command)} exited with {done.returncode}:\n{tail}")
         seconds = time.perf_counter() - began
         with open(os.path.join(output, DONE_FILE), "w") as stream:
-            json.dump({"source": os.path.abspath(folder), "saved_world": saved_world, "seconds": seconds}, stream)
+            json.dump({"source": os.path.abspath(folder), "files": source, "saved_world": saved_world,
+                       "seconds": seconds}, stream)
         os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
         os.replace(output, target)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return {"converted": True, "seconds": seconds}
+
+
+PARTIAL_INFIX = ".partial-"
+
+
+def source_listing(folder):
+    """What a conversion is made from: every file under the tag's ``folder`` with its size and
+    modification time (ns), sorted; a tag saved again differs in one of them."""
+    listing = []
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            info = os.stat(path)
+            listing.append([os.path.relpath(path, folder), int(info.st_size), int(info.st_mtime_ns)])
+    return sorted(listing)
+
+
+def conversion_source(done_file):
+    """The source listing a conversion recorded (None for one written before it recorded it)."""
+    try:
+        with open(done_file) as stream:
+            return json.load(stream).get("files")
+    except (OSError, ValueError):
+        return None
+
+
+def remove_abandoned_work(target):
+    """Remove the work folders of conversions into ``target`` whose process is gone (killed before it
+    renamed its result into place)."""
+    for work in glob.glob(glob.escape(target) + PARTIAL_INFIX + "*"):
+        pid = work.rsplit(PARTIAL_INFIX, 1)[1]
+        if pid.isdigit() and _alive(int(pid)):
+            continue
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _conversion_key(state, tag):
+    """A store key for this load's conversion outcome, the same on every rank and new for each load."""
+    state.elastic_loads = getattr(state, "elastic_loads", 0) + 1
+    return f"deepspeed-hetero/elastic-conversion/{state.elastic_loads}/{tag}"
+
+
+CONVERSION_POLL_S = 0.5
+CONVERSION_LOG_EVERY_S = 60.0
+
+
+def wait_for_rank0(key, outcome, what):
+    """Global rank 0's ``outcome`` (a JSON-able dict it passes; the others pass None) on every rank,
+    through the process group's rendezvous store: the others poll it without a time limit of their
+    own (a launcher ends them if rank 0 dies), logging every minute that they wait. Without a store
+    (a process group of another kind), a broadcast."""
+    try:
+        from torch.distributed import distributed_c10d
+        store = distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        store = None
+    if store is None:
+        box = [outcome]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    if dist.get_rank() == 0:
+        store.set(key, json.dumps(outcome))
+        return outcome
+    began = last_log = time.monotonic()
+    while not store.check([key]):
+        time.sleep(CONVERSION_POLL_S)
+        if time.monotonic() - last_log >= CONVERSION_LOG_EVERY_S:
+            last_log = time.monotonic()
+            if dist.get_rank() == 1:
+                logger.info(f"deepspeed-hetero: still waiting for {what} ({last_log - began:.0f} s)")
+    return json.loads(store.get(key))
