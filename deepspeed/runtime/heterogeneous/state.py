@@ -206,6 +206,7 @@ class HeterogeneousState:
         state = cls(settings)
         if not settings.enabled:
             return state
+        one_line_config_errors()  # every error of a job with the fork on seen once (config/errors.py)
         state.param_dict = param_dict
         state.dp_rank = data_parallel_rank(mpu, mesh_device, world_size, param_dict.get("sequence_parallel_size"))
         if _pipeline_process_count(mpu, world_size) is not None:

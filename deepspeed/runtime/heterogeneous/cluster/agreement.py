@@ -40,6 +40,8 @@ _CHECK_IN_KEY = "deepspeed-hetero/agreement/{rank}"
 class PlanAgreementError(RuntimeError):
     """A peer failed while the ranks were agreeing on a plan; the message names it when it can."""
 
+    deepspeed_hetero_consequence = True  # the exception hook points to the peer's own error (config/errors.py)
+
 
 _entered = 0
 """Agreements this process has entered, through any ``Agreement``: the same count on every live
