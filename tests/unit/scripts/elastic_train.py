@@ -57,6 +57,19 @@ class CountingModel(torch.nn.Module):
         return self.net(inputs)
 
 
+def agent_attempt(out):
+    """How many workers this worker's agent (its parent process) started before it. Not
+    TORCHELASTIC_RESTART_COUNT: an agent restarts its worker for a membership change without
+    counting it, so two agents' counts differ when one's worker failed first and the other's was
+    restarted by the new round."""
+    path = os.path.join(out, f"starts-{os.getppid()}")
+    with open(path, "a+") as starts:
+        starts.seek(0)
+        attempt = len(starts.read().split())
+        starts.write(f"{os.getpid()}\n")
+    return attempt
+
+
 def make_model():
     torch.manual_seed(20261205)
     return CountingModel()
@@ -89,7 +102,7 @@ def main():
     began = time.time()
     deepspeed.init_distributed("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    attempt = agent_attempt(args.out)
     victim = os.environ.get("ELASTIC_VICTIM") == "1"
     folder = os.path.join(args.out, "checkpoints")
     events = open(os.path.join(args.out, "events.jsonl"), "a")

@@ -91,7 +91,7 @@ def prepare_load(engine, load_dir, tag, load_optimizer_states=True, load_module_
     outcome = None
     # The conversion may take minutes: the other ranks wait for its outcome in the rendezvous store,
     # not in a collective, which the process group's timeout would end.
-    key = _conversion_key(state, tag)
+    key = _conversion_key(target)
     if dist.get_rank() == 0:
         try:
             outcome = convert(folder, target, saved_world=facts[0]["saved_world"])
@@ -352,10 +352,16 @@ def _alive(pid):
     return True
 
 
-def _conversion_key(state, tag):
+_conversions = 0
+"""Conversions this process has waited for: every rank converts alike, so the count is the same on every
+rank, and a key is never one an earlier load (of another engine in the same job) set."""
+
+
+def _conversion_key(target):
     """A store key for this load's conversion outcome, the same on every rank and new for each load."""
-    state.elastic_loads = getattr(state, "elastic_loads", 0) + 1
-    return f"deepspeed-hetero/elastic-conversion/{state.elastic_loads}/{tag}"
+    global _conversions
+    _conversions += 1
+    return f"deepspeed-hetero/elastic-conversion/{_conversions}/{os.path.abspath(target)}"
 
 
 CONVERSION_POLL_S = 0.5
