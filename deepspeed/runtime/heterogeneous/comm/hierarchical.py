@@ -86,14 +86,30 @@ class HierarchicalReducer:
         self.leader = ranks[self.layout.leaders[host]]
         self.is_leader = self.leader == dist.get_rank()
         global_members = [[ranks[m] for m in members] for members in self.layout.host_members]
-        self.intra_group, _ = torch.distributed.new_subgroups_by_enumeration(global_members)
+        self.intra_group, created = torch.distributed.new_subgroups_by_enumeration(global_members)
+        self._created = list(created)  # every group this reducer made, destroyed by close()
         leaders = dist.new_group([ranks[m] for m in self.layout.leaders])
+        self._created.append(leaders)
         self.leader_group = leaders if self.is_leader else None
         if self.layout.even:
             shards = [[ranks[m] for m in column] for column in self.layout.shard_groups]
-            self.inter_group, _ = torch.distributed.new_subgroups_by_enumeration(shards)
+            self.inter_group, created = torch.distributed.new_subgroups_by_enumeration(shards)
+            self._created += list(created)
         else:
             self.inter_group = self.leader_group
+
+    def close(self):
+        """Stop what runs on this reducer's groups (the overlap worker, joined; a deferred parameter
+        gather, finished) and destroy the process groups it created. Every rank closes alike (the
+        engine's ``destroy``, or a new engine with other groups)."""
+        overlap.attach(self, False, None)
+        parameter_gather.detach_reducer(self)
+        from torch.distributed import distributed_c10d
+        for group in self._created:
+            if isinstance(group, torch.distributed.ProcessGroup) and group in distributed_c10d._world.pg_map:
+                torch.distributed.destroy_process_group(group)
+        self._created = []
+        self.intra_group = self.leader_group = self.inter_group = None
 
     def set_compression(self, compress):
         self.lossless = compress == LOSSLESS
@@ -347,6 +363,18 @@ def engine_hosts(state, world_size):
     return None if topology is None else tuple(topology.hosts)
 
 
+def detach(engine):
+    """The engine is destroyed (``HeterogeneousEngineMixin._heterogeneous_destroy``): close the reducer
+    it registered for its data-parallel group (none when it registered none), and let parameters it
+    gave host shards gather flat again."""
+    group = engine.seq_data_parallel_group
+    reducer = _reducers.pop(group, None) if _reducers else None
+    if reducer is not None:
+        reducer.close()
+    if engine._config.heterogeneous.enabled and engine.zero_optimization_stage() == 3:
+        host_shards.attach(engine, None, False)
+
+
 def attach(engine):
     """After the engine built its optimizer: route its data-parallel gradient all-reduce through a
     hierarchical reducer when ``communication.hierarchical_reduction`` is in force, otherwise leave
@@ -364,8 +392,7 @@ def attach(engine):
         return None
     if state.low_communication is not None:  # each host a replica: nothing is reduced between hosts
         if previous is not None:
-            parameter_gather.detach_reducer(previous)
-            overlap.attach(previous, False, None)
+            previous.close()
         state.low_communication.attach(engine)
         return None
     world_size = dist.get_world_size(group=group)
@@ -377,8 +404,7 @@ def attach(engine):
         if note and (communication.hierarchical_reduction is True or communication.compress_inter_host):
             logger.warning(f"heterogeneous_config.communication: hierarchical reduction not in force: {note}")
         if previous is not None:
-            parameter_gather.detach_reducer(previous)
-            overlap.attach(previous, False, None)  # stop its worker
+            previous.close()  # its worker stopped, its groups destroyed
         host_shards.attach(engine, None, False)
         return None
     compress = communication.compress_inter_host
@@ -390,6 +416,8 @@ def attach(engine):
         reducer.set_compression(compress)
         reducer.piece_elements = pieces
     else:
+        if previous is not None:
+            previous.close()  # its groups are not this engine's
         reducer = HierarchicalReducer(hosts, group=group, compress=compress, piece_elements=pieces)
     _reducers[group] = reducer
     try:

@@ -66,6 +66,8 @@ DEPTH = 3
 """Buckets reduced in the background at once: the most buckets set aside (each holds a bucket's
 gradients in its own buffer, ``reduce_bucket_size`` elements), and how far the backward runs ahead
 of the link before it waits for the oldest."""
+CLOSE_TIMEOUT_S = 60.0
+"""How long closing waits for the worker's collective to end before it says so and goes on."""
 
 
 class OverlapError(RuntimeError):
@@ -231,10 +233,27 @@ class BackgroundReduction:
         for job in jobs:
             self._queue.put(job)
 
-    def close(self):
-        """Stop the worker (the reducer is replaced or dropped); what is still queued is not run."""
+    def close(self, timeout=CLOSE_TIMEOUT_S):
+        """Stop the worker (the reducer is replaced or dropped) and wait for it: what is still queued
+        is not run, but a collective it is inside must end first, or a new worker would use the same
+        groups beside it. Returns whether it ended within ``timeout`` seconds; if not, says so (its
+        collective ends with the process group's timeout, or when its peers join it)."""
         self._closed = True
         self._queue.put(None)
+        if self._thread is threading.current_thread():
+            return True
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            from deepspeed.utils import logger
+            logger.warning(f"deepspeed-hetero: the overlap worker is still inside a collective {timeout:g} s after it "
+                           "was closed; the next reduction waits for it (a peer rank that did not reach the same "
+                           "collective ends it at the process group's timeout)")
+            return False
+        return True
+
+    @property
+    def alive(self):
+        return self._thread.is_alive()
 
     # -- the main thread ----------------------------------------------------------------------
 
