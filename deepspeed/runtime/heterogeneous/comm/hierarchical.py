@@ -41,8 +41,9 @@ from deepspeed import comm as dist
 from deepspeed.utils import logger
 
 from . import host_shards, lossless, overlap, parameter_gather
-from .host_groups import (group_layout, host_ranges, pack, piece, piece_elements_for, ranges_numel,
-                          reduction_decision, scatter_into, shard_size, unpack)
+from .status import reduction_line
+from .host_groups import (agree_on_features, group_layout, host_ranges, pack, piece, piece_elements_for,
+                          ranges_numel, reduction_decision, scatter_into, shard_size, unpack)
 
 
 COMPRESSION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -423,7 +424,8 @@ def attach(engine):
     try:
         parameter_gather.detach_reducer(reducer)  # a previous engine's gather, on the worker replaced next
         overlap_note = overlap.attach(reducer, communication.overlap, engine.optimizer,
-                                      serves=lambda partition_group: zero3_reducer(partition_group) is reducer)
+                                      serves=lambda partition_group: zero3_reducer(partition_group) is reducer,
+                                      offloaded_ranks=state.offloaded_ranks)
         served = all(_reducers.get(g) is reducer for g in getattr(engine.optimizer, "real_dp_process_group", ()))
         parameter_gather.attach(reducer, communication.overlap_parameter_gather, engine.optimizer, engine.module,
                                 served)
@@ -437,25 +439,9 @@ def attach(engine):
         from ..config.settings import HeterogeneousConfigError
         one_line_config_errors()
         raise HeterogeneousConfigError(str(exc)) from None
+    agree_on_features(state.dp_rank, (reducer.background is not None,
+                                      parameter_gather.deferred(engine.optimizer) is not None, shards is not None))
     if dist.get_rank() == 0:
-        layout = reducer.layout
-        stage = engine.zero_optimization_stage()
-        coding = ("" if not compress else f", {lossless.scope(stage, engine._config.zero_config.reduce_scatter)}"
-                  if reducer.lossless else f", inter-host step in {compress}")
-        scheme = ("ZeRO-3: gradient chunks to their owners' hosts only" if stage == 3 else
-                  "ZeRO-1/2: owned slices and partitions between host leaders" if stage else
-                  "sharded" if layout.even else "through host leaders")
-        # Printed like the plan (runtime.log_plan): a default run shows WARNING and above only.
-        print(f"[deepspeed-hetero] hierarchical gradient reduction over {layout.num_hosts} hosts "
-              f"{[list(m) for m in layout.host_members]} ({scheme}"
-              f"{coding}"
-              f"{', overlapped with the backward' if reducer.background is not None else ''}"
-              f"{', parameters gathered during the next forward' if parameter_gather.deferred(engine.optimizer) else ''}"
-              f"{', parameters gathered inside each host' if shards is not None else ''})", flush=True)
-        if shards_note and communication.zero3_host_shards == "auto" and stage == 3:
-            print(f"[deepspeed-hetero] ZeRO-3 parameters gathered over every rank, not inside each host: {shards_note}",
-                  flush=True)
-        if overlap_note and communication.overlap == "auto" and stage:
-            print(f"[deepspeed-hetero] gradient buckets reduced after each other, not overlapped: {overlap_note}",
-                  flush=True)
+        print(reduction_line(reducer, engine, communication, shards, shards_note, overlap_note,
+                             parameter_gather.deferred(engine.optimizer) is not None), flush=True)
     return reducer

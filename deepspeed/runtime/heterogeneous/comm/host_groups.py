@@ -185,6 +185,21 @@ def settle(setting, why, key, where, reducer_present):
     return False, why
 
 
+def agree_on_features(dp_rank, features):
+    """Every rank decided the communication features (overlap, the deferred parameter gather, host
+    shards: ``features``, a tuple of flags) from the same facts; one gather checks it, since a rank
+    that overlapped where its peers did not would pair no collective with them."""
+    from ..cluster.agreement import Agreement
+    everyone = Agreement(f"data-parallel rank {dp_rank}").gather_from_every_rank(
+        tuple(features), "the communication features each rank decided (overlap, parameter gather, host shards)")
+    differing = [rank for rank, flags in enumerate(everyone) if tuple(flags) != tuple(everyone[0])]
+    if differing:
+        raise RuntimeError(f"deepspeed-hetero: the ranks decided the communication features differently (overlap, "
+                           f"overlap_parameter_gather, zero3_host_shards): global rank(s) {differing} "
+                           f"{list(everyone[differing[0]])}, rank 0 {list(everyone[0])}; every input of the "
+                           "decision must be the same on every rank")
+
+
 def piece(tensor, index, pieces):
     """Piece ``index`` of ``tensor`` cut into ``pieces`` nearly equal pieces (the last ones may be
     shorter or empty)."""

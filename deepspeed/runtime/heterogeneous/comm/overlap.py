@@ -75,7 +75,7 @@ class OverlapError(RuntimeError):
     one captured (a change in upstream's bucket slicing)."""
 
 
-def overlap_decision(setting, reducer, optimizer, serves=None):
+def overlap_decision(setting, reducer, optimizer, serves=None, offloaded_ranks=()):
     """Whether full ZeRO buckets are reduced in the background, and a note saying why not.
 
     Args:
@@ -84,6 +84,10 @@ def overlap_decision(setting, reducer, optimizer, serves=None):
         optimizer: the ZeRO-1/2 or ZeRO-3 optimizer, or anything else.
         serves: ``serves(group)``, whether ``reducer`` reduces ZeRO-3 gradients partitioned over
             ``group`` (``hierarchical.zero3_reducer(group) is reducer``); None: not checked.
+        offloaded_ranks: the data-parallel ranks whose optimizer state is offloaded
+            (``state.offloaded_ranks``, agreed at start-up): per-rank offload
+            (``heterogeneous_offload``) sets this rank's optimizer flag on some ranks only, so the
+            decision reads the agreed set, never the flag alone.
 
     Every input is the same on every rank (the agreed settings, the model, the config), so every
     rank decides alike. Raises ValueError naming the key when ``true`` cannot apply to the
@@ -91,11 +95,11 @@ def overlap_decision(setting, reducer, optimizer, serves=None):
     true``) there is nothing to overlap and ``true`` is not an error."""
     if setting is False:
         return False, None
-    return settle(setting, _why_not(reducer, optimizer, serves), "overlap", "overlap where it applies",
-                  reducer is not None)
+    return settle(setting, _why_not(reducer, optimizer, serves, bool(offloaded_ranks)), "overlap",
+                  "overlap where it applies", reducer is not None)
 
 
-def _why_not(reducer, optimizer, serves):
+def _why_not(reducer, optimizer, serves, some_rank_offloads=False):
     from deepspeed.accelerator import get_accelerator
     from deepspeed.comm import comm as ds_comm
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
@@ -122,7 +126,7 @@ def _why_not(reducer, optimizer, serves):
             (not optimizer.reduce_scatter, "zero_optimization.reduce_scatter is false"),
             (optimizer.all2all_process_group is not None, "ZeRO++'s quantized gradients (zero_quantized_gradients) "
              "are on"),
-            (optimizer.offload_optimizer or getattr(optimizer, "offload_param", False),
+            (optimizer.offload_optimizer or getattr(optimizer, "offload_param", False) or some_rank_offloads,
              "ZeRO-3 offloads the optimizer state or the parameters"),
             (getattr(optimizer, "zenflow", False), "ZenFlow is on"),
             (serves is not None and not _zero3_groups_served(serves, optimizer), "some parameters are partitioned over a group the "
@@ -135,7 +139,7 @@ def _why_not(reducer, optimizer, serves):
          "ZeRO-1 reduces its buckets after the backward unless zero_optimization.overlap_comm is true"),
         (not optimizer.contiguous_gradients, "zero_optimization.contiguous_gradients is false"),
         (not optimizer.use_multi_rank_bucket_allreduce, "use_multi_rank_bucket_allreduce is false"),
-        (optimizer.cpu_offload, "the optimizer state is offloaded to the CPU"),
+        (optimizer.cpu_offload or some_rank_offloads, "the optimizer state is offloaded to the CPU"),
         (getattr(optimizer, "zenflow", False), "ZenFlow is on"),
         (getattr(optimizer, "has_moe_layers", False), "the model has MoE layers"),
         (_uses_muon(optimizer), "the optimizer is Muon"),
@@ -375,7 +379,7 @@ def drain(optimizer):
         background.drain(optimizer)
 
 
-def attach(reducer, setting, optimizer, serves=None):
+def attach(reducer, setting, optimizer, serves=None, offloaded_ranks=()):
     """Give ``reducer`` and ``optimizer`` a ``BackgroundReduction`` when ``overlap_decision`` says so
     (every rank alike), or none; a previous one's worker is stopped. Returns the note of why not,
     or None."""
@@ -386,7 +390,7 @@ def attach(reducer, setting, optimizer, serves=None):
         owner = previous.optimizer()
         if owner is not None and getattr(owner, ATTRIBUTE, None) is previous:
             delattr(owner, ATTRIBUTE)  # an earlier engine's optimizer reduces synchronously again
-    active, note = overlap_decision(setting, reducer, optimizer, serves)
+    active, note = overlap_decision(setting, reducer, optimizer, serves, offloaded_ranks)
     if active:
         from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
         stage = 3 if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3) else 2

@@ -108,3 +108,28 @@ def status_line(settings, topology=None, param_dict=None, link_sizes=None):
     """``Active (...)`` / ``Inactive (...)``: the state and its parts on one line, for the log."""
     active, parts = communication_status(settings, topology, param_dict, link_sizes)
     return f"{'Active' if active else 'Inactive'} ({'; '.join(parts)})"
+
+
+def reduction_line(reducer, engine, communication, shards, shards_note, overlap_note, deferred_gather):
+    """Rank 0's start-up line of the hierarchical reduction in force (``hierarchical.attach``), with
+    the lines of why ``"auto"`` left host shards or overlap off. Printed like the plan
+    (``runtime.log_plan``): a default run shows WARNING and above only."""
+    layout = reducer.layout
+    stage = engine.zero_optimization_stage()
+    compress = communication.compress_inter_host
+    coding = ("" if not compress else f", {lossless_scope(stage, engine._config.zero_config.reduce_scatter)}"
+              if reducer.lossless else f", inter-host step in {compress}")
+    scheme = ("ZeRO-3: gradient chunks to their owners' hosts only" if stage == 3 else
+              "ZeRO-1/2: owned slices and partitions between host leaders" if stage else
+              "sharded" if layout.even else "through host leaders")
+    lines = [f"[deepspeed-hetero] hierarchical gradient reduction over {layout.num_hosts} hosts "
+             f"{[list(m) for m in layout.host_members]} ({scheme}{coding}"
+             f"{', overlapped with the backward' if reducer.background is not None else ''}"
+             f"{', parameters gathered during the next forward' if deferred_gather else ''}"
+             f"{', parameters gathered inside each host' if shards is not None else ''})"]
+    if shards_note and communication.zero3_host_shards == "auto" and stage == 3:
+        lines.append("[deepspeed-hetero] ZeRO-3 parameters gathered over every rank, not inside each host: "
+                     f"{shards_note}")
+    if overlap_note and communication.overlap == "auto" and stage:
+        lines.append(f"[deepspeed-hetero] gradient buckets reduced after each other, not overlapped: {overlap_note}")
+    return "\n".join(lines)
