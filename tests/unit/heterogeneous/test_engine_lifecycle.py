@@ -6,6 +6,7 @@ exception raised inside the backward's reductions in the second round, no thread
 trains as one process does (test_overlap's reference)."""
 
 import glob
+import os
 import threading
 
 import pytest
@@ -26,7 +27,8 @@ def _held():
     upstream = {groups._WORLD_GROUP} - {None}
     return {"threads": sorted(t.name for t in threading.enumerate()),
             "groups": len([g for g in distributed_c10d._world.pg_map if g not in upstream]),
-            "shm": sorted(glob.glob("/dev/shm/deepspeed*"))}
+            # This job's shared-memory buffers (named by its port): other jobs may run beside it.
+            "shm": sorted(glob.glob(f"/dev/shm/deepspeed*_{os.environ['MASTER_PORT']}_*"))}
 
 
 def _rounds(rank, world_size):
