@@ -221,9 +221,9 @@ def test_two_stages_on_mixed_speeds_are_sized_to_them_and_exact():
 def test_a_pipeline_fed_by_the_users_iterator_trains_exactly_and_ends():
     """Two stages at speeds [1.0, 0.5] fed through ``train_batch(data_iter=...)``, the other way
     DeepSpeed's pipeline docs show. The runtime controller's construction runs the emulation's
-    speed check, a gather over every rank; built at the first forward, only the first stage reached
-    it while the second waited for its activations, and both waited forever (issue 57). With
-    strategy uniform too, and through ``training_data=`` for comparison: all exact."""
+    speed check, a gather over every rank: it must run where every stage is, as the engine is built,
+    since at the first forward only the first stage would reach it while the second waits for its
+    activations. With strategy uniform too, and through ``training_data=`` for comparison: all exact."""
     dilation = {"emulation": {"speeds": [1.0, 0.5], "mode": "dilation"}, "pipeline": {"layer_cost": "parameters"}}
     cases = [
         dict(heterogeneous=dilation, data_iter=True),
@@ -589,7 +589,7 @@ def test_every_rank_of_a_pipeline_reaches_each_collective_outside_a_training_ste
     the runtime controller's speed check, and its checkpoint agreements) are issued where every rank
     is: in each process group, each member issues the same sequence at each of those points. None
     of the fork's object agreements waits inside a pipeline's training step, which the stages enter
-    at different times (issue 57); the steps' own collectives are compared by
+    at different times; the steps' own collectives are compared by
     ``test_uneven_replicas_issue_the_same_collectives_in_every_group``. Point-to-point ops pair a
     send with a receive and are left out."""
     from harness import run_ranks

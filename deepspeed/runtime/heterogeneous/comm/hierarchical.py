@@ -433,8 +433,7 @@ def attach(engine):
                                                  serves=lambda partition_group: zero3_reducer(partition_group) is reducer)
     except ValueError as exc:  # `true` where it cannot apply: every rank decided alike, rank 0 says it once
         _reducers.pop(group, None)
-        parameter_gather.detach_reducer(reducer)
-        overlap.attach(reducer, False, None)  # the refused engine's worker stops
+        reducer.close()  # the refused engine's worker stops and its groups go
         from ..config.errors import one_line_config_errors
         from ..config.settings import HeterogeneousConfigError
         one_line_config_errors()
