@@ -16,7 +16,7 @@ from deepspeed import comm as dist
 from deepspeed.utils import logger
 
 from .cluster.agreement import Agreement
-from .comm import host_shards
+from .comm import host_shard_plan
 from .comm.status import status_line
 from .comm.link_buckets import apply_link_aware_buckets
 from .memory.model_state import startup_memory_limits
@@ -218,8 +218,8 @@ def place_engine_state(state, ds_config, model, optimizer=None):
     # An emulated device (capacity by accounting alone) is not the host, whatever the accelerator.
     spec = ModelStateSpec.for_engine(ds_config, model, optimizer,
                                      emulated_device=state.memory_meter.source == EMULATED)
-    if stage == 3 and host_shards.expected(state.settings.config.communication, ds_config.zero_config,
-                                           state.topology.hosts if state.topology is not None else None):
+    if stage == 3 and host_shard_plan.expected(state.settings.config.communication, ds_config.zero_config,
+                                               state.topology.hosts if state.topology is not None else None):
         spec = replace(spec, host_shards=True)  # each host's copy of the parameters, cut among its ranks
     placement, offloaded = engine_placement(pool, spec, setting, offload.cpu_offload, offload.nvme_offload,
                                             baseline_bytes=baselines)

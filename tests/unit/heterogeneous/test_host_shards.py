@@ -17,8 +17,8 @@ import os
 import pytest
 import torch
 
-from deepspeed.runtime.heterogeneous.comm.host_shards import (exchange_plan, host_shards_decision, host_spans,
-                                                              link_elements)
+from deepspeed.runtime.heterogeneous.comm.host_shard_plan import (exchange_plan, host_shards_decision, host_spans,
+                                                                  link_elements)
 from deepspeed.runtime.heterogeneous.config.blocks import CommunicationConfig
 
 from harness import run_subcases

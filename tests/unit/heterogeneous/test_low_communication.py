@@ -11,8 +11,8 @@ batch (the anchor); between synchronisations only the host groups carry collecti
 import pytest
 import torch
 
-from deepspeed.runtime.heterogeneous.comm.low_communication import (host_loss_scales, host_samples, outer_update,
-                                                                    weighted_mean)
+from deepspeed.runtime.heterogeneous.comm.low_communication_plan import (host_loss_scales, host_samples,
+                                                                         outer_update, weighted_mean)
 from deepspeed.runtime.heterogeneous.config.blocks import CommunicationConfig
 
 from harness import run_subcases

@@ -6,7 +6,7 @@ The feature has four parts, decided where they act: the hierarchical reduction
 (``hierarchical.reduction_decision``, when the engine is built), link-aware buckets
 (``link_buckets.link_buckets_decision``, as the config is coordinated), and the inter-host compression and
 ZeRO-1/2/3's overlap (``overlap.overlap_decision``, which also needs the optimizer) and ZeRO-3's host
-shards (``host_shards.host_shards_decision``, which also need the model), which ride on the
+shards (``host_shard_plan.host_shards_decision``, which also need the model), which ride on the
 hierarchical reduction. All of them need the ranks to span more than one host, which
 only a running job knows (``topology.discover_topology``). A report made from a config alone, on
 one host, therefore says what ``auto`` (or ``true``) would switch on across hosts, and calls the
@@ -16,7 +16,7 @@ feature Active only for a topology of several hosts where a part is in force.
 from .host_groups import reduction_decision
 from .link_buckets import describe_link_buckets, link_bucket_sizes, link_buckets_decision
 from .lossless import scope as lossless_scope
-from .low_communication import OuterSettings
+from .low_communication_plan import OuterSettings
 
 ACROSS_HOSTS = "on when the data-parallel ranks span more than one host"
 
