@@ -221,11 +221,15 @@ def place_engine_state(state, ds_config, model, optimizer=None):
     if stage == 3 and host_shard_plan.expected(state.settings.config.communication, ds_config.zero_config,
                                                state.topology.hosts if state.topology is not None else None):
         spec = replace(spec, host_shards=True)  # each host's copy of the parameters, cut among its ranks
-    placement, offloaded = engine_placement(pool, spec, setting, offload.cpu_offload, offload.nvme_offload,
-                                            baseline_bytes=baselines)
+
+    def placed(zero_partitions, activations=None):
+        return engine_placement(pool, spec, zero_partitions, offload.cpu_offload, offload.nvme_offload,
+                                baseline_bytes=baselines, activation_bytes=activations)
+
+    auto = auto_shares_with_room(state, ds_config, pool, placed) if setting == "auto" or recut else "auto"
+    placement, offloaded = placed(auto if setting == "auto" else setting)
     if recut:
-        wanted = engine_placement(pool, spec, "auto", offload.cpu_offload, offload.nvme_offload,
-                                  baseline_bytes=baselines)
+        wanted = placed(auto)
         if shares_differ(cut, wanted[0].partition_shares, world):
             recut_zero3_model(state, model, cut, wanted[0].partition_shares, world)
             placement, offloaded = wanted
@@ -243,6 +247,31 @@ def place_engine_state(state, ds_config, model, optimizer=None):
             logger.warning(f"deepspeed-hetero memory pool: {problem}")
     refuse_unfit_peaks(pool, placement, offload.cpu_offload or offload.nvme_offload)
     return pool, placement.partition_shares, offloaded
+
+
+def auto_shares_with_room(state, ds_config, pool, placed):
+    """``"auto"``, or where ``heterogeneous_memory.activation_bytes_per_sample`` estimates the activations,
+    the shares ``"auto"`` gives with each rank's room for its speed's part of every micro-step kept
+    free (``memory/activation_room.py``; rank 0 logs what it reserved)."""
+    from .memory.activation_room import activation_room
+    from .memory.partitions import describe_shares
+    per_sample = state.settings.memory.activation_bytes
+    world = pool.world_size
+    if not per_sample or world < 2 or int(ds_config.zero_optimization_stage or 0) < 1:
+        return "auto"
+    samples = int(ds_config.train_batch_size) // max(1, int(ds_config.gradient_accumulation_steps))
+    activations, fraction = activation_room(lambda a: placed("auto", a)[0], pool.speeds, per_sample, samples)
+    shares = None if activations is None else placed("auto", activations)[0].partition_shares
+    if state.dp_rank == 0:
+        if shares is None:
+            logger.warning(f"deepspeed-hetero memory pool: heterogeneous_memory.activation_bytes_per_sample "
+                           f"{per_sample} B: the ranks' memory leaves no rank's state room to spare for it; the "
+                           "ZeRO shares follow memory and speed alone")
+        else:
+            logger.warning(f"deepspeed-hetero memory pool: ZeRO shares {describe_shares(shares)} leave each rank room "
+                           f"for {fraction:.0%} of its speed's part of the {samples} samples of a micro-step at "
+                           f"{per_sample / 2**20:.3g} MiB per sample (heterogeneous_memory.activation_bytes_per_sample)")
+    return "auto" if shares is None else list(shares)
 
 
 def recut_zero3_model(state, model, cut, shares, world):

@@ -8,7 +8,8 @@ launcher, tests/unit/scripts/zero_init_first.py): a model built under ``zero.Ini
 first statement, with per-rank lists in the config, sees the real world; with ``"auto"`` it ends on
 the shares the engine gives the same model built without ``zero.Init`` (re-cut once, parameter by
 parameter), as does a model cut evenly first; an explicit cut is kept where the engine is not
-given ``"auto"``; every case equals one process's SGD on the global batch.
+given ``"auto"``; an activation estimate makes ``"auto"`` leave rank 1 room for samples (a smaller
+share); every case equals one process's SGD on the global batch.
 """
 
 import os
@@ -62,7 +63,8 @@ def _reference():
 def test_zero_init_first_sees_the_world_and_auto_ends_on_the_engines_shares(tmp_path):
     code, output = launch_deepspeed(SCRIPT, ["--out", tmp_path], timeout=400)
     assert code == 0, output[-8000:]
-    results = {case: _load(tmp_path, case) for case in ("init_auto", "plain_auto", "init_even", "init_list")}
+    results = {case: _load(tmp_path, case) for case in ("init_auto", "plain_auto", "init_even", "init_list",
+                                                         "plain_room")}
     engine_auto = results["plain_auto"][0]["shares"]
     assert engine_auto is not None and engine_auto[1] < 0.45, engine_auto  # memory binds on rank 1
     for case, per_rank in results.items():
@@ -71,6 +73,9 @@ def test_zero_init_first_sees_the_world_and_auto_ends_on_the_engines_shares(tmp_
     assert results["init_auto"][0]["shares"] == engine_auto
     assert results["init_even"][0]["shares"] == engine_auto
     assert results["init_list"][0]["shares"] == (0.75, 0.25)
+    # Room for rank 1's 4 samples of 2 MiB each comes out of its share of the state.
+    assert results["plain_room"][0]["shares"][1] < engine_auto[1] - 0.05, results["plain_room"][0]["shares"]
+    assert "leave each rank room for" in output
     # The first cut was zero.Init's prior, not the engine's shares: the engine re-cut it, and each
     # rank's slices now follow its share (the 1024x1024 weights).
     for rank in range(2):

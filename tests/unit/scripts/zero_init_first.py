@@ -12,7 +12,9 @@ is the one that runs before any process group):
 - ``plain_auto``: the same model built normally, the engine's own ``"auto"``;
 - ``init_even``: cut into equal slices by ``zero.Init`` (``"even"``), the engine given ``"auto"``;
 - ``init_list``: cut by ``zero.Init`` into an explicit list, which the engine (given ``"even"``, not
-  ``"auto"``) keeps.
+  ``"auto"``) keeps;
+- ``plain_room``: built normally, ``"auto"`` with ``activation_bytes_per_sample``: the shares leave each
+  rank room for its part of the micro-step (``memory/activation_room.py``), so rank 1's is smaller.
 
 Each case trains ``STEPS`` SGD steps on the manual split [5, 3] and writes, per rank, the shares its
 optimizer partitions with, the cut ``zero.Init`` made, and the trained parameters to
@@ -38,7 +40,10 @@ EMULATION = {"memory_gb": MEMORY_GB, "speeds": [1.0, 1.0], "mode": "dilation"}
 BUCKET = 1_000_000
 
 
-def config(zero_partitions):
+PER_SAMPLE = 2 * 2**20  # activation bytes of one sample, as plain_room's estimate
+
+
+def config(zero_partitions, per_sample=None):
     return {"train_batch_size": sum(SIZES), "gradient_clipping": 0.0,
             "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_allow_untested_optimizer": True,
             "zero_optimization": {"stage": 3, "reduce_bucket_size": BUCKET, "stage3_prefetch_bucket_size": BUCKET,
@@ -46,7 +51,7 @@ def config(zero_partitions):
             "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "manual",
                                      "micro_batch_sizes": SIZES, "emulation": EMULATION},
             "heterogeneous_memory": {"enabled": True, "adaptive_chunking": False,
-                                     "zero_partitions": zero_partitions}}
+                                     "zero_partitions": zero_partitions, "activation_bytes_per_sample": per_sample}}
 
 
 def make_model():
@@ -59,7 +64,7 @@ def batches():
     return [torch.randn(sum(SIZES), WIDTH, generator=generator) for _ in range(STEPS)]
 
 
-def run_case(name, init_partitions, engine_partitions, rank, out):
+def run_case(name, init_partitions, engine_partitions, rank, out, per_sample=None):
     if init_partitions is None:
         model = make_model()
         cut = None
@@ -68,7 +73,7 @@ def run_case(name, init_partitions, engine_partitions, rank, out):
             model = make_model()
         cut = [int(p.ds_tensor.numel()) for p in model.parameters()]
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=config(engine_partitions))
+                                           config=config(engine_partitions, per_sample))
     local = [int(p.ds_tensor.numel()) for p in engine.module.parameters()]
     for rows in batches():
         mine = rows[sum(SIZES[:rank]):sum(SIZES[:rank + 1])]
@@ -93,6 +98,7 @@ def main():
     run_case("plain_auto", None, "auto", rank, args.out)
     run_case("init_even", "even", "auto", rank, args.out)
     run_case("init_list", [0.75, 0.25], "even", rank, args.out)
+    run_case("plain_room", None, "auto", rank, args.out, per_sample=PER_SAMPLE)
 
 
 if __name__ == "__main__":

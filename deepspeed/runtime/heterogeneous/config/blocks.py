@@ -406,8 +406,11 @@ class HeterogeneousMemoryConfig(DeepSpeedConfigModel):
     cpu_memory_limit: Optional[Union[int, str]] = None
     """Hard limit of pinned host buffers, e.g. '64GB'; None: no limit."""
     zero_partitions: Union[Literal["auto", "even"], List[PositiveFloat]] = "auto"
-    """ZeRO-1/2 optimizer-state shares: "auto" (from each rank's memory and speed when ``enabled``),
-    "even" (upstream's 1/N), or one share per data-parallel rank summing to 1."""
+    """ZeRO-1/2/3 shares of the partitioned state: "auto" (from each rank's memory and speed when
+    ``enabled``), "even" (upstream's 1/N), or one share per data-parallel rank summing to 1."""
+    activation_bytes_per_sample: Optional[Union[int, str]] = None
+    """Activation bytes of one sample ('12MiB', bytes): "auto" shares then leave each rank room for its
+    speed's part of every micro-step (``memory/activation_room.py``); None: unknown before step 1."""
 
     @field_validator("zero_partitions")
     @classmethod
@@ -417,12 +420,16 @@ class HeterogeneousMemoryConfig(DeepSpeedConfigModel):
                              "summing to 1, or \"auto\" / \"even\"")
         return value
 
-    @field_validator("cpu_memory_limit")
+    @field_validator("cpu_memory_limit", "activation_bytes_per_sample")
     @classmethod
     def _size_parses(cls, value):
-        if value is not None:
-            parse_bytes(value)
+        if value is not None and parse_bytes(value) <= 0:
+            raise ValueError(f"{value!r} must be a positive size")
         return value
+
+    @property
+    def activation_bytes(self):
+        return None if self.activation_bytes_per_sample is None else parse_bytes(self.activation_bytes_per_sample)
 
     @property
     def cpu_memory_limit_bytes(self):

@@ -104,7 +104,7 @@ class PlanDecisions:
             else:
                 rebalancer.plan_chosen(decision.models or balanced_models(plan))
             emulated = profiled_speeds_note(self.settings.emulation, measured_rates(self.history), steps)
-            note = "; ".join(filter(None, [decision.note, emulated])) or None
+            note = "; ".join(filter(None, [decision.note, emulated, self._starved_note(plan)])) or None
             verify = False
             if _sizes(plan) != _sizes(self.plan):
                 unchecked = rebalancer.switched(self.plan, plan, reference_walls(self.history, startup), None,
@@ -115,39 +115,74 @@ class PlanDecisions:
         except Exception as exc:  # noqa: BLE001 -- every failure must reach every rank
             return PlanDecision.failed(self._with_share_advice(exc))
 
+    def _measured_activations(self):
+        """Per rank, the activation bytes of one sample the profiling steps measured (0 where none)."""
+        from ..memory.model_state import fit_activation_model
+        per_sample = []
+        for rank in range(len(self.history[-1])):
+            measured = [(m, b) for step in self.history for m, _, b in step[rank]["samples"] if b is not None]
+            per_sample.append(fit_activation_model(measured).bytes_for(1) if measured else 0.0)
+        return per_sample
+
+    def _place_copy(self, pool):
+        """``place(activation_bytes)`` with ``"auto"`` shares on a copy of the engine's pool, with its offload
+        settings: placing again must leave the engine's pool and its placement as they are."""
+        from ..memory.placement import engine_placement
+        offload = self.state.settings.offload
+        spare = copy.copy(pool)
+        return lambda activations: engine_placement(spare, pool.model_state, "auto", offload.cpu_offload,
+                                                    offload.nvme_offload, baseline_bytes=pool._baselines,
+                                                    activation_bytes=activations)[0]
+
+    def _starved_note(self, plan):
+        """Under ``"auto"`` shares chosen without an activation estimate, the advice when memory holds a rank
+        below its speed's part of the micro-step (``activation_room.starved_ranks_advice``)."""
+        from ..memory.activation_room import starved_ranks_advice
+        memory = self.state.settings.memory
+        pool = getattr(self.state, "memory_pool", None)
+        if pool is None or pool.placement is None or memory.zero_partitions != "auto" or \
+                memory.activation_bytes or not self.history or pool.placement.zero_stage < 1:
+            return None
+        try:
+            speeds = [1.0 / rate for rate in measured_rates(self.history)]
+            return starved_ranks_advice(pool, list(plan.micro_batch_sizes), self._measured_activations(), speeds,
+                                        self._place_copy(pool))
+        except Exception:  # noqa: BLE001 -- the advice is a courtesy; the plan stands without it
+            return None
+
     def _with_share_advice(self, exc):
         """A rank that cannot hold one sample under ``"auto"`` shares, chosen before any activation was
-        measured: the error names the shares that leave every rank room for its part of the micro-step
-        with the activations measured now (the shares are fixed once the optimizer holds its state)."""
-        from ..memory.model_state import RankCannotFitError, fit_activation_model
+        measured: the error names the shares that leave every rank room for the largest part of its
+        speed's samples with the activations measured now (``activation_room``; the shares are fixed once
+        the optimizer holds its state), and the estimate from which ``"auto"`` chooses them."""
+        from ..memory.activation_room import activation_room, speed_targets
+        from ..memory.model_state import RankCannotFitError
         from ..memory.partitions import describe_shares
         pool = getattr(self.state, "memory_pool", None)
         if not isinstance(exc, RankCannotFitError) or pool is None or pool.placement is None or \
                 self.state.settings.memory.zero_partitions != "auto" or not self.history:
             return exc
         try:
-            rates = measured_rates(self.history)
+            speeds = [1.0 / rate for rate in measured_rates(self.history)]
             samples = sum(self.plan.micro_batch_sizes)
-            speeds = [1.0 / rate for rate in rates]
-            targets = [max(1, round(samples * speed / sum(speeds))) for speed in speeds]
-            per_sample = []
-            for rank in range(len(rates)):
-                measured = [(m, b) for step in self.history for m, _, b in step[rank]["samples"] if b is not None]
-                per_sample.append(fit_activation_model(measured).bytes_for(1) if measured else 0.0)
-            # A copy: placing again must leave the engine's pool and its placement as they are.
-            placement = copy.copy(pool).place(pool.model_state, "auto", strict=False, baseline_bytes=pool._baselines,
-                                              activation_bytes=[b * t for b, t in zip(per_sample, targets)])
+            per_sample = max(self._measured_activations())
+            place = self._place_copy(pool)
+            activations, fraction = activation_room(place, speeds, per_sample, samples)
+            placement = None if activations is None else place(activations)
         except Exception:  # noqa: BLE001 -- the advice is a courtesy; the error stands without it
             return exc
-        shares = placement.partition_shares
-        if shares is None or placement.problems:
+        if placement is None or placement.partition_shares is None or placement.problems:
+            return exc
+        room = [int(fraction * target) for target in speed_targets(speeds, samples)]
+        if min(room) < 1:
             return exc
         return RankCannotFitError(
             f"{exc}; or, since heterogeneous_memory.zero_partitions \"auto\" chose the shares "
-            f"{describe_shares(pool.placement.partition_shares or [1 / len(rates)] * len(rates))} before any "
-            f"activation was measured, set it to {list(shares)}: with the activations measured now "
-            f"({', '.join(f'{b / 2**20:.3g}' for b in per_sample)} MiB per sample) these leave the ranks room for "
-            f"{targets} samples per micro-step")
+            f"{describe_shares(pool.placement.partition_shares or [1 / len(speeds)] * len(speeds))} before any "
+            f"activation was measured, set heterogeneous_memory.activation_bytes_per_sample to {int(per_sample)} "
+            f"(measured now: {per_sample / 2**20:.3g} MiB per sample), from which \"auto\" chooses shares "
+            f"{describe_shares(placement.partition_shares)} that leave the ranks room for {room} samples per "
+            f"micro-step (or set zero_partitions to {list(placement.partition_shares)})")
 
     # -- checks -------------------------------------------------------------------------------
 

@@ -21,7 +21,8 @@ def refuse_unfit_peaks(pool, placement, offload_allowed):
         raise MemoryPlacementError("deepspeed-hetero memory pool: no placement fits: " + "; ".join(problems))
 
 
-def engine_placement(pool, spec, zero_partitions, cpu_offload, nvme_offload=False, baseline_bytes=None):
+def engine_placement(pool, spec, zero_partitions, cpu_offload, nvme_offload=False, baseline_bytes=None,
+                     activation_bytes=None):
     """``(placement, {offloading rank: (device, offload_optimizer.ratio)})``: the pool's placement of
     ``spec`` as an engine applies it.
 
@@ -36,7 +37,7 @@ def engine_placement(pool, spec, zero_partitions, cpu_offload, nvme_offload=Fals
     per_rank = cpu_offload and applies
     nvme = nvme_offload and applies and spec.zero_stage == 3
     placement = pool.place(spec, zero_partitions=zero_partitions, cpu_offload=per_rank, nvme_offload=nvme,
-                           strict=False, baseline_bytes=baseline_bytes)
+                           strict=False, baseline_bytes=baseline_bytes, activation_bytes=activation_bytes)
     offloaded = tuple(placement.offloaded_ranks) if per_rank or nvme else ()
     if spec.zero_stage == 3:
         return placement, {rank: _zero3_offload(placement.ranks[rank], spec) for rank in offloaded}
@@ -48,7 +49,7 @@ def engine_placement(pool, spec, zero_partitions, cpu_offload, nvme_offload=Fals
                          "once a rank offloads) or \"even\", or turn cpu_offload off")
     if offloaded and placement.partition_shares is not None:
         placement = pool.place(spec, zero_partitions="even", cpu_offload=True, nvme_offload=False, strict=False,
-                               baseline_bytes=baseline_bytes)
+                               baseline_bytes=baseline_bytes, activation_bytes=activation_bytes)
         offloaded = tuple(placement.offloaded_ranks)
     return placement, {rank: ("cpu", 1.0) for rank in offloaded}
 

@@ -1,0 +1,152 @@
+# SPDX-License-Identifier: Apache-2.0
+"""ZeRO-3 state shares and micro-batches chosen together, beside the shares chosen alone.
+
+A 19M-parameter GPT-2 (transformers, 8 layers of width 256, its 50257-token vocabulary, sequences of
+64), ZeRO-3, Adam in fp32, global batch 16, two ranks at equal speeds, the compute-aware planner
+after its profiling steps. Rank 1's memory is emulated by accounting at 0.24 GB, rank 0's at 16 GB:
+the state is 0.28 GiB, so rank 1 cannot hold half of it and half the batch. Arms, run alternately:
+
+- ``unbound``: both ranks at 16 GB, the step the even split gives (the goal to approach);
+- ``alone``: ``heterogeneous_memory.zero_partitions: "auto"`` as before this change, shares from memory
+  and speed alone: rank 1's share fills its room and the planner gives it what is left;
+- ``together``: ``"auto"`` with ``activation_bytes_per_sample`` set to what ``alone``'s profiling
+  measured and advised (its note), so the shares leave rank 1 room for its part of the batch.
+
+Reported per arm: the shares, the plan after profiling, samples/s (median over ``--repeats``), and
+the speed of ``together`` and ``alone`` relative to ``unbound``. Writes
+tests/perf/results/activation_room.json.
+
+    python tests/perf/bench_activation_room.py [--repeats 2]
+"""
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "tests" / "unit")]
+
+from harness import run_ranks  # noqa: E402
+
+RESULTS = REPO / "tests" / "perf" / "results" / "activation_room.json"
+GLOBAL_BATCH, SEQ, VOCAB = 16, 32, 50257
+PROFILE_STEPS, WARMUP_STEPS, MEASURED_STEPS = 3, 2, 4
+MEMORY = {"unbound": [16.0, 16.0], "alone": [16.0, 0.24], "together": [16.0, 0.24]}
+
+
+def _train(rank, world_size, memory_gb, per_sample):
+    import logging
+    import torch
+    import deepspeed
+    from deepspeed import comm as dist
+    from deepspeed.utils import logger
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=8, n_embd=256, n_head=4, vocab_size=VOCAB, n_positions=SEQ,
+                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    memory = {"enabled": True, "zero_partitions": "auto"}
+    if per_sample:
+        memory["activation_bytes_per_sample"] = int(per_sample)
+    config = {"train_batch_size": GLOBAL_BATCH, "steps_per_print": 10**6,
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}},
+              "zero_optimization": {"stage": 3},
+              "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "compute_aware",
+                                       "profile_steps": PROFILE_STEPS,
+                                       "emulation": {"memory_gb": memory_gb, "speeds": [1.0, 1.0],
+                                                     "mode": "dilation"}},
+              "heterogeneous_memory": memory}
+    notes = []
+
+    class Notes(logging.Handler):  # rank 0's log lines, beside what it prints (the plan's notes)
+        def emit(self, record):
+            notes.append(record.getMessage())
+
+    class Tee:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def write(self, text):
+            notes.append(text)
+            return self.stream.write(text)
+
+        def __getattr__(self, name):
+            return getattr(self.stream, name)
+
+    handler, stdout = Notes(), sys.stdout
+    logger.addHandler(handler)
+    sys.stdout = Tee(stdout)
+    try:
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        generator = torch.Generator().manual_seed(rank)
+
+        def step():
+            sizes = engine.heterogeneous_plan.micro_batch_sizes
+            ids = torch.randint(0, VOCAB, (sizes[rank], SEQ), generator=generator)
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
+
+        for _ in range(PROFILE_STEPS + WARMUP_STEPS):
+            step()
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(MEASURED_STEPS):
+            step()
+        dist.barrier()
+        elapsed = time.perf_counter() - start
+    finally:
+        logger.removeHandler(handler)
+        sys.stdout = stdout
+    advice = [re.search(r"activation_bytes_per_sample to (\d+)", n) for n in notes]
+    advised = next((int(m.group(1)) for m in advice if m), None)
+    return {"samples_per_s": GLOBAL_BATCH * MEASURED_STEPS / elapsed,
+            "plan": list(engine.heterogeneous_plan.micro_batch_sizes),
+            "shares": [round(s, 4) for s in engine.optimizer.zero3_shares] if engine.optimizer.zero3_shares else None,
+            "advised_bytes_per_sample": advised}
+
+
+def measure(name, per_sample=None):
+    result = run_ranks(_train, world_size=2, timeout=1200, args=(MEMORY[name], per_sample))[0]
+    result["load_average"] = os.getloadavg()[0]
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    runs = {"unbound": [], "alone": [], "together": []}
+    per_sample = None
+    started = time.perf_counter()
+    for repeat in range(args.repeats):
+        for name in runs:
+            if name == "together" and per_sample is None:
+                raise SystemExit("the 'alone' arm measured no starved rank and advised nothing: nothing to compare")
+            result = measure(name, per_sample if name == "together" else None)
+            if name == "alone" and per_sample is None:
+                per_sample = result["advised_bytes_per_sample"]
+            runs[name].append(result)
+            print(f"[{time.perf_counter() - started:5.0f} s] run {repeat + 1}/{args.repeats} {name:8s}: "
+                  f"{result['samples_per_s']:6.1f} samples/s, plan {result['plan']}, shares {result['shares']}, "
+                  f"load {result['load_average']:.1f}", flush=True)
+    medians = {name: statistics.median(r["samples_per_s"] for r in rs) for name, rs in runs.items()}
+    ratios = {name: medians[name] / medians["unbound"] for name in ("alone", "together")}
+    for name in runs:
+        last = runs[name][-1]
+        print(f"{name:8s}: shares {last['shares']}, plan {last['plan']}, {medians[name]:.1f} samples/s"
+              + (f" ({ratios[name]:.2f}x unbound)" if name in ratios else ""))
+    print(f"activation_bytes_per_sample used by 'together': {per_sample} (advised by 'alone')")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({"memory_gb": MEMORY, "global_batch": GLOBAL_BATCH, "per_sample_bytes": per_sample,
+                                   "medians": medians, "ratios_to_unbound": ratios, "runs": runs}, indent=1) + "\n")
+    print(f"wrote {RESULTS.relative_to(REPO)}")
+
+
+if __name__ == "__main__":
+    main()
