@@ -1,6 +1,6 @@
 # deepspeed-hetero: a patch set on pinned upstream DeepSpeed (see UPSTREAM and README.md).
 # Every target that needs Python sets up .venv itself, so a fresh clone needs only
-# python3 (>= 3.9, with venv), git and a C++ compiler.
+# python3 (>= 3.10, with venv; torch 2.13.0 has no wheel for older), git and a C++ compiler.
 
 PYTHON      ?= python3
 VENV        ?= .venv
@@ -37,6 +37,8 @@ help:
 	@echo "make device-rehearsal  run scripts/device_check.sh from the bundle here, without a GPU (downloads torch)"
 
 $(VENV)/.torch:
+	@# torch 2.13.0 requires Python >= 3.10: say so here rather than let pip fail on it later.
+	@$(PYTHON) -c 'import sys; sys.exit(None if sys.version_info >= (3, 10) else "deepspeed-hetero needs Python >= 3.10 (torch 2.13.0 requires it); $(PYTHON) is " + sys.version.split()[0] + ": run make with PYTHON=python3.10 or newer")'
 	$(PYTHON) -m venv $(VENV)
 	@# torch first and pinned: an unpinned dependency would pull a multi-GB CUDA build.
 	$(PIP) install -q "$(TORCH_SPEC)"$(if $(TORCH_INDEX_URL), --index-url "$(TORCH_INDEX_URL)")

@@ -8,7 +8,7 @@ about to use the config for real, in step on every rank:
 
 - the engine, first thing as it starts (``HeterogeneousState.engine_starting``);
 - ``deepspeed.zero.Init``, whose parameters take their dtype from the config's precision
-  (``zero-init-coordinate.patch``; transformers builds a ZeRO-3 model under it before the engine).
+  (``zero3-uneven-shards.patch``; transformers builds a ZeRO-3 model under it before the engine).
 
 ``coordinate`` checks that every rank runs the same settings (through the rendezvous store, before
 any collective), gathers the devices, probes the topology, then settles what depends on them in a

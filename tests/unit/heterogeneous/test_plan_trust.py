@@ -135,6 +135,32 @@ def test_one_micro_step_per_rank_cannot_tell_the_ranks_apart():
     assert decision.plan is UNIFORM and "too few micro-steps" in decision.note
 
 
+def test_the_kept_plan_names_its_figures_and_calls_noise_measured_only_when_it_is():
+    """3 profiling steps, gas 1: after the warm-up each rank has 2 micro-steps, too few for a line
+    of their own, so a rank's error counts its fixed cost as noise. Rank 1 takes 1.6x rank 0's
+    time under [16, 16], within that bound: the plan is kept, the note gives the spread and the
+    bound and says the steps were too few, not that the timing is that noisy. With 5 steps the
+    scatter is measured, and only then is it "the measured noise"."""
+    sizes, seconds = [(16, 16), (20, 12), (16, 16)], [(1.0, 1.0), (1.0, 2.0), (1.0, 1.6)]
+    flat = [[{"samples": [(size, t, None)], "step_overhead": 0.0, "state_bytes": 0, "wall": None}
+             for size, t in zip(step, times)] for step, times in zip(sizes, seconds)]
+    decision = trusted_plan(flat, UNIFORM, 1, None, False)
+    assert decision.plan is UNIFORM, decision
+    assert "differ by up to 60.0%" in decision.note and "bound 83.1% for rank 1 against rank 0" in decision.note
+    assert "measured noise" not in decision.note and "3 profiling steps were" in decision.note, decision.note
+    noise = [[0.0, 0.35, -0.35, -0.35, 0.35], [0.0, -0.35, 0.35, 0.35, -0.35]]
+    decision = trusted_plan(_history([1.0, 1.3], SIZES, noise), UNIFORM, 1, None, False)
+    assert "differ by up to 30.0%, within the measured noise (bound 101.4%" in decision.note, decision.note
+
+
+def test_one_rank_keeps_its_plan_without_advice():
+    """One data-parallel rank has no speeds to compare: no spread line ("differ by up to 0.0%") and
+    no advice to raise profile_steps."""
+    history = _history([1.0], [(32,)] * 3, [[0.0, 0.1, -0.1]], overheads=(0.0,))
+    decision = plan_after_profiling_step(history, _plan([32]), 1, None, False, steps_left=0)
+    assert list(decision.plan.micro_batch_sizes) == [32] and decision.note == "", decision
+
+
 def test_a_datasheet_start_up_plan_is_the_reference_of_the_gate():
     """Start-up plan [24, 8] from datasheet scores 3:1; the ranks measure 3:1 (+-noise): kept."""
     startup = _plan([24, 8])

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The fork's pydantic blocks: ``heterogeneous_config`` (with its scheduler, emulation and
-communication sub-blocks), ``heterogeneous_memory`` and ``zero_optimization.heterogeneous_offload``.
+"""The fork's pydantic blocks: ``heterogeneous_config`` (sub-blocks scheduler, emulation, communication,
+pipeline, elastic, loss_items), ``heterogeneous_memory``, ``zero_optimization.heterogeneous_offload``.
 Every model forbids unknown keys; ``settings.py`` loads them and words their errors."""
 
 import re
@@ -177,8 +177,8 @@ class CommunicationConfig(DeepSpeedConfigModel):
     link_aware_buckets: AutoOrBool = "auto"
     """ZeRO's gradient bucket size from the slowest measured inter-host link
     (``comm/link_buckets.py``) instead of upstream's one default for every link; the same size on
-    every rank, and a size the config sets itself is kept. ``auto``: on when the fork is enabled and
-    the ranks span more than one host."""
+    every rank, and a size the config sets itself is kept. ``auto`` and ``true``: on when the fork is
+    enabled, the ranks span hosts and a link bandwidth was measured (``true`` warns when not)."""
 
     mode: Literal["exact", "low_communication"] = "exact"
     """exact: every step's gradients are reduced over every rank (the trained model is single-process
@@ -400,7 +400,7 @@ class HeterogeneousMemoryConfig(DeepSpeedConfigModel):
 
     enabled: bool = False
     adaptive_chunking: bool = True
-    """Per-rank prefetch and live-parameter budgets from free memory (bucket sizes stay uniform)."""
+    """ZeRO's bucket sizes and ZeRO-3's prefetch/live-parameter budgets from the smallest rank's memory."""
     hbm_utilization_threshold: float = Field(0.85, gt=0.0, le=1.0)
     """Fraction of each device's memory the planner may fill."""
     cpu_memory_limit: Optional[Union[int, str]] = None

@@ -192,7 +192,7 @@ class ProfilingDecision:
     plan: Plan
     models: Optional[list]
     """The time models behind ``plan`` (what rebalancing scales); None when the plan in force at
-    start-up was kept because the measurements cannot tell the ranks apart."""
+    start-up was kept because the measurements cannot tell the ranks apart, or there is one rank."""
     note: str = ""
     """Why the measured best plan was not taken (noise, an absurd split, the reference step)."""
     best: Optional[Plan] = None
@@ -211,6 +211,7 @@ def trusted_plan(history, startup_plan, gradient_accumulation_steps, limits, all
       measured speed ratio gives it (``beyond_measured_ratio``) is replaced by the plan of that
       ratio: the fitted fixed costs, extrapolated, may not overrule the measured speeds by that
       much.
+    - One data-parallel rank: the start-up plan, and no note (no speeds to compare).
 
     ``strategy`` names the registered strategy whose plan for the measured time models is the
     measured best. Returns a ``ProfilingDecision``.
@@ -234,17 +235,13 @@ def trusted_plan(history, startup_plan, gradient_accumulation_steps, limits, all
     if over:  # memory decides, whatever the speeds
         return ProfilingDecision(best, models, f"the start-up plan exceeds the measured memory limits of rank(s) "
                                  f"{over}", best)
+    if startup_plan.world_size == 1:  # one rank: no speeds to compare, nothing to move, nothing to advise
+        return ProfilingDecision(startup_plan, None, "", best)
     difference = significant_difference(models, errors, startup_plan, times=at_startup)
     if difference is None:
-        shown = ", ".join("?" if math.isinf(e) else f"{e:.0%}" for e in errors)
-        why = ("too few micro-steps to measure the noise (use more profile_steps)" if any(math.isinf(e) for e in errors)
-               else "within the measured noise")
-        spread = _spread_text(models, startup_plan, at_startup)
         steps = len(history)
-        return ProfilingDecision(startup_plan, None, f"kept the start-up plan: the ranks' measured speeds differ "
-                                 f"{spread}, {why} (relative standard errors per rank: {shown}, bound "
-                                 f"{NOISE_STANDARD_ERRORS:g} standard errors): the {steps} profiling steps cannot "
-                                 f"tell that difference from this machine's timing noise. To measure longer, raise "
+        why = _within_noise_text(history, models, errors, startup_plan, at_startup)
+        return ProfilingDecision(startup_plan, None, f"kept the start-up plan: {why}. To measure longer, raise "
                                  f"heterogeneous_config.profile_steps (now {steps}, e.g. {2 * steps}), or turn on "
                                  f"scheduler.dynamic_rebalancing, whose checks keep measuring", best)
     ratio_models = [TimeModel(0.0, rate) for rate in rates]
@@ -276,10 +273,33 @@ def startup_plan_times(history, startup_plan):
                       for step in measured) / len(measured) for rank in range(startup_plan.world_size)]
 
 
-def _spread_text(models, plan, times=None):
+def _within_noise_text(history, models, errors, plan, times=None):
+    """Why ``significant_difference`` found nothing, with the figures: the spread between the
+    slowest and the fastest rank under ``plan``, and the bound it stayed within. "The measured
+    noise" only where every rank's error is the scatter of its micro-steps about their own line
+    (``rank_errors``' first reading); otherwise the error counts a fixed cost as noise, and the
+    bound says the steps were too few, not that the machine is that noisy."""
     times = times or [g * model.micro_step_time(m)
                       for model, m, g in zip(models, plan.micro_batch_sizes, plan.gradient_accumulation_steps)]
-    return f"by up to {max(times) / min(times) - 1:.1%}"
+    slow = times.index(max(times))
+    fast = min((rank for rank in range(len(times)) if rank != slow), key=times.__getitem__)
+    spread = f"by up to {times[slow] / times[fast] - 1:.1%}"
+    if any(math.isinf(e) for e in errors):
+        shown = ", ".join("?" if math.isinf(e) else f"{e:.0%}" for e in errors)
+        return (f"the ranks' measured speeds differ {spread}, and a rank has too few micro-steps to measure its "
+                f"noise (relative standard errors per rank: {shown})")
+    bound = math.exp(NOISE_STANDARD_ERRORS * math.hypot(errors[slow], errors[fast])) - 1
+    shown = ", ".join(f"{e:.1%}" for e in errors)
+    figures = (f"bound {bound:.1%} for rank {slow} against rank {fast}: {NOISE_STANDARD_ERRORS:g} standard errors; "
+               f"relative standard errors per rank: {shown}")
+    steps = fit_steps(history)
+    if all(_scatter_about_line(_rank_points(steps, rank)) is not None for rank in range(len(errors))):
+        return (f"the ranks' measured speeds differ {spread}, within the measured noise ({figures}): the "
+                f"{len(history)} profiling steps cannot tell that difference from this machine's timing noise")
+    return (f"the ranks' measured speeds differ {spread}, within what so few micro-steps can tell apart "
+            f"({figures}): where a rank's micro-steps after the warm-up do not fit a line of their own (fewer than 3, "
+            f"or one size), its error counts any fixed cost as noise: the bound measures how few the "
+            f"{len(history)} profiling steps were, not this machine's timing noise")
 
 
 def memory_limits(history, capacities, device_names, utilization):
