@@ -207,11 +207,15 @@ def fork_environment():
     op (minutes on two cores) whenever consecutive runs disagree. Test processes therefore always
     see the repository root, and build in a directory of their own (unless TORCH_EXTENSIONS_DIR
     is set) that runs outside the tests, from other working directories, cannot invalidate.
+
+    Every test process also checks that no process group is used by two threads at once
+    (``comm_clock.check_group_threads``: the overlap worker beside the main thread).
     """
     default_dir = load_patchset().cache_dir() / "torch_extensions" / "tests"
     return {
         "PYTHONPATH": str(REPO_ROOT),
         "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR") or str(default_dir),
+        "DEEPSPEED_HETERO_CHECK_GROUP_THREADS": "1",
     }
 
 
@@ -244,6 +248,7 @@ def rank_environment(rank, world_size, port, env=None):
         "DS_ACCELERATOR": "cpu",
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", _default_threads(world_size)),
         "TORCH_EXTENSIONS_DIR": fork_environment()["TORCH_EXTENSIONS_DIR"],
+        "DEEPSPEED_HETERO_CHECK_GROUP_THREADS": "1",
     }
     variables.update(env or {})
     return variables

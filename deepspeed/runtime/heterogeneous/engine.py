@@ -126,17 +126,17 @@ class HeterogeneousEngineMixin:
     def _heterogeneous_destroy(self):
         """``engine.destroy()`` calls this first: what the fork started for this engine ends here, on
         every rank alike: the runtime controller closes (the meter, the emulation's cgroups and speed
-        limits, the collective clock's settings), and the hierarchical reducer this engine registered
-        closes (its overlap worker joined, its process groups destroyed). Once; a second call finds
-        nothing left."""
+        limits, the collective clock's settings), and the engine's communication session closes
+        (``comm/session.py``: its overlap worker joined, its process groups destroyed, its hooks
+        removed). Once; a second call finds nothing left."""
         state = self._config.heterogeneous
         runtime, state.runtime = state.runtime, None
         try:
             if runtime is not None:
                 runtime.close()
         finally:
-            from .comm import hierarchical
-            hierarchical.detach(self)
+            from .comm.session import close_engine_session
+            close_engine_session(self)
 
     def _heterogeneous_runtime(self):
         """The runtime controller ``_heterogeneous_start_runtime`` created; None when the fork is off.

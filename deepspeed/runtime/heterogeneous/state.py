@@ -76,6 +76,9 @@ class HeterogeneousState:
     the plan's. A loss over returned outputs needs none: the exchange rescales its gradient."""
     runtime: Optional[object] = field(default=None, repr=False)
     """The engine's ``HeterogeneousRuntime``, created on every rank as the engine starts."""
+    comm_session: Optional[object] = field(default=None, repr=False)
+    """The engine's ``comm/session.CommunicationSession`` (its reducer, overlap worker, process groups
+    and hooks), opened once the optimizer is built and closed by ``engine.destroy()``."""
     low_communication: Optional[object] = field(default=None, repr=False)
     """``comm/low_communication.LowCommunication`` in ``communication.mode: "low_communication"``
     (each host trains a replica; the hosts meet every ``sync_every`` steps); None: exact training."""

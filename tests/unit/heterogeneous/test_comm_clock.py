@@ -39,7 +39,9 @@ def _clock_off_then_on(rank, world_size):
 
 @pytest.mark.multiprocess
 def test_clock_is_inert_with_the_fork_off_and_counts_with_it_on():
-    for result in run_ranks(_clock_off_then_on, world_size=2, timeout=180):
+    # Without the test harness's group check, which turns the clock's call site on in every process.
+    for result in run_ranks(_clock_off_then_on, world_size=2, timeout=180,
+                            env={"DEEPSPEED_HETERO_CHECK_GROUP_THREADS": None}):
         assert result["off"] == (False, False, 0.0)  # no wrapper, no time counted
         enabled, wrapped, seconds = result["on"]
         assert enabled and wrapped and seconds > 0.0
@@ -253,3 +255,38 @@ def _compute(seconds):
     end = time.thread_time() + seconds
     while time.thread_time() < end:
         pass
+
+
+def test_two_threads_inside_collectives_on_one_group_are_refused():
+    """The group check (on in every test process): a second thread entering a collective on a group
+    another thread is inside stops with both named; nested calls of one thread and other groups pass."""
+    import threading
+    from deepspeed.runtime.heterogeneous.measure import comm_clock
+
+    inside, release = threading.Event(), threading.Event()
+    group, other = object(), object()
+
+    def worker_collective(group=None):
+        inside.set()
+        release.wait(30)
+
+    def nested(group=None):
+        return comm_clock.timed_call(lambda group=None: "inner", group=group)
+
+    was = comm_clock._check_groups
+    comm_clock.check_group_threads(True)
+    try:
+        worker = threading.Thread(target=comm_clock.timed_call, args=(worker_collective,), kwargs={"group": group},
+                                  name="overlap-worker")
+        worker.start()
+        assert inside.wait(30)
+        with pytest.raises(comm_clock.GroupSharedError, match="'overlap-worker' is inside worker_collective"):
+            comm_clock.timed_call(lambda group=None: None, group=group)
+        assert comm_clock.timed_call(nested, group=other) == "inner"  # another group, nested on one thread
+        release.set()
+        worker.join(30)
+        assert comm_clock.timed_call(lambda group=None: "after", group=group) == "after"  # released
+        assert comm_clock._groups_in_use == {}
+    finally:
+        release.set()
+        comm_clock.check_group_threads(was)

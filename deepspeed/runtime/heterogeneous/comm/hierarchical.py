@@ -38,19 +38,17 @@ one branch on an empty dict.
 import torch
 
 from deepspeed import comm as dist
-from deepspeed.utils import logger
 
-from . import host_shards, lossless, overlap, parameter_gather
-from .status import reduction_line
-from .host_groups import (agree_on_features, group_layout, host_ranges, pack, piece, piece_elements_for,
-                          ranges_numel, reduction_decision, scatter_into, shard_size, unpack)
+from . import lossless, overlap, parameter_gather
+from .host_groups import group_layout, host_ranges, pack, piece, ranges_numel, scatter_into, shard_size, unpack
 
 
 COMPRESSION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 LOSSLESS = "lossless"  # compress_inter_host's exact setting: the leaders' exchanges coded by lossless.py
 
 _reducers = {}
-"""Process group -> the HierarchicalReducer that all-reduces over it (set by ``attach``)."""
+"""Process group -> the HierarchicalReducer that all-reduces over it (registered by the engine's
+``session.CommunicationSession``)."""
 
 
 class HierarchicalReducer:
@@ -286,7 +284,7 @@ class HierarchicalReducer:
 
 def all_reduce(tensor, group=None, owners=None):
     """The gradient all-reduce (sum, in place) at upstream's data-parallel call sites: through the
-    reducer ``attach`` built for ``group``, else ``deepspeed.comm.all_reduce`` unchanged.
+    reducer the engine's session built for ``group``, else ``deepspeed.comm.all_reduce`` unchanged.
 
     ``owners`` (ZeRO-1/2's multi-rank buckets): ``(numel, owners)`` per consecutive slice, where
     only the owners read the slice afterwards; the reducer then sends each host only what it owns
@@ -320,7 +318,7 @@ def reduce_scatter(buffer, member, group=None):
 def zero3_reducer(group):
     """The reducer for ZeRO-3's partition ``group``, or None. ZeRO-3 partitions parameters over
     the world group object when the data-parallel group is the whole world (the only case
-    ``attach`` registers a reducer for)."""
+    the session registers a reducer for)."""
     if not _reducers:
         return None
     reducer = _reducers.get(group)
@@ -356,91 +354,9 @@ def reducer_for(group):
     return _reducers.get(group)
 
 
-def engine_hosts(state, world_size):
-    """The host of each data-parallel rank from the fork's discovered topology
-    (``cluster/topology.py``: the launcher's node rank, which an emulation sets per host), else None
-    (one host)."""
-    topology = getattr(state, "topology", None)
-    return None if topology is None else tuple(topology.hosts)
-
-
-def detach(engine):
-    """The engine is destroyed (``HeterogeneousEngineMixin._heterogeneous_destroy``): close the reducer
-    it registered for its data-parallel group (none when it registered none), and let parameters it
-    gave host shards gather flat again."""
-    group = engine.seq_data_parallel_group
-    reducer = _reducers.pop(group, None) if _reducers else None
-    if reducer is not None:
-        reducer.close()
-    if engine._config.heterogeneous.enabled and engine.zero_optimization_stage() == 3:
-        host_shards.attach(engine, None, False)
-
-
 def attach(engine):
-    """After the engine built its optimizer: route its data-parallel gradient all-reduce through a
-    hierarchical reducer when ``communication.hierarchical_reduction`` is in force, otherwise leave
-    upstream's flat all-reduce (and drop a reducer an earlier engine left for the same group).
-
-    Every rank decides from the same inputs (the agreed settings, the hosts, the ZeRO stage), so
-    every rank creates the same groups or none."""
-    state = engine._config.heterogeneous
-    group = engine.seq_data_parallel_group
-    previous = _reducers.pop(group, None) if _reducers else None
-    if previous is not None:  # a new engine: the last one's deferred parameter gathers finish first
-        parameter_gather.detach_reducer(previous)
-    if not state.enabled:
-        host_shards.attach(engine, None, False)  # parameters an earlier engine gave host shards gather flat again
-        return None
-    if state.low_communication is not None:  # each host a replica: nothing is reduced between hosts
-        if previous is not None:
-            previous.close()
-        state.low_communication.attach(engine)
-        return None
-    world_size = dist.get_world_size(group=group)
-    hosts = engine_hosts(state, world_size)
-    communication = state.settings.config.communication
-    active, note = reduction_decision(communication.hierarchical_reduction, True, hosts,
-                                      world_size == dist.get_world_size())
-    if not active:
-        if note and (communication.hierarchical_reduction is True or communication.compress_inter_host):
-            logger.warning(f"heterogeneous_config.communication: hierarchical reduction not in force: {note}")
-        if previous is not None:
-            previous.close()  # its worker stopped, its groups destroyed
-        host_shards.attach(engine, None, False)
-        return None
-    compress = communication.compress_inter_host
-    topology = getattr(state, "topology", None)
-    pieces = piece_elements_for(topology.link_bandwidth if topology is not None else None)
-    if previous is not None and previous.layout == group_layout(hosts):
-        reducer = previous  # the same groups again: no second creation
-        overlap.attach(reducer, False, None)  # the last engine's worker stops before the settings change
-        reducer.set_compression(compress)
-        reducer.piece_elements = pieces
-    else:
-        if previous is not None:
-            previous.close()  # its groups are not this engine's
-        reducer = HierarchicalReducer(hosts, group=group, compress=compress, piece_elements=pieces)
-    _reducers[group] = reducer
-    try:
-        parameter_gather.detach_reducer(reducer)  # a previous engine's gather, on the worker replaced next
-        overlap_note = overlap.attach(reducer, communication.overlap, engine.optimizer,
-                                      serves=lambda partition_group: zero3_reducer(partition_group) is reducer,
-                                      offloaded_ranks=state.offloaded_ranks)
-        served = all(_reducers.get(g) is reducer for g in getattr(engine.optimizer, "real_dp_process_group", ()))
-        parameter_gather.attach(reducer, communication.overlap_parameter_gather, engine.optimizer, engine.module,
-                                served)
-        shards, shards_note = host_shards.attach(engine, reducer, communication.zero3_host_shards,
-                                                 serves=lambda partition_group: zero3_reducer(partition_group) is reducer)
-    except ValueError as exc:  # `true` where it cannot apply: every rank decided alike, rank 0 says it once
-        _reducers.pop(group, None)
-        reducer.close()  # the refused engine's worker stops and its groups go
-        from ..config.errors import one_line_config_errors
-        from ..config.settings import HeterogeneousConfigError
-        one_line_config_errors()
-        raise HeterogeneousConfigError(str(exc)) from None
-    agree_on_features(state.dp_rank, (reducer.background is not None,
-                                      parameter_gather.deferred(engine.optimizer) is not None, shards is not None))
-    if dist.get_rank() == 0:
-        print(reduction_line(reducer, engine, communication, shards, shards_note, overlap_note,
-                             parameter_gather.deferred(engine.optimizer) is not None), flush=True)
-    return reducer
+    """The entry the engine calls after it built its optimizer (``comm-hierarchical-reduction.patch``):
+    open the engine's ``CommunicationSession`` (``session.py``), which registers a reducer here when
+    hierarchical reduction is in force. Returns the reducer, or None."""
+    from .session import CommunicationSession
+    return CommunicationSession.open(engine).reducer

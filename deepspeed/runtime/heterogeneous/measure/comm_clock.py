@@ -24,6 +24,7 @@ counted as compute) and after it ends (its wait and transfer counted here). Sync
 (the CPU accelerator, gloo) need nothing and get nothing; other steps are not synchronised.
 """
 
+import os
 import threading
 import time
 
@@ -43,9 +44,14 @@ class _Clock(threading.local):
 
 _clock = _Clock()
 
-enabled = False
-"""Read by deepspeed.comm.timed_op on every collective: True while the clock runs or a listener is
-set."""
+GROUP_THREADS_ENV = "DEEPSPEED_HETERO_CHECK_GROUP_THREADS"
+"""Set to 1 (the test harness does, for every process it starts): ``timed_call`` checks that no two
+threads are inside a collective on the same process group at once (``check_group_threads``)."""
+_check_groups = os.environ.get(GROUP_THREADS_ENV) == "1"
+
+enabled = _check_groups
+"""Read by deepspeed.comm.timed_op on every collective: True while the clock runs, a listener is
+set or the group check is on."""
 
 _timing = False  # the clock runs (set_timing)
 listener = None  # called as listener(func, args, kwargs) before each collective; None: none
@@ -78,7 +84,7 @@ def set_timing(on):
     """Run the clock (``on``) or not: the runtime controller runs it only while something reads it."""
     global _timing, enabled
     _timing = bool(on)
-    enabled = _timing or listener is not None
+    enabled = _timing or listener is not None or _check_groups
 
 
 def enable():
@@ -89,7 +95,7 @@ def set_listener(callback):
     """Have ``callback(func, args, kwargs)`` see every deepspeed.comm collective; None removes it."""
     global listener, enabled
     listener = callback
-    enabled = _timing or callback is not None
+    enabled = _timing or callback is not None or _check_groups
 
 
 def enter():
@@ -170,7 +176,64 @@ class TimedWork:
         return getattr(self._work, name)
 
 
+class GroupSharedError(RuntimeError):
+    """Two threads of one process inside collectives on the same process group at once: their calls
+    could pair with the peers' in another order on each rank (a hang or a wrong result)."""
+
+
+_groups_lock = threading.Lock()
+_groups_in_use = {}  # id(group), or "default" -> (thread, collective)
+
+
+def check_group_threads(on):
+    """Check (``on``) that each process group is used by one thread at a time, as the overlap worker
+    (``comm/overlap.py``) and the main thread must: a collective that finds another thread inside one
+    on its group raises ``GroupSharedError`` naming both. Off by default (``GROUP_THREADS_ENV``)."""
+    global _check_groups, enabled
+    _check_groups = bool(on)
+    enabled = _timing or listener is not None or _check_groups
+
+
+def _group_of(args, kwargs):
+    import torch.distributed as dist
+    group = kwargs.get("group")
+    if group is None:
+        group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
+    return "default" if group is None else id(group)
+
+
+def _claim(func, args, kwargs):
+    """Mark this thread inside a collective on its group; returns the key to release, or None for a
+    collective nested in one of this thread's on the same group."""
+    key = _group_of(args, kwargs)
+    thread = threading.current_thread()
+    name = getattr(func, "__name__", str(func))
+    with _groups_lock:
+        holder = _groups_in_use.get(key)
+        if holder is not None and holder[0] is thread:
+            return None
+        if holder is not None:
+            raise GroupSharedError(
+                f"deepspeed-hetero: {name} on thread {thread.name!r} started on a process group (id {key}) that "
+                f"thread {holder[0].name!r} is inside {holder[1]} on: one group, one thread at a time")
+        _groups_in_use[key] = (thread, name)
+    return key
+
+
 def timed_call(func, *args, **kwargs):
+    """``_timed_call``, with the group check (``check_group_threads``) around it when it is on."""
+    if not _check_groups:
+        return _timed_call(func, *args, **kwargs)
+    key = _claim(func, args, kwargs)
+    try:
+        return _timed_call(func, *args, **kwargs)
+    finally:
+        if key is not None:
+            with _groups_lock:
+                del _groups_in_use[key]
+
+
+def _timed_call(func, *args, **kwargs):
     """Run a collective inside the clock; a returned work handle (async_op=True) is wrapped so that
     its ``wait()`` counts too. Tensors and None pass through."""
     hear = listener  # read once: a recording may end on another thread meanwhile (comm/overlap.py's worker)
