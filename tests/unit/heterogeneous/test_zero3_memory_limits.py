@@ -9,6 +9,9 @@ host allowance) at about half of what it reaches with upstream's equal slices:
 - Upstream (the fork off, the rank put under the same limit by the test): the kernel kills rank 1.
 - The fork with ``heterogeneous_memory.enabled`` (``zero_partitions: "auto"``): rank 1's share of
   every parameter follows its memory, it trains, and the parameters equal single-process training.
+  Also with plain SGD and an uneven batch split: a constant factor on a gradient (a wrong weight on
+  a rank's loss, or on a rank's slices) changes Adam's update only through its epsilon, and SGD's
+  in proportion.
 
 The project's small GPT (21.3M parameters, its micro-batches following memory) runs the same way
 under a limit set from outside, as a job scheduler's would be: rank 1 joins a cgroup whose name is
@@ -32,6 +35,9 @@ from harness import run_subcases
 from test_memory_limits import memory_cgroups  # noqa: F401 - the fixture: root and the memory controller
 
 WIDTH, LAYERS, STEPS, LR = 1536, 12, 3, 1e-3
+# The MLP's gradients are ~1e-6 (weights) to ~6e-5 (the last bias): at lr 100 the 3 SGD steps move
+# every parameter tensor by 3e-5 or more, 300 times SGD_ATOL, the tolerance against the reference.
+SGD_LR, SGD_ATOL = 100.0, 1e-7
 # Rank 1: 0.17 GiB + the 256 MiB host allowance = 430 MiB, half of its 865 MiB peak with upstream's
 # equal slices (measured on this machine, 2 cores, cgroup v1, with these buckets).
 MEMORY_GB = [4.0, 0.17]
@@ -100,10 +106,17 @@ def _peak_bytes(path):
     raise FileNotFoundError(path)
 
 
+def _optimizer_config(optimizer):
+    if optimizer == "sgd":  # torch.optim.SGD, no momentum: ZeRO takes it when told
+        return {"optimizer": {"type": "SGD", "params": {"lr": SGD_LR}}, "zero_allow_untested_optimizer": True}
+    return {"optimizer": {"type": "Adam", "params": {"lr": LR, "torch_adam": True}}}
+
+
 def _train(rank, world_size, mode, memory_gb=MEMORY_GB, bf16=False, gas=1, clipping=0.0, model="mlp",
-           outside_mb=None):
+           outside_mb=None, optimizer="adam", micro_batch_sizes=None):
     """``memory_gb``: the ranks' limits through the fork's emulation (the upstream run's cgroup
-    alike); ``outside_mb``: rank 1's limit set from outside instead (``outside_limit``)."""
+    alike); ``outside_mb``: rank 1's limit set from outside instead (``outside_limit``);
+    ``micro_batch_sizes``: the fork's manual split of the MLP's batch (even by default)."""
     import deepspeed
     from deepspeed.runtime.heterogeneous.emulation import emulator as emulation
     from deepspeed.runtime.heterogeneous.memory.meter import load_engine_modules
@@ -111,7 +124,7 @@ def _train(rank, world_size, mode, memory_gb=MEMORY_GB, bf16=False, gas=1, clipp
     load_engine_modules()  # what the engine imports is the process's, not the rank's device memory, in every mode
 
     config = {"train_batch_size": 8, "gradient_clipping": clipping, "gradient_accumulation_steps": gas,
-              "optimizer": {"type": "Adam", "params": {"lr": LR, "torch_adam": True}},
+              **_optimizer_config(optimizer),
               "zero_optimization": {"stage": 3, "reduce_bucket_size": BUCKET, "stage3_prefetch_bucket_size": BUCKET,
                                     "stage3_max_live_parameters": BUCKET, "stage3_max_reuse_distance": BUCKET}}
     if mode == "upstream":
@@ -122,7 +135,8 @@ def _train(rank, world_size, mode, memory_gb=MEMORY_GB, bf16=False, gas=1, clipp
         config["heterogeneous_config"] = {"enabled": True, **emulated,
                                           **({"load_balancing_strategy": "compute_aware", "profile_steps": 1}
                                              if model == "gpt" else
-                                             {"load_balancing_strategy": "manual", "micro_batch_sizes": [4 // gas] * 2})}
+                                             {"load_balancing_strategy": "manual",
+                                              "micro_batch_sizes": micro_batch_sizes or [4 // gas] * 2})}
         config["heterogeneous_memory"] = {"enabled": True, "adaptive_chunking": False,
                                           "hbm_utilization_threshold": UTILIZATION,
                                           "zero_partitions": "auto" if mode == "fork_auto" else "even"}
@@ -162,9 +176,10 @@ def _train(rank, world_size, mode, memory_gb=MEMORY_GB, bf16=False, gas=1, clipp
             "local": sum(int(p.ds_tensor.numel()) for p in engine.module.parameters())}
 
 
-def reference(clipping=0.0, model="mlp"):
+def reference(clipping=0.0, model="mlp", optimizer="adam"):
     module = make_model(model)
-    optimizer = torch.optim.Adam(module.parameters(), lr=LR)
+    optimizer = (torch.optim.SGD(module.parameters(), lr=SGD_LR) if optimizer == "sgd" else
+                 torch.optim.Adam(module.parameters(), lr=LR))
     for x in batches(model):
         optimizer.zero_grad()
         # Each rank's mean, weighted by its rows: the mean over the 8 rows (the GPT's tokens).
@@ -191,12 +206,14 @@ def test_upstream_is_killed_under_rank_1s_limit(outside_cgroups, model):
 
 LIMITED_CASES = [dict(mode="fork_auto"), dict(mode="fork_auto", gas=2, clipping=0.5),
                  dict(mode="fork_auto", bf16=True),
+                 dict(mode="fork_auto", optimizer="sgd", gas=2, micro_batch_sizes=[3, 1]),
                  dict(mode="fork_auto", model="gpt", outside_mb=GPT_LIMIT_MB),
                  dict(mode="fork_auto", model="gpt", outside_mb=GPT_LIMIT_MB, bf16=True, gas=2, clipping=0.5)]
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("case", LIMITED_CASES, ids=["fp32", "gas2-clipping", "bf16", "gpt", "gpt-bf16-gas2-clipping"])
+@pytest.mark.parametrize("case", LIMITED_CASES,
+                         ids=["fp32", "gas2-clipping", "bf16", "sgd-gas2-split", "gpt", "gpt-bf16-gas2-clipping"])
 def test_memory_proportional_shards_train_exactly_under_the_same_limit(outside_cgroups, case):
     (first, second), = run_subcases(_train, [case], world_size=2, timeout=300)
     shares = first["shares"]
@@ -205,7 +222,19 @@ def test_memory_proportional_shards_train_exactly_under_the_same_limit(outside_c
     assert shares is not None and shares[1] < 0.4, context
     assert second["local"] < 0.6 * first["local"], context  # its slices follow its share
     assert second["peak_mb"] < limit_mb, context
-    expected = reference(case.get("clipping", 0.0), case.get("model", "mlp"))
+    expected = reference(case.get("clipping", 0.0), case.get("model", "mlp"), case.get("optimizer", "adam"))
+    if case.get("optimizer") == "sgd":
+        # The comparison can fail: a factor 1 + e on a gradient (a rank's loss, a rank's slices) moves
+        # SGD's update by about e times it, and every tensor's update is over 100 times the tolerance.
+        initial = list(make_model().parameters())
+        smallest = min((w - i.detach()).abs().max().item() for w, i in zip(expected, initial))
+        assert smallest > 100 * SGD_ATOL, f"SGD moved a parameter tensor by {smallest:.3g} only"
+        for rank_result in (first, second):
+            # SGD's step is proportional to the gradient: the summation order's last bits stay as
+            # small in the parameters (measured 4e-9), where Adam makes a part of a step of them.
+            for got, want in zip(rank_result["params"], expected):
+                torch.testing.assert_close(got, want, rtol=0, atol=SGD_ATOL, msg=lambda m: f"{context}\n{m}")
+        return
     for rank_result in (first, second):
         if case.get("bf16"):
             # bf16 parameters round each weight (~0.025) to ~1e-4, a tenth of a step: measured, the

@@ -6,7 +6,7 @@ Trains a tiny GPT-2 (built from a config, no download) once per case given on th
 each with a fresh Trainer and engine, and writes per rank what it fed the model at every
 micro-step (dataset indices), the plan in force then, the trained parameters and the evaluation
 loss, to ``<out>/<loss>-<gas>-<change>-rank<r>.pt``. The test replays the same global batches in
-one process. A case is ``[MODEL/]LOSS:GAS:CHANGE``:
+one process. A case is ``[MODEL/]LOSS:GAS:CHANGE[:OPTIMIZER]``:
 
 - MODEL ``gpt2`` (the default, or ``--model``): a causal LM, whose loss divides by the Trainer's
   ``num_items_in_batch``; ``bert``: a sequence classifier, whose loss is a mean over its own rows
@@ -17,6 +17,9 @@ one process. A case is ``[MODEL/]LOSS:GAS:CHANGE``:
   profiling steps, which re-plan from what they measure (the outcome depends on the timings);
   ``on_demand``: no profiling, and ``engine.reschedule_workload`` with rank 1 three times slower
   at the end of step 2, a certain change to [12, 4]; ``manual=A,B``: the manual split [A, B].
+- OPTIMIZER ``adam`` (the default) or ``sgd``: plain SGD at ``SGD_LR``, whose update is proportional
+  to the gradient, so that a wrong factor on a loss shows in the parameters (Adam's update is
+  nearly blind to a constant one). Its results end in ``-sgd``.
 
     deepspeed --num_gpus 2 tests/unit/scripts/hf_trainer_train.py --out DIR --case global_mean:1:on_demand
 
@@ -26,6 +29,7 @@ Trainer resumed from that checkpoint, to ``<loss>-<gas>-<change>-resumed-rank<r>
 """
 
 import argparse
+import copy
 import os
 
 import torch
@@ -35,6 +39,8 @@ SEQUENCE = 16
 VOCAB = 64
 GLOBAL_BATCH = 16
 LR = 1e-4
+# Large enough that 8 steps move the parameters ~2e-2, four orders of magnitude above the test's tolerance.
+SGD_LR = 0.1
 MODEL_SEED = 7
 DATA_SEED = 42  # TrainingArguments.seed: the heterogeneous sampler's base seed (epoch e: DATA_SEED + e)
 
@@ -104,7 +110,20 @@ ON_DEMAND_STEP = 2
 ON_DEMAND_BUSY_SECONDS = [1.0, 3.0]
 
 
-def ds_config(stage, change):
+OPTIMIZERS = {
+    "adam": {"type": "Adam", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto",
+                                        "torch_adam": True}},
+    "sgd": {"type": "SGD", "params": {"lr": "auto"}},  # torch.optim.SGD: no momentum, no weight decay
+}
+
+
+def split_case(case):
+    """``LOSS:GAS:CHANGE[:OPTIMIZER]`` as (loss, gas, change, optimizer)."""
+    loss_kind, gas, change, *optimizer = case.split(":")
+    return loss_kind, gas, change, optimizer[0] if optimizer else "adam"
+
+
+def ds_config(stage, change, optimizer="adam"):
     heterogeneous = {"enabled": True, "load_balancing_strategy": "compute_aware"}
     if change == "profiling":
         heterogeneous.update(profile_steps=3, emulation={"speeds": [1.0, 0.1], "mode": "dilation"})
@@ -120,24 +139,25 @@ def ds_config(stage, change):
         "gradient_accumulation_steps": "auto",
         "gradient_clipping": "auto",
         "zero_optimization": {"stage": stage},
-        "optimizer": {"type": "Adam", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                                 "weight_decay": "auto", "torch_adam": True}},
+        "optimizer": copy.deepcopy(OPTIMIZERS[optimizer]),
+        # ZeRO takes only the optimizers it tested unless told (SGD keeps no state to partition).
+        "zero_allow_untested_optimizer": optimizer != "adam",
         "heterogeneous_config": heterogeneous,
     }
 
 
 def result_name(model_name, case, resume=False, stock=False):
-    loss_kind, gas, change = case.split(":")
+    loss_kind, gas, change, optimizer = split_case(case)
     prefix = "" if model_name == "gpt2" else f"{model_name}-"
     return (f"{prefix}{loss_kind}-{gas}-{change}{'-resumed' if resume else ''}{'-stock' if stock else ''}"
-            f"-rank{{rank}}.pt")
+            f"{'' if optimizer == 'adam' else '-' + optimizer}-rank{{rank}}.pt")
 
 
 def train(case, out, steps, stage, save_at=None, resume=False, stock=False, model_name="gpt2"):
     from transformers import Trainer, TrainerCallback, TrainingArguments
     from deepspeed.runtime.heterogeneous.integrations.hf_trainer import HeterogeneousTrainer
 
-    loss_kind, gas, change = case.split(":")
+    loss_kind, gas, change, optimizer = split_case(case)
     gas = int(gas)
     world_size = int(os.environ["WORLD_SIZE"])
     rows = {tuple(row.tolist()): index for index, row in enumerate(tokens())}
@@ -165,13 +185,13 @@ def train(case, out, steps, stage, save_at=None, resume=False, stock=False, mode
                              per_device_eval_batch_size=EVAL_SAMPLES // world_size,
                              gradient_accumulation_steps=gas,
                              max_steps=steps,
-                             learning_rate=LR,
+                             learning_rate=SGD_LR if optimizer == "sgd" else LR,
                              lr_scheduler_type="constant",
                              weight_decay=0.0,
                              max_grad_norm=0.0,
                              seed=DATA_SEED,
                              average_tokens_across_devices=loss_kind == "global_mean",
-                             deepspeed=ds_config(stage, change),
+                             deepspeed=ds_config(stage, change, optimizer),
                              report_to=[],
                              save_strategy="steps" if save_at else "no",
                              save_steps=save_at or 500,
@@ -195,7 +215,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--local_rank", type=int, default=-1)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--case", action="append", required=True, help="LOSS:GAS:CHANGE (see the docstring)")
+    parser.add_argument("--case", action="append", required=True,
+                        help="LOSS:GAS:CHANGE[:OPTIMIZER] (see the docstring)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--stage", type=int, default=1)
     parser.add_argument("--model", choices=sorted(MODELS), default="gpt2",
