@@ -18,10 +18,17 @@ Models:
 - ``large``: 12 x Linear(1536, 1536), 28.3M parameters in 24 tensors (a few large layers);
 - ``gpt``: a small GPT (vocabulary 8192, width 384, 6 layers, 6 heads, sequence 128), 18.4M;
 - ``many``: 400 x Linear(128, 128) with ReLU, 6.6M parameters in 800 small tensors (buckets and
-  padding).
+  padding);
+- ``hf`` (``--hf``): a transformers GPT-2 (4 layers, width 256, 4 heads, sequence 64, vocabulary
+  8192; 5.3M parameters) as users build one: each rank in its cgroup from the start (a job
+  scheduler's, set from outside), the model built there under ``deepspeed.zero.Init`` with
+  ``zero_partitions`` "auto" (ZeRO-3), rank 1's cgroup limited to ``HF_LIMIT_MIB`` so that its
+  memory binds; ``hf-lora`` the same with PEFT LoRA adapters (``c_attn``, ``c_proj``) and gradient
+  checkpointing, ZeRO-2 and 3.
 
     python tests/perf/bench_memory_model.py [--quick] [--rows large-2-fp32-adam ...] [--phases]
     python tests/perf/bench_memory_model.py --zero3-shares      # ZeRO-3, rank 1 at a share of 0.2
+    python tests/perf/bench_memory_model.py --hf                # the transformers rows
     python tests/perf/bench_memory_model.py --limits
 
 ``--limits`` puts rank 1 under a memory limit set from outside at 85% and 60% of upstream's
@@ -48,6 +55,9 @@ STEPS, GLOBAL_BATCH = 3, 8
 METER_BYTES = 64 * 2**30  # a limit that only measures
 TARGET_WITHIN, TARGET_UNDER = 0.10, 0.05
 ZERO3_SHARES = (0.8, 0.2)
+HF_SEQUENCE, HF_VOCAB = 64, 8192
+HF_LIMIT_MIB = (METER_BYTES >> 20, 200)  # per rank; rank 1's binds for the GPT-2's even shares
+HF_SAMPLE_BYTES = 12 * 2**20  # heterogeneous_memory.activation_bytes_per_sample: the GPT-2's, rounded up
 RESULTS = REPO / "tests" / "perf" / "results" / "memory_model.json"
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 
@@ -63,6 +73,26 @@ def build_model(name):
             layers += [torch.nn.Linear(128, 128), torch.nn.ReLU()]
         return torch.nn.Sequential(*layers)
     return TinyGPT()
+
+
+def build_hf_model(row, config):
+    """The ``hf`` rows' GPT-2 as transformers builds it under a ZeRO-3 config (``zero.Init``, with the
+    config the engine gets), then LoRA adapters and gradient checkpointing (``hf-lora``)."""
+    import contextlib
+    import deepspeed
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+    gpt2 = GPT2Config(n_layer=4, n_embd=256, n_head=4, n_positions=HF_SEQUENCE, vocab_size=HF_VOCAB, resid_pdrop=0.0,
+                      embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=config) if row["stage"] == 3 else contextlib.nullcontext():
+        model = GPT2LMHeadModel(gpt2)
+    if row["model"] == "hf-lora":
+        from peft import LoraConfig, get_peft_model
+        model.gradient_checkpointing_enable()
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, fan_in_fan_out=True,
+                                                 target_modules=["c_attn", "c_proj"], task_type="CAUSAL_LM"))
+    return model
 
 
 def _tiny_gpt_class():
@@ -98,11 +128,15 @@ def batch(name, step):
     generator = torch.Generator().manual_seed(step)
     if name == "gpt":
         return torch.randint(0, 8192, (GLOBAL_BATCH, 129), generator=generator)
+    if name.startswith("hf"):
+        return torch.randint(0, HF_VOCAB, (GLOBAL_BATCH, HF_SEQUENCE), generator=generator)
     return torch.randn(GLOBAL_BATCH, 1536 if name == "large" else 128, generator=generator)
 
 
 def loss_of(name, engine, rows):
     import torch
+    if name.startswith("hf"):
+        return engine(input_ids=rows, labels=rows).loss
     if name == "gpt":
         logits = engine(rows[:, :-1]).float()
         return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1))
@@ -123,19 +157,32 @@ def config_of(row):
                                        "adaptive_chunking": False}}
     if row["dtype"] == "bf16":
         config["bf16"] = {"enabled": True}
+    if row["model"].startswith("hf"):
+        # "auto" leaves rank 1 room for its samples (without it, its state would fill the limit).
+        config["heterogeneous_memory"].update(zero_partitions="auto", activation_bytes_per_sample=HF_SAMPLE_BYTES)
     return config
 
 
 def _rank(rank, world_size, row):
     import deepspeed
+    hf = row["model"].startswith("hf")
+    if hf:  # imported before the cgroup is joined, as the interpreter and torch are
+        import peft  # noqa: F401
+        import transformers  # noqa: F401
+        from deepspeed.runtime.heterogeneous.memory.meter import load_engine_modules
+        load_engine_modules()
     cgroup = CGROUP_ROOT / f"bench-memory-model-{os.getpid()}"
     cgroup.mkdir()
     try:
-        (cgroup / "memory.limit_in_bytes").write_text(str(METER_BYTES))
-        model = build_model(row["model"])
-        (cgroup / "cgroup.procs").write_text(str(os.getpid()))
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                               config=config_of(row))
+        (cgroup / "memory.limit_in_bytes").write_text(str(HF_LIMIT_MIB[rank] << 20 if hf else METER_BYTES))
+        if hf:  # the rank runs in its cgroup from the start, the model built there
+            (cgroup / "cgroup.procs").write_text(str(os.getpid()))
+            model = build_hf_model(row, config_of(row))
+        else:
+            model = build_model(row["model"])
+            (cgroup / "cgroup.procs").write_text(str(os.getpid()))
+        engine, _, _, _ = deepspeed.initialize(model=model, config=config_of(row),
+                                               model_parameters=[p for p in model.parameters() if p.requires_grad])
         state = engine._config.heterogeneous
         size = GLOBAL_BATCH // world_size
         phase_peaks = {"initialize": _phase_peak(cgroup)}
@@ -149,9 +196,9 @@ def _rank(rank, world_size, row):
             _keep_max(phase_peaks, "step", _phase_peak(cgroup))
         measured = max(phase_peaks.values())
         placed = state.memory_pool.placement.ranks[state.dp_rank]
-        spec = state.memory_pool.model_state
-        peak = spec.peak(placed.share, placed.offload_fraction, placed.activation_bytes, placed.baseline_bytes)
+        peak = state.memory_pool.predicted_peak(state.dp_rank, placed.activation_bytes or 0.0)
         return {"predicted": placed.predicted_peak_bytes, "measured": measured, "phase": placed.peak_phase,
+                "shares": [r.share for r in state.memory_pool.placement.ranks],
                 "baseline": placed.baseline_bytes, "activations": placed.activation_bytes,
                 "allocations": peak.phases[peak.peak_phase], "measured_phases": phase_peaks,
                 "predicted_phases": {name: int(peak.phase_bytes(name)) for name in peak.phases}}
@@ -193,6 +240,13 @@ def zero3_share_rows():
     """ZeRO-3 with uneven shares (rank 1 holds a fifth of every parameter), offload off and on."""
     return [dict(model=model, stage=3, dtype=dtype, optimizer="adam", offload=offload, shares=list(ZERO3_SHARES))
             for model in ("large", "gpt", "many") for dtype in ("fp32", "bf16") for offload in (False, True)]
+
+
+def hf_rows():
+    """The transformers GPT-2 built under zero.Init ("auto", ZeRO-3), and with LoRA and gradient
+    checkpointing (ZeRO-2 and 3); fp32 Adam."""
+    return [dict(model=model, stage=stage, dtype="fp32", optimizer="adam", offload=False)
+            for model, stage in (("hf", 3), ("hf-lora", 3), ("hf-lora", 2))]
 
 
 def row_name(row):
@@ -251,6 +305,8 @@ def main():
                         help="rank 1 under an outside limit at 85%% and 60%% of upstream's peak: upstream vs the fork")
     parser.add_argument("--rows", nargs="*", help="row names to run (e.g. large-2-fp32-adam)")
     parser.add_argument("--phases", action="store_true", help="print predicted/measured bytes per phase")
+    parser.add_argument("--hf", action="store_true",
+                        help="only the transformers GPT-2 rows (writes memory_model_hf.json)")
     parser.add_argument("--zero3-shares", action="store_true",
                         help="only the ZeRO-3 rows with uneven shares (writes memory_model_zero3_shares.json)")
     args = parser.parse_args()
@@ -259,9 +315,12 @@ def main():
     if args.limits:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         return under_limits()
-    rows = [r for r in rows_for(args.quick and not args.rows) if not args.rows or row_name(r) in args.rows]
+    rows = [r for r in rows_for(args.quick and not args.rows) + hf_rows() if not args.rows or row_name(r) in args.rows]
+    rows = [r for r in rows if args.rows or not r["model"].startswith("hf")]
     if args.zero3_shares:
         rows = zero3_share_rows()
+    if args.hf:
+        rows = hf_rows()
     results = []
     header = f"{'row':30s} {'rank':>4s} {'at start':>9s} {'predicted':>10s} {'measured':>10s} {'ratio':>6s}  peak phase"
     print(header)
@@ -297,8 +356,9 @@ def main():
     print(f"\n{summary['within_10pct']}/{summary['rows']} rank-rows within +-10% (target: all); "
           f"{summary['under_by_more_than_5pct']} under-predict by more than 5% (target: none); "
           f"{summary['failed']} failed")
-    if args.zero3_shares or (not args.quick and not args.rows):
-        path = RESULTS.with_name("memory_model_zero3_shares.json") if args.zero3_shares else RESULTS
+    if args.zero3_shares or args.hf or (not args.quick and not args.rows):
+        path = RESULTS.with_name("memory_model_zero3_shares.json" if args.zero3_shares else "memory_model_hf.json") \
+            if args.zero3_shares or args.hf else RESULTS
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"summary": summary, "results": results}, indent=1))
         print(f"wrote {path}")

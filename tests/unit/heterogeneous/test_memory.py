@@ -332,3 +332,9 @@ def test_one_memory_model_for_a_config_and_a_model_at_two_levels_of_detail():
     # Without allocations (a profile of another run) the model state is the answer.
     bare = ModelStateSpec(num_parameters=110, zero_stage=1, optimizer_device="cpu")
     assert bare.device_bytes(1, None) == bare.state_bytes(1) == spec.state_bytes(1)
+    # Frozen parameters (a LoRA model's base) keep no state but are what ZeRO-3 gathers too.
+    lora = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 2))
+    lora[0].requires_grad_(False)
+    spec = ModelStateSpec.for_engine(adam, lora)
+    assert spec.num_parameters == spec.allocations.num_parameters == 22
+    assert spec.allocations.frozen_parameters == 110

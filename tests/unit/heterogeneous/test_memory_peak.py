@@ -96,17 +96,55 @@ def test_zero0_sgd_and_offload():
 
 def test_zero3_gathers_whole_parameters_and_steps_sub_groups():
     peak = predict_peak(allocations(3, sub_group_size=200_000))
-    # Partition 2e6, fp32 partition 2e6, Adam 4e6; gathered 4e6; fp32 gradient partition 2e6;
-    # bucket 4e6.
-    assert peak.phase_bytes("backward") == 2e6 + 2e6 + 4e6 + 4e6 + 2e6 + 4e6
+    # Partition 2e6, fp32 partition 2e6, Adam 4e6; gathered 4e6 beside the prefetch bucket's flat
+    # tensor they were copied from (the whole model: 4e6); fp32 gradient partition 2e6; bucket 4e6.
+    assert peak.phase_bytes("backward") == 2e6 + 2e6 + 4e6 + 4e6 + 4e6 + 2e6 + 4e6
     # Step: the sub-group's gradient flattened (2e5 elements: 8e5) and Adam's temporaries of it: 2 * 8e5.
     assert peak.phase_bytes("step") == 8e6 + 2e6 + 8e5 + 2 * 8e5
-    # Upstream keeps every parameter used again within stage3_max_reuse_distance gathered (1e9: all).
+    # Upstream keeps every parameter used again within stage3_max_reuse_distance gathered (1e9: all),
+    # and a prefetch bucket's flat tensor (5e4 elements: 2e5) lives beside them.
     limited = predict_peak(allocations(3, max_live_parameters=100_000, prefetch_bucket=50_000))
-    assert limited.phase_bytes("forward") == 8e6 + 4e6
+    assert limited.phase_bytes("forward") == 8e6 + 4e6 + 2e5
     limited = predict_peak(allocations(3, max_live_parameters=100_000, prefetch_bucket=50_000,
                                        max_reuse_distance=10_000))
-    assert limited.phase_bytes("forward") == 8e6 + 4e5
+    assert limited.phase_bytes("forward") == 8e6 + 4e5 + 2e5
+    # One reduce bucket on the host under overlap_comm (only the pages its gradients fill are
+    # touched); on a device the doubled count stays.
+    assert predict_peak(allocations(3, overlap_comm=True)).phases["backward"]["reduce bucket"] == 4e6
+    assert predict_peak(allocations(3, overlap_comm=True, host_is_device=False)).phases["backward"][
+        "reduce bucket"] == 8e6
+
+
+def test_zero3_offload_keeps_an_fp32_gradient_buffer_per_offloaded_sub_group_on_the_host():
+    """Upstream's ZeRO-3 optimizer offload zeroes an fp32 gradient buffer for each offloaded
+    sub-group at start-up, beside the gradient partition: on the CPU accelerator (the host is the
+    device) it is the rank's memory, on a GPU it is host memory."""
+    cpu = predict_peak(allocations(3), share=0.5, offloaded=1.0)
+    assert cpu.phases["initialize"] == predict_peak(allocations(3), share=0.5).phases["initialize"]
+    for phase in ("forward", "backward", "step"):
+        assert cpu.phases[phase]["offloaded fp32 gradients"] == 0.5 * 4e6
+    assert predict_peak(allocations(3), share=0.5, offloaded=0.25).phases["forward"]["offloaded fp32 gradients"] == 5e5
+    gpu = predict_peak(allocations(3, host_is_device=False), share=0.5, offloaded=1.0)
+    assert "offloaded fp32 gradients" not in gpu.phases["backward"]
+
+
+def test_frozen_parameters_are_gathered_and_moved_but_keep_no_state():
+    """A LoRA model: 1e6 trained parameters (the adapters) on a base of 9e6 frozen ones. ZeRO-3
+    gathers the frozen ones too (whole, beside the bucket's flat tensor); they have no gradient or
+    optimizer state, and where the module is moved to the device or converted they move too."""
+    lora = predict_peak(allocations(3, frozen_parameters=9_000_000), share=0.5)
+    plain = predict_peak(allocations(3), share=0.5)
+    assert lora.phases["forward"]["gathered parameters"] == 2 * 4e7
+    for phase in ("forward", "backward"):
+        kept = {k: v for k, v in lora.phases[phase].items() if k != "gathered parameters"}
+        assert kept == {k: v for k, v in plain.phases[phase].items() if k != "gathered parameters"}
+    moved = predict_peak(allocations(2, frozen_parameters=9_000_000, parameters_resident=False), share=0.5)
+    assert moved.phases["forward"]["parameters"] == 4e6 + 4e7  # the flat trained parameters + the module moved
+    converted = predict_peak(allocations(0, frozen_parameters=9_000_000, param_bytes=2, master_bytes=4,
+                                         converted=True))
+    assert converted.phases["initialize"]["parameters"] == 2e7  # every parameter converted to 2 bytes
+    with pytest.raises(ValueError, match="frozen_parameters -1"):
+        allocations(3, frozen_parameters=-1)
 
 
 def test_a_zero3_share_scales_what_the_rank_keeps_and_uneven_buckets_are_padded():
@@ -122,7 +160,7 @@ def test_a_zero3_share_scales_what_the_rank_keeps_and_uneven_buckets_are_padded(
         assert even.phases["forward"][name] == whole / 2 and small.phases["forward"][name] == pytest.approx(whole * 0.2)
     assert small.phases["backward"]["gradient partition"] == pytest.approx(4e6 * 0.2)
     assert small.phases["backward"]["reduce bucket"] == pytest.approx(4e5 * 1.6)
-    assert small.phases["forward"]["gathered parameters"] == pytest.approx((100_000 + 50_000 * 0.6) * 4)
+    assert small.phases["forward"]["gathered parameters"] == pytest.approx((100_000 + 50_000 * 1.6) * 4)
 
 
 def test_bad_allocations_are_refused():

@@ -24,10 +24,15 @@ upstream code that makes them:
   its single-tensor loop (host tensors) holds them for the largest tensor it steps, its ``foreach``
   path (device tensors) for the whole group. ZeRO-1/2 step one flat partition, so there the
   largest tensor is the partition.
-- ZeRO-3 gathers whole parameters for the forward and the backward; with upstream's defaults
-  (``stage3_max_live_parameters`` 1e9, ``stage3_prefetch_bucket_size`` 5e7) a model below those
-  sizes is fully gathered at once. Once the first step has traced the modules, a parameter used
-  again within ``stage3_max_reuse_distance`` elements (1e9) is not released after the forward,
+- ZeRO-3 gathers whole parameters for the forward and the backward, the frozen ones too (a LoRA
+  model's base); with upstream's defaults (``stage3_max_live_parameters`` 1e9,
+  ``stage3_prefetch_bucket_size`` 5e7) a model below those sizes is fully gathered at once. A
+  prefetch bucket is all-gathered into one flat tensor and each parameter then copied out of it
+  (``AllGatherCoalescedHandle.wait``: ``torch.cat`` of its slices); the flat tensor lives until the
+  last parameter of its bucket is fetched, so a bucket is held twice while the model runs
+  (measured on the host: a 21 MB GPT-2 gathered into 38-39 MB). Once the first step has traced
+  the modules, a parameter used again within ``stage3_max_reuse_distance`` elements (1e9) is not
+  released after the forward,
   whatever the live-parameter budget: every parameter of a model below it stays gathered until its
   backward (measured: a rank holding 6% of a 28M-parameter MLP at ``stage3_max_live_parameters``
   2e6 held 90 MB of gathered parameters from the second forward on).
@@ -54,6 +59,10 @@ class ZeroAllocations:
     Args:
         num_parameters: trainable parameters of the whole model (elements).
         largest_parameter: elements of the largest trainable parameter.
+        frozen_parameters: the model's parameters that are not trained (elements; a LoRA model's
+            base): no gradient or optimizer state, but ZeRO-3 gathers them as it gathers the
+            trained ones, and the engine moves and converts them with the module. Where they are
+            already in the rank's memory (whole, or the slices ``zero.Init`` cut) the baseline holds them.
         zero_stage: 0-3.
         world: data-parallel ranks.
         param_bytes: bytes per element of parameters and gradients in the training dtype.
@@ -100,13 +109,15 @@ class ZeroAllocations:
     host_is_device: bool = False
     parameters_resident: bool = True
     converted: bool = False
+    frozen_parameters: int = 0
 
     def __post_init__(self):
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage {self.zero_stage!r} must be 0, 1, 2 or 3")
-        if self.num_parameters < 0 or self.largest_parameter < 0 or self.world < 1:
-            raise ValueError(f"num_parameters {self.num_parameters}, largest_parameter {self.largest_parameter} "
-                             f"and world {self.world} must be >= 0, >= 0 and >= 1")
+        if self.num_parameters < 0 or self.largest_parameter < 0 or self.frozen_parameters < 0 or self.world < 1:
+            raise ValueError(f"num_parameters {self.num_parameters}, largest_parameter {self.largest_parameter}, "
+                             f"frozen_parameters {self.frozen_parameters} and world {self.world} must be >= 0, >= 0, "
+                             ">= 0 and >= 1")
 
 
 @dataclass(frozen=True)
@@ -170,13 +181,14 @@ def predict_peak(allocations, share=None, offloaded=0.0, activation_bytes=0.0, b
     part = (1.0 / world if share is None else float(share)) if stage >= 1 else 1.0
     kept = 1.0 if a.host_is_device else 1.0 - min(1.0, max(0.0, float(offloaded)))
     master = 4.0 if stage >= 1 else float(a.master_bytes)
-    moved_in = 0.0 if a.parameters_resident else n * pb  # the engine moves the module to the device
+    whole = n + float(a.frozen_parameters)  # every parameter of the module, trained or not
+    moved_in = 0.0 if a.parameters_resident else whole * pb  # the engine moves the module to the device
 
     if stage == 0:
         # Under fp16/bf16 the engine converts the module (new tensors of the training dtype unless the
         # client converted it), and the fp16 optimizer keeps an fp32 master copy and steps fp32
         # copies of the gradients.
-        params = moved_in + (n * pb if a.converted else 0.0)
+        params = moved_in + (whole * pb if a.converted else 0.0)
         master_copy = n * master
         optimizer = n * a.optimizer_bytes
         grads = n * pb
@@ -252,17 +264,25 @@ def predict_peak(allocations, share=None, offloaded=0.0, activation_bytes=0.0, b
     # with uneven shares each gathered or reduced bucket is padded to the largest share on every rank.
     padding = max(1.0, world * max(part, float(largest_share or 0.0)))
     partition = n * pb * part
-    # A bucket in flight is padded; once gathered, each parameter is whole.
-    gathered = (min(n, float(max(a.max_live_parameters, a.prefetch_bucket, a.max_reuse_distance))) +
-                min(n, float(a.prefetch_bucket)) * (padding - 1.0)) * pb
+    # Each gathered parameter whole, beside the flat tensor of a prefetch bucket (padded) it was copied from.
+    gathered = (min(whole, float(max(a.max_live_parameters, a.prefetch_bucket, a.max_reuse_distance))) +
+                min(whole, float(a.prefetch_bucket)) * padding) * pb
     fp32_partition = n * master * part * kept
     optimizer = n * a.optimizer_bytes * part * kept
     grad_partition = n * 4.0 * part  # fp32 gradient partition the optimizer steps
-    bucket = min(a.reduce_bucket, n) * pb * (2 if a.overlap_comm else 1) * padding
+    # Upstream's ZeRO-3 keeps one reduce bucket per dtype (``ipg_buckets``), ``reduce_bucket_size``
+    # elements of ``torch.empty``; on the host only the pages the gradients fill are touched (measured:
+    # no second bucket under overlap_comm). On a device the doubled count stays, an upper bound.
+    bucket = min(a.reduce_bucket, n) * pb * (2 if a.overlap_comm and not a.host_is_device else 1) * padding
     # ZeRO-3 steps each flat optimizer sub-group as one tensor.
     stepped = min(n * part, float(a.sub_group_size))
     temporaries = a.optimizer_temporaries * stepped * 4.0 * kept
     state = {"parameters": partition + moved_in, "fp32 partition": fp32_partition, "optimizer state": optimizer}
+    if offloaded > 0 and a.host_is_device:
+        # Upstream gives each offloaded sub-group an fp32 gradient buffer of its own
+        # (initialize_optimizer_states: ``subgroup_gradient_buffer``, zeroed) beside the gradient
+        # partition, kept from start-up; it lives on the host, so only there is it the rank's memory.
+        state["offloaded fp32 gradients"] = n * 4.0 * part * min(1.0, float(offloaded))
     refresh = {}
     if host_shard:
         state["host shard"] = n * pb * float(host_shard)

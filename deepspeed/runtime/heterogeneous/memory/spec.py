@@ -177,6 +177,7 @@ def engine_allocations(ds_config, model, optimizer, spec, emulated_device=False)
     zero = ds_config.zero_config
     params = [p for p in model.parameters() if p.requires_grad]
     numels = [int(getattr(p, "ds_numel", p.numel())) for p in params]
+    frozen = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters() if not p.requires_grad)
     device = get_accelerator().device_name()
     on_host = device == "cpu" and not emulated_device
     resident = device == "cpu" or all(p.device.type == device for p in params)
@@ -186,7 +187,8 @@ def engine_allocations(ds_config, model, optimizer, spec, emulated_device=False)
                            optimizer_temporaries=optimizer_temporaries(ds_config, optimizer),
                            master_bytes=spec.master_bytes, foreach=not on_host, **zero_buffer_settings(zero),
                            host_is_device=on_host, parameters_resident=resident,
-                           converted=spec.param_bytes < 4 and any(p.dtype == torch.float32 for p in params))
+                           converted=spec.param_bytes < 4 and any(p.dtype == torch.float32 for p in params),
+                           frozen_parameters=frozen)
 
 
 def zero_buffer_settings(zero):
