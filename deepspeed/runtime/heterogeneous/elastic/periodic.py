@@ -13,9 +13,9 @@ runs once ``engine.step()`` has completed an optimizer step (a hook at the end o
 - ``save_checkpoint(dir, tag="global_step<N>.partial", save_latest=False)`` into a folder cleared
   first, a barrier, then global rank 0 renames it to ``global_step<N>`` (replacing an earlier save
   of that name), writes ``latest`` (to a temporary file, renamed) and removes tags beyond
-  ``keep_last``. Upstream writes ``latest`` before every rank has written its files, and into a
-  folder that may hold another save's files; a rank dying in between would leave ``latest`` naming
-  a torn tag, or a tag mixing two saves.
+  ``keep_last``. Upstream saves into a folder that may hold another save's files: a rank dying
+  midway would leave a tag mixing two saves (``latest`` waits for every rank in any save,
+  ``integrity.publish_latest``).
 
 Saves are synchronous. Upstream's decoupled writer (``checkpoint.writer.decoupled``) is refused with
 them: it writes after ``save_checkpoint`` returns, and in 0.19.8 it fails on a ZeRO-1/2 state on
@@ -31,6 +31,7 @@ import time
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
+from .integrity import write_latest
 from .resize import UNIVERSAL_SUFFIX
 
 TAG_PREFIX = "global_step"
@@ -154,13 +155,3 @@ def publish_tag(folder, partial, tag):
         shutil.rmtree(retired, ignore_errors=True)
     shutil.rmtree(final + UNIVERSAL_SUFFIX, ignore_errors=True)
     os.replace(os.path.join(folder, partial), final)
-
-
-def write_latest(folder, tag):
-    """``<folder>/latest`` names ``tag``, replaced in one rename."""
-    partial = os.path.join(folder, f".latest.partial-{os.getpid()}")
-    with open(partial, "w") as stream:
-        stream.write(tag)
-        stream.flush()
-        os.fsync(stream.fileno())
-    os.replace(partial, os.path.join(folder, "latest"))

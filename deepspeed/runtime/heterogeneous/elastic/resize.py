@@ -42,6 +42,7 @@ from deepspeed.utils import logger
 from ..comm.low_communication import replica_folder
 from ..memory.partitions import PartitionLayoutError, check_checkpoint_layout, saved_bounds
 from ..memory.zero3_shards import CHECKPOINT_SHARES_KEY, ShardLayoutError, check_checkpoint_shares
+from .integrity import CheckpointFileError, check_tag, damaged_files, damaged_message, tag_files
 
 UNIVERSAL_SUFFIX = ".universal"
 """The universal form of tag T is the folder ``<load_dir>/T.universal`` (or ``<conversion_dir>/T``):
@@ -64,7 +65,12 @@ def prepare_load(engine, load_dir, tag, load_optimizer_states=True, load_module_
     engine._config.load_universal_checkpoint = state.user_load_universal  # a failed load may have left it set
     state.elastic_load = None
     if state.low_communication is not None:  # each host loads its own replica, on the same hosts
-        return load_dir, replica_folder(state.low_communication, load_dir, tag, load_module_only)
+        tag = replica_folder(state.low_communication, load_dir, tag, load_module_only)
+    if engine.heterogeneous_plan is not None and tag is not None and not state.user_load_universal:
+        check_tag(engine, engine._heterogeneous_runtime().agreement, load_dir, tag, load_optimizer_states,
+                  load_module_only)  # before upstream reads a file: a damaged one is named, on every rank
+    if state.low_communication is not None:
+        return load_dir, tag
     if (engine.heterogeneous_plan is None or not engine.zero_optimization() or state.user_load_universal
             or load_module_only or not load_optimizer_states or tag is None):
         return load_dir, tag
@@ -95,9 +101,13 @@ def prepare_load(engine, load_dir, tag, load_optimizer_states=True, load_module_
     if dist.get_rank() == 0:
         try:
             outcome = convert(folder, target, saved_world=facts[0]["saved_world"])
+        except CheckpointFileError as exc:
+            outcome = {"damaged": str(exc)}
         except Exception as exc:
             outcome = {"error": f"{type(exc).__name__}: {exc}"}
     outcome = wait_for_rank0(key, outcome, f"global rank 0's conversion of {folder} to a universal checkpoint")
+    if "damaged" in outcome:
+        raise CheckpointFileError(outcome["damaged"])
     if "error" in outcome:
         raise ElasticLoadError(f"deepspeed-hetero: load_checkpoint: converting {folder} to a universal checkpoint "
                                f"(to re-partition its optimizer state for this world) failed: {outcome['error']}")
@@ -280,6 +290,9 @@ def convert(folder, target, saved_world):
     if os.path.exists(target):  # not written by this module (its folders appear complete or not at all)
         raise FileExistsError(f"{target} exists and is not a conversion of deepspeed-hetero (it has no {DONE_FILE}); "
                               f"move it away, or set heterogeneous_config.elastic.conversion_dir")
+    damaged = damaged_files(tag_files(folder))  # the converter reads every file, also of ranks gone
+    if damaged:
+        raise CheckpointFileError(damaged_message(folder, damaged))
     began = time.perf_counter()
     work = f"{target}{PARTIAL_INFIX}{os.getpid()}"
     shutil.rmtree(work, ignore_errors=True)
