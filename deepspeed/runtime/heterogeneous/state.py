@@ -125,9 +125,9 @@ class HeterogeneousState:
 
     def __getstate__(self):
         # Upstream pickles the whole config where it hands it to another process (the decoupled
-        # checkpoint writer, spawned as the engine starts): the runtime controller holds the
-        # engine, which does not pickle and means nothing there.
-        return {**self.__dict__, "runtime": None, "low_communication": None}  # (and process groups)
+        # checkpoint writer, spawned as the engine starts): the runtime controller and the
+        # communication session hold the engine, which does not pickle and means nothing there.
+        return {**self.__dict__, "runtime": None, "low_communication": None, "comm_session": None}
 
     @property
     def enabled(self):

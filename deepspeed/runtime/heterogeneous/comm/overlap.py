@@ -95,11 +95,16 @@ def overlap_decision(setting, reducer, optimizer, serves=None, offloaded_ranks=(
     true``) there is nothing to overlap and ``true`` is not an error."""
     if setting is False:
         return False, None
-    return settle(setting, _why_not(reducer, optimizer, serves, bool(offloaded_ranks)), "overlap",
+    return settle(setting, _why_not(reducer, optimizer, serves, tuple(offloaded_ranks)), "overlap",
                   "overlap where it applies", reducer is not None)
 
 
-def _why_not(reducer, optimizer, serves, some_rank_offloads=False):
+def _offload_reason(offloaded_ranks):
+    return (f"data-parallel rank(s) {list(offloaded_ranks)} offload their optimizer state "
+            "(zero_optimization.heterogeneous_offload), whose path copies its gradients out on its own")
+
+
+def _why_not(reducer, optimizer, serves, offloaded_ranks=()):
     from deepspeed.accelerator import get_accelerator
     from deepspeed.comm import comm as ds_comm
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
@@ -126,7 +131,8 @@ def _why_not(reducer, optimizer, serves, some_rank_offloads=False):
             (not optimizer.reduce_scatter, "zero_optimization.reduce_scatter is false"),
             (optimizer.all2all_process_group is not None, "ZeRO++'s quantized gradients (zero_quantized_gradients) "
              "are on"),
-            (optimizer.offload_optimizer or getattr(optimizer, "offload_param", False) or some_rank_offloads,
+            (bool(offloaded_ranks), _offload_reason(offloaded_ranks)),
+            (optimizer.offload_optimizer or getattr(optimizer, "offload_param", False),
              "ZeRO-3 offloads the optimizer state or the parameters"),
             (getattr(optimizer, "zenflow", False), "ZenFlow is on"),
             (serves is not None and not _zero3_groups_served(serves, optimizer), "some parameters are partitioned over a group the "
@@ -139,7 +145,8 @@ def _why_not(reducer, optimizer, serves, some_rank_offloads=False):
          "ZeRO-1 reduces its buckets after the backward unless zero_optimization.overlap_comm is true"),
         (not optimizer.contiguous_gradients, "zero_optimization.contiguous_gradients is false"),
         (not optimizer.use_multi_rank_bucket_allreduce, "use_multi_rank_bucket_allreduce is false"),
-        (optimizer.cpu_offload or some_rank_offloads, "the optimizer state is offloaded to the CPU"),
+        (bool(offloaded_ranks), _offload_reason(offloaded_ranks)),
+        (optimizer.cpu_offload, "the optimizer state is offloaded to the CPU"),
         (getattr(optimizer, "zenflow", False), "ZenFlow is on"),
         (getattr(optimizer, "has_moe_layers", False), "the model has MoE layers"),
         (_uses_muon(optimizer), "the optimizer is Muon"),

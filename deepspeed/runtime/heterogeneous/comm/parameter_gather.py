@@ -273,9 +273,10 @@ class DeferredGather:
         return gather_round
 
 
-def decision(setting, reducer, optimizer, served=True):
-    """``(active, note)``: whether ``optimizer``'s parameter gather is deferred to the next forward.
-    Every input is the same on every rank. Raises ValueError naming the key where ``true`` cannot
+def decision(setting, reducer, optimizer, served=True, overlap_note=None):
+    """``(active, note)``: whether ``optimizer``'s parameter gather is deferred to the next forward
+    (``overlap_note``: why the gradient reduction is not overlapped, if it is not). Every input is the
+    same on every rank. Raises ValueError naming the key where ``true`` cannot
     apply; without a reducer (one host) there is nothing to defer and ``true`` is no error."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     if setting is False:
@@ -288,7 +289,8 @@ def decision(setting, reducer, optimizer, served=True):
     elif not served:
         why = "some parameter groups are gathered over a group the hierarchical reduction does not serve"
     elif reducer.background is None:
-        why = "the gradient reduction is not overlapped (communication.overlap), whose worker runs the gather"
+        why = ("the gradient reduction is not overlapped (communication.overlap" +
+               (f": {overlap_note}" if overlap_note else "") + "), and its worker runs the gather")
     elif len({parts[0].dtype for parts in optimizer.parallel_partitioned_bit16_groups}) > 1:
         why = "the parameter groups differ in dtype"
     if why is None:
@@ -299,11 +301,11 @@ def decision(setting, reducer, optimizer, served=True):
     return False, why
 
 
-def attach(reducer, setting, optimizer, module, served=True):
+def attach(reducer, setting, optimizer, module, served=True, overlap_note=None):
     """Give ``optimizer`` a ``DeferredGather`` when ``decision`` says so, after removing an earlier
     one of the same optimizer. Returns the note of why not, or None."""
     detach(optimizer)
-    active, note = decision(setting, reducer, optimizer, served)
+    active, note = decision(setting, reducer, optimizer, served, overlap_note)
     if active:
         setattr(optimizer, ATTRIBUTE, DeferredGather(reducer, reducer.background, optimizer, module))
     return note
