@@ -2,7 +2,7 @@
 """ZeRO-3 state shares and micro-batches chosen together, beside the shares chosen alone.
 
 A 19M-parameter GPT-2 (transformers, 8 layers of width 256, its 50257-token vocabulary, sequences of
-64), ZeRO-3, Adam in fp32, global batch 16, two ranks at equal speeds, the compute-aware planner
+32), ZeRO-3, Adam in fp32, global batch 16 (``--batch``), two ranks at equal speeds, the compute-aware planner
 after its profiling steps. Rank 1's memory is emulated by accounting at 0.24 GB, rank 0's at 16 GB:
 the state is 0.28 GiB, so rank 1 cannot hold half of it and half the batch. Arms, run alternately:
 
@@ -14,9 +14,9 @@ the state is 0.28 GiB, so rank 1 cannot hold half of it and half the batch. Arms
 
 Reported per arm: the shares, the plan after profiling, samples/s (median over ``--repeats``), and
 the speed of ``together`` and ``alone`` relative to ``unbound``. Writes
-tests/perf/results/activation_room.json.
+tests/perf/results/activation_room_b<batch>.json.
 
-    python tests/perf/bench_activation_room.py [--repeats 2]
+    python tests/perf/bench_activation_room.py [--repeats 2] [--batch 16]
 """
 
 import argparse
@@ -33,13 +33,13 @@ sys.path[:0] = [str(REPO), str(REPO / "tests" / "unit")]
 
 from harness import run_ranks  # noqa: E402
 
-RESULTS = REPO / "tests" / "perf" / "results" / "activation_room.json"
-GLOBAL_BATCH, SEQ, VOCAB = 16, 32, 50257
-PROFILE_STEPS, WARMUP_STEPS, MEASURED_STEPS = 3, 2, 4
+RESULTS = REPO / "tests" / "perf" / "results" / "activation_room_b{batch}.json"
+SEQ, VOCAB = 32, 50257
+PROFILE_STEPS, WARMUP_STEPS, MEASURED_STEPS = 3, 2, 6
 MEMORY = {"unbound": [16.0, 16.0], "alone": [16.0, 0.24], "together": [16.0, 0.24]}
 
 
-def _train(rank, world_size, memory_gb, per_sample):
+def _train(rank, world_size, memory_gb, per_sample, global_batch):
     import logging
     import torch
     import deepspeed
@@ -54,7 +54,7 @@ def _train(rank, world_size, memory_gb, per_sample):
     memory = {"enabled": True, "zero_partitions": "auto"}
     if per_sample:
         memory["activation_bytes_per_sample"] = int(per_sample)
-    config = {"train_batch_size": GLOBAL_BATCH, "steps_per_print": 10**6,
+    config = {"train_batch_size": global_batch, "steps_per_print": 10**6,
               "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}},
               "zero_optimization": {"stage": 3},
               "heterogeneous_config": {"enabled": True, "load_balancing_strategy": "compute_aware",
@@ -105,14 +105,14 @@ def _train(rank, world_size, memory_gb, per_sample):
         sys.stdout = stdout
     advice = [re.search(r"activation_bytes_per_sample to (\d+)", n) for n in notes]
     advised = next((int(m.group(1)) for m in advice if m), None)
-    return {"samples_per_s": GLOBAL_BATCH * MEASURED_STEPS / elapsed,
+    return {"samples_per_s": global_batch * MEASURED_STEPS / elapsed,
             "plan": list(engine.heterogeneous_plan.micro_batch_sizes),
             "shares": [round(s, 4) for s in engine.optimizer.zero3_shares] if engine.optimizer.zero3_shares else None,
             "advised_bytes_per_sample": advised}
 
 
-def measure(name, per_sample=None):
-    result = run_ranks(_train, world_size=2, timeout=1200, args=(MEMORY[name], per_sample))[0]
+def measure(name, per_sample=None, global_batch=16):
+    result = run_ranks(_train, world_size=2, timeout=1200, args=(MEMORY[name], per_sample, global_batch))[0]
     result["load_average"] = os.getloadavg()[0]
     return result
 
@@ -120,6 +120,7 @@ def measure(name, per_sample=None):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=16, help="the global batch (samples per step)")
     args = parser.parse_args()
     runs = {"unbound": [], "alone": [], "together": []}
     per_sample = None
@@ -128,7 +129,7 @@ def main():
         for name in runs:
             if name == "together" and per_sample is None:
                 raise SystemExit("the 'alone' arm measured no starved rank and advised nothing: nothing to compare")
-            result = measure(name, per_sample if name == "together" else None)
+            result = measure(name, per_sample if name == "together" else None, args.batch)
             if name == "alone" and per_sample is None:
                 per_sample = result["advised_bytes_per_sample"]
             runs[name].append(result)
@@ -142,10 +143,11 @@ def main():
         print(f"{name:8s}: shares {last['shares']}, plan {last['plan']}, {medians[name]:.1f} samples/s"
               + (f" ({ratios[name]:.2f}x unbound)" if name in ratios else ""))
     print(f"activation_bytes_per_sample used by 'together': {per_sample} (advised by 'alone')")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"memory_gb": MEMORY, "global_batch": GLOBAL_BATCH, "per_sample_bytes": per_sample,
+    results = Path(str(RESULTS).format(batch=args.batch))
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps({"memory_gb": MEMORY, "global_batch": args.batch, "per_sample_bytes": per_sample,
                                    "medians": medians, "ratios_to_unbound": ratios, "runs": runs}, indent=1) + "\n")
-    print(f"wrote {RESULTS.relative_to(REPO)}")
+    print(f"wrote {results.relative_to(REPO)}")
 
 
 if __name__ == "__main__":

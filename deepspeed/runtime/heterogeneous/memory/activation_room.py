@@ -11,6 +11,11 @@ over the placement itself (so everything the pool counts, offload and host shard
 counted; ``activation_room``). The micro-batches are then the planner's, within the room the shares
 left.
 
+Moving state is not free: the ranks that take it step a larger optimizer partition, and ZeRO-3's
+gathers pad every slice to the largest share. Measured on two CPU ranks (docs/memory.md), the samples
+moved to the small rank paid for that and no more; on devices where compute dominates the step they
+pay more. Hence opt-in, by the estimate.
+
 It needs the activation bytes of one sample. They are measured by the first profiling step, after
 the shares are fixed (the optimizer holds its state from the start); before it, the configured
 ``activation_bytes_per_sample`` is the estimate. Without one, ``"auto"`` keeps its shares from
@@ -97,4 +102,5 @@ def starved_ranks_advice(pool, plan_sizes, per_sample_bytes, speeds, replace_pla
             f"{now} were chosen before any activation was measured. Set heterogeneous_memory."
             f"activation_bytes_per_sample to {int(per_sample)} (measured) and \"auto\" leaves room for "
             f"{fraction:.0%} of that part on every rank ({room} samples), with the shares "
-            f"{describe_shares(placement.partition_shares)}")
+            f"{describe_shares(placement.partition_shares)}; the larger shares cost the other ranks a longer "
+            "optimizer step and every rank larger gathers, so compare the step times")
