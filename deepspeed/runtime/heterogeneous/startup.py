@@ -16,7 +16,7 @@ from deepspeed import comm as dist
 from deepspeed.utils import logger
 
 from .cluster.agreement import Agreement
-from .comm import host_shard_plan
+from .comm import host_shard_plan, overlap
 from .comm.status import status_line
 from .comm.link_buckets import apply_link_aware_buckets
 from .memory.model_state import startup_memory_limits
@@ -218,9 +218,12 @@ def place_engine_state(state, ds_config, model, optimizer=None):
     # An emulated device (capacity by accounting alone) is not the host, whatever the accelerator.
     spec = ModelStateSpec.for_engine(ds_config, model, optimizer,
                                      emulated_device=state.memory_meter.source == EMULATED)
-    if stage == 3 and host_shard_plan.expected(state.settings.config.communication, ds_config.zero_config,
-                                               state.topology.hosts if state.topology is not None else None):
+    communication = state.settings.config.communication
+    hosts = state.topology.hosts if state.topology is not None else None
+    if stage == 3 and host_shard_plan.expected(communication, ds_config.zero_config, hosts):
         spec = replace(spec, host_shards=True)  # each host's copy of the parameters, cut among its ranks
+    if spec.allocations is not None and overlap.expected(communication, ds_config.zero_config, hosts):
+        spec = replace(spec, allocations=replace(spec.allocations, overlap_buckets=overlap.DEPTH))
 
     def placed(zero_partitions, activations=None):
         return engine_placement(pool, spec, zero_partitions, offload.cpu_offload, offload.nvme_offload,
@@ -228,6 +231,19 @@ def place_engine_state(state, ds_config, model, optimizer=None):
 
     auto = auto_shares_with_room(state, ds_config, pool, placed) if setting == "auto" or recut else "auto"
     placement, offloaded = placed(auto if setting == "auto" else setting)
+    if offloaded and spec.allocations is not None and spec.allocations.overlap_buckets:
+        # A rank that offloads turns overlap off on every rank (overlap.overlap_decision): placed without
+        # the worker's buckets, unless the ranks would then fit without offloading and overlap again.
+        counted = spec
+        spec = replace(spec, allocations=replace(spec.allocations, overlap_buckets=0))
+        auto = auto_shares_with_room(state, ds_config, pool, placed) if setting == "auto" or recut else "auto"
+        without = placed(auto if setting == "auto" else setting)
+        if without[1]:
+            placement, offloaded = without
+        else:
+            spec = counted
+            auto = auto_shares_with_room(state, ds_config, pool, placed) if setting == "auto" or recut else "auto"
+            placement, offloaded = placed(auto if setting == "auto" else setting)
     if recut:
         wanted = placed(auto)
         if shares_differ(cut, wanted[0].partition_shares, world):

@@ -46,6 +46,36 @@ def test_zero2_phases_hold_the_buffers_upstream_allocates():
     assert uneven.phase_bytes("all-gather") == 10 * MiB + 7e6 + 1e6
 
 
+def test_the_overlap_worker_holds_its_buckets_twice_during_the_backward():
+    """With communication.overlap in force, up to DEPTH (3) buckets are set aside with their gradients
+    and each is copied for the worker to reduce: 2 x 3 buckets, never more than twice the gradients."""
+    plain = predict_peak(allocations(2, reduce_bucket=100_000), share=0.5)
+    worker = predict_peak(allocations(2, reduce_bucket=100_000, overlap_buckets=3), share=0.5)
+    assert worker.phases["backward"]["overlap buckets"] == 2 * 3 * 100_000 * 4
+    assert worker.phase_bytes("backward") == plain.phase_bytes("backward") + 2.4e6
+    assert worker.phase_bytes("step") == plain.phase_bytes("step")  # drained before the step
+    # A bucket as large as the model: at most the whole gradients, twice.
+    whole = predict_peak(allocations(2, overlap_buckets=3), share=0.5)
+    assert whole.phases["backward"]["overlap buckets"] == 2 * N * 4
+    # ZeRO-3 too, padded like its buckets; nothing where ZeRO-1/2 cannot overlap (no contiguous gradients).
+    zero3 = predict_peak(allocations(3, reduce_bucket=100_000, overlap_buckets=3), share=0.25, largest_share=0.75)
+    assert zero3.phases["backward"]["overlap buckets"] == 2 * 3 * 100_000 * 4 * 1.5
+    scattered = predict_peak(allocations(2, overlap_buckets=3, contiguous_gradients=False), share=0.5)
+    assert "overlap buckets" not in scattered.phases["backward"]
+
+
+def test_overlap_buckets_are_planned_where_overlap_may_apply():
+    from types import SimpleNamespace
+    from deepspeed.runtime.heterogeneous.comm.overlap import expected
+    from deepspeed.runtime.heterogeneous.config.blocks import CommunicationConfig
+    zero = SimpleNamespace(stage=2, offload_optimizer=None, reduce_scatter=True)
+    assert expected(CommunicationConfig(), zero, [0, 0, 1, 1])
+    assert not expected(CommunicationConfig(), zero, [0, 0, 0, 0])  # one host: no hierarchical reduction
+    assert not expected(CommunicationConfig(overlap=False), zero, [0, 0, 1, 1])
+    assert not expected(CommunicationConfig(), SimpleNamespace(stage=2, offload_optimizer=SimpleNamespace(device="cpu"),
+                                                               reduce_scatter=True), [0, 0, 1, 1])
+
+
 def test_zero1_holds_every_gradient_until_the_boundary():
     # A small bucket (4e5 bytes): the whole gradients (4e6) are there when the reduce starts and
     # leave one by one as the bucket takes them: 4e6 in all, not 4e6 + 4e5.

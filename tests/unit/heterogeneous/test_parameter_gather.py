@@ -93,7 +93,8 @@ def _slowed(run):
     return slow
 
 
-def _train(rank, hosts, stage, sizes, gas, deferred, zero=None, memory=None, reload=False, groups=False):
+def _train(rank, hosts, stage, sizes, gas, deferred, zero=None, memory=None, reload=False, groups=False,
+           moved=False):
     """Train STEPS steps; returns the parameters, the module state after each step, this rank's
     collectives per thread and group, and the forward's waits (job index, jobs) when deferred."""
     import deepspeed
@@ -143,6 +144,10 @@ def _train(rank, hosts, stage, sizes, gas, deferred, zero=None, memory=None, rel
                 if step == 1 and reload:  # a load right after a step must not race the worker's writes
                     engine.module.load_state_dict(states[0])
                     finished.append(gather is None or gather.pending is None)
+                if step == 1 and moved:  # offload_states moves the buffers the worker writes: it waits first
+                    engine.offload_states()
+                    finished.append(gather is None or gather.pending is None)
+                    engine.reload_states()
             engine.wait_for_parameters()  # the last step's gather, recorded too
     finally:
         if gather is not None:
@@ -244,6 +249,8 @@ CASES = [
     dict(hosts=[0, 0, 1, 1], stage=2, sizes=[2, 2, 2, 2], reload=True),
     # Hosts that are not consecutive ranks, and two parameter groups.
     dict(hosts=[0, 1, 0, 1], stage=2, sizes=[1, 2, 3, 2], groups=True),
+    # offload_states right after a step moves the buffers the worker writes into: it waits first.
+    dict(hosts=[0, 0, 1, 1], stage=2, sizes=[2, 1, 3, 2], moved=True),
     dict(hosts=[0, 0, 1], stage=2, sizes=[2, 1, 3], memory={"zero_partitions": [0.5, 0.2, 0.3]}),
 ]
 
@@ -251,8 +258,8 @@ CASES = [
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_the_gather_during_the_forward_trains_bitwise_like_the_gather_in_the_step():
-    even = run_subcases(_case, CASES[:4], world_size=4, timeout=480)
-    uneven = run_subcases(_case, CASES[4:], world_size=3, timeout=240)
+    even = run_subcases(_case, CASES[:5], world_size=4, timeout=480)
+    uneven = run_subcases(_case, CASES[5:], world_size=3, timeout=240)
     for case, per_rank in zip(CASES, even + uneven):
         expected = _reference(case["sizes"], case.get("gas", 1))
         for result in per_rank:
@@ -266,7 +273,7 @@ def test_the_gather_during_the_forward_trains_bitwise_like_the_gather_in_the_ste
             assert on["finished"] and all(on["finished"]), (case, on["finished"])
             # Every forward after a step waited module by module; some modules only for part of the gather.
             assert on["waits"] and not off["waits"], case
-            if not case.get("reload"):  # there the state dict's read and load waited for everything
+            if not (case.get("reload") or case.get("moved")):  # there a load or a move waited for everything
                 assert any(index < jobs - 1 for index, jobs, _ in on["waits"]), (case, on["waits"])
                 assert any(not done for _, _, done in on["waits"]), (case, on["waits"])  # a forward did wait
             # The gather moved from the main thread to the worker.
@@ -288,9 +295,10 @@ def test_a_failed_gather_stops_every_rank_once_and_true_where_it_cannot_apply_is
     for result in failed:
         assert result == {"error": "OverlapError: deepspeed-hetero: the background parameter gather failed: "
                                    "injected link failure", "state": 2 * LAYERS}, result
+    # The refusal carries overlap's own reason.
     assert refused == [("heterogeneous_config.communication.overlap_parameter_gather is true, but the gradient "
-                        "reduction is not overlapped (communication.overlap), whose worker runs the gather; set it "
-                        "false", (0, False))] * 4, refused
+                        "reduction is not overlapped (communication.overlap: zero_optimization.reduce_scatter is "
+                        "false), and its worker runs the gather; set it false", (0, False))] * 4, refused
     for message, left in refused_zero3:
         assert "overlap_parameter_gather" in message and left == (0, False), (message, left)
 

@@ -99,6 +99,21 @@ def overlap_decision(setting, reducer, optimizer, serves=None, offloaded_ranks=(
                   "overlap where it applies", reducer is not None)
 
 
+def expected(communication, zero, hosts):
+    """Whether overlap may be in force for an engine under these settings, as the memory pool plans
+    before the engine exists (its buckets are counted then; ``session.py`` drops them from the
+    prediction once the engine decided against): ``communication`` (the fork's block), ``zero``
+    (upstream's ``zero_optimization`` config), ``hosts`` (each data-parallel rank's, or None). An
+    upper bound: the optimizer's own conditions (``_why_not``) are checked when it exists."""
+    from .host_groups import group_layout
+    if communication.overlap is False or communication.hierarchical_reduction is False:
+        return False
+    if not hosts or not group_layout(hosts).useful or int(zero.stage) < 1:
+        return False
+    offload = zero.offload_optimizer is not None and zero.offload_optimizer.device != "none"
+    return not offload and bool(zero.reduce_scatter)
+
+
 def _offload_reason(offloaded_ranks):
     return (f"data-parallel rank(s) {list(offloaded_ranks)} offload their optimizer state "
             "(zero_optimization.heterogeneous_offload), whose path copies its gradients out on its own")

@@ -100,6 +100,7 @@ class CommunicationSession:
                 logger.warning(f"heterogeneous_config.communication: hierarchical reduction not in force: {note}")
             _close_reducer(inherited)
             host_shards.attach(engine, None, False)
+            _predict_overlap(state, False)
             return
         pieces = piece_elements_for(state.topology.link_bandwidth if state.topology is not None else None)
         if inherited is not None and inherited.layout == group_layout(hosts):
@@ -130,6 +131,7 @@ class CommunicationSession:
             from ..config.settings import HeterogeneousConfigError
             one_line_config_errors()
             raise HeterogeneousConfigError(str(exc)) from None
+        _predict_overlap(state, reducer.background is not None)
         agree_on_features(state.dp_rank, (reducer.background is not None,
                                           parameter_gather.deferred(engine.optimizer) is not None,
                                           self.host_shards is not None))
@@ -157,6 +159,14 @@ class CommunicationSession:
             if state.enabled and self.engine.zero_optimization_stage() == 3:
                 host_shards.attach(self.engine, None, False)
             self.host_shards = None
+
+
+def _predict_overlap(state, active):
+    """The memory pool counted the overlap worker's buckets where overlap might be in force
+    (``overlap.expected``); once the engine decided against it, its predictions leave them out."""
+    pool = getattr(state, "memory_pool", None)
+    if not active and pool is not None:
+        pool.revise_allocations(overlap_buckets=0)
 
 
 def _close_reducer(reducer):

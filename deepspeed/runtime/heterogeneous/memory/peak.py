@@ -110,6 +110,9 @@ class ZeroAllocations:
     parameters_resident: bool = True
     converted: bool = False
     frozen_parameters: int = 0
+    overlap_buckets: int = 0
+    """ZeRO-1/2/3 buckets the overlap worker holds at once (``communication.overlap`` in force:
+    ``comm/overlap.DEPTH``; 0 without it), each twice: the set-aside bucket and the copy it reduces."""
 
     def __post_init__(self):
         if self.zero_stage not in (0, 1, 2, 3):
@@ -244,13 +247,14 @@ def predict_peak(allocations, share=None, offloaded=0.0, activation_bytes=0.0, b
             grads = {"gradient in flight": a.largest_parameter * pb}
             grad_for_step, temporaries = 0.0, 0.0
         kept_grads = {k: v for k, v in grads.items() if k != "gradient in flight"}
+        pending = _overlap_pending(a, n, pb, contiguous=a.contiguous_gradients)
         phases = {
             # initialize_optimizer_states hands the optimizer a zero gradient partition first.
             "initialize": {**params, "fp32 partition": fp32_partition, "initial gradient partition": part * n * 4.0},
             "forward": {**params, **state, "activations": activation_bytes},
             # A bucket the model fills only at its end (ZeRO-2) and ZeRO-1's reduce at the boundary come
             # once autograd has freed the activations; a smaller ZeRO-2 bucket reduces while they live.
-            "backward": {**params, **state, "activations": activation_bytes, **grads,
+            "backward": {**params, **state, "activations": activation_bytes, **grads, **pending,
                          **({"reduce bucket": bucket, "reduced slice copy": slice_copy}
                             if stage == 2 and a.reduce_bucket < n else {})},
             "reduce": {**params, **state, **grads, "reduce bucket": bucket, "reduced slice copy": slice_copy},
@@ -298,13 +302,24 @@ def predict_peak(allocations, share=None, offloaded=0.0, activation_bytes=0.0, b
         "initialize": {"parameters": partition + moved_in + n * pb, "fp32 partition": fp32_partition},
         "forward": {**state, "gathered parameters": gathered, "activations": activation_bytes, **refresh},
         "backward": {**state, "gathered parameters": gathered, "activations": activation_bytes,
-                     "gradient partition": grad_partition, "reduce bucket": bucket},
+                     "gradient partition": grad_partition, "reduce bucket": bucket,
+                     **_overlap_pending(a, n, pb, padding)},
         # The step flattens each sub-group's gradient partition into a new fp32 tensor
         # (_prepare_fp32_grad_for_sub_group) beside the partition it copies.
         "step": {**state, "gradient partition": grad_partition, "flattened sub-group gradient": stepped * 4.0 * kept,
                  "optimizer temporaries": temporaries},
     }
     return PeakPrediction(phases, float(baseline_bytes), float(activation_bytes))
+
+
+def _overlap_pending(a, n, pb, padding=1.0, contiguous=True):
+    """The overlap worker's buckets during the backward (``comm/overlap.py``): up to
+    ``overlap_buckets`` set aside with their gradients, and the copy of each that the worker reduces;
+    together never more than the model's gradients twice."""
+    if not a.overlap_buckets or not contiguous:  # ZeRO-1/2 overlap only contiguous buckets
+        return {}
+    held = min(a.overlap_buckets * min(a.reduce_bucket, n), n) * pb * padding
+    return {"overlap buckets": 2 * held}
 
 
 def _mib(size):

@@ -360,6 +360,14 @@ class HeterogeneousMemoryPool:
                                       host_shard=self.host_shard_fractions(self._model_state, shares)[rank],
                                       hosts=len(set(self.hosts)))
 
+    def revise_allocations(self, **changes):
+        """What the engine settled after the placement (the overlap worker off, where the placement
+        counted its buckets as possible): later predictions (``predicted_peak``) use the revised
+        allocations; the placement and its shares stay."""
+        if self._model_state is not None and self._model_state.allocations is not None:
+            self._model_state = replace(self._model_state,
+                                        allocations=replace(self._model_state.allocations, **changes))
+
     def record_activations(self, rank, activation_bytes):
         """Count a rank's measured activation bytes (its micro-batch's, ``memory.ActivationMeter``)
         in its row and its predicted peak. The largest micro-batch's count stays: the measured peak
