@@ -97,7 +97,12 @@ multihost-demo: install
 
 perf: install
 	@# Benchmarks print ratios measured side by side and write JSON to tests/perf/results/.
-	set -e; for bench in tests/perf/bench_*.py; do $(PY) $$bench; done
+	@# One line per benchmark as it starts ("[3/24] bench_busy_neighbour.py, 412 s so far"), and the total at the end.
+	@set -e; benches="$$(ls tests/perf/bench_*.py)"; total=$$(echo "$$benches" | wc -l); n=0; began=$$(date +%s); \
+	for bench in $$benches; do \
+		n=$$((n + 1)); echo "[$$n/$$total] $$(basename $$bench), $$(($$(date +%s) - began)) s so far"; \
+		$(PY) $$bench; \
+	done; echo "make perf: $$total benchmarks in $$(($$(date +%s) - began)) s"
 
 # The GPU machine (docs/device-check.md): no network, its own python3 3.12 with torch 2.11, and only
 # the working tree plus carried paths reach it. The bundle needs python3 with pip (and the index);

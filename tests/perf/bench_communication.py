@@ -129,6 +129,47 @@ def median(values):
     return statistics.median(values)
 
 
+class Progress:
+    """One line per launch and per finished run (a mode of one stage and repeat, as the marks show
+    it), with the seconds since the benchmark began and an estimate of what is left: the runs to
+    come at the mean time of a run after a launch's first, and each launch to come at its first
+    run's time (start-up included)."""
+
+    def __init__(self, total_runs, total_launches=1):
+        self.total, self.total_launches = total_runs, total_launches
+        self.done, self.launches, self.began = 0, 0, time.monotonic()
+        self.first_runs, self.later_runs = [], []
+        self.launch_began = self.last_end = None
+
+    def elapsed(self):
+        return time.monotonic() - self.began
+
+    def say(self, text):
+        print(f"[{self.elapsed():5.0f} s] {text}", flush=True)
+
+    def launch_started(self, text):
+        self.launches += 1
+        self.launch_began, self.last_end = time.monotonic(), None
+        self.say(f"launch {self.launches}/{self.total_launches}: {text}")
+
+    def seconds_left(self):
+        first = statistics.fmean(self.first_runs)
+        later = statistics.fmean(self.later_runs) if self.later_runs else first
+        launches_left = max(0, self.total_launches - self.launches)
+        return max(0.0, (self.total - self.done) * later + launches_left * (first - later))
+
+    def run_finished(self, what, detail):
+        now = time.monotonic()
+        self.done += 1
+        if self.last_end is None:
+            self.first_runs.append(now - (self.launch_began or self.began))
+        else:
+            self.later_runs.append(now - self.last_end)
+        self.last_end = now
+        self.say(f"run {self.done}/{self.total} {what}: {detail}"
+                 + (f"; about {self.seconds_left():.0f} s left" if self.done < self.total else "; measurements done"))
+
+
 def reduction(flat, hier):
     """How much lower ``hier`` is than ``flat`` (0.4: 40% lower)."""
     return 1.0 - hier / flat if flat else float("nan")
@@ -190,13 +231,15 @@ def gradient_bytes():
     return 4 * sum(p.numel() for p in GPT(GPTConfig.bench(), seed=0).parameters())
 
 
-def launch_answering_marks(cluster, script, args, out, read_counters, timeout):
+def launch_answering_marks(cluster, script, args, out, read_counters, timeout, on_mark=None):
     """Run ``script`` with the deepspeed launcher on every host of ``cluster`` while this thread
     answers each ``<out>/mark-<name>`` file the ranks write with ``read_counters(host)`` for every
-    host (then ``ack-<name>``); returns ``(marks, run)``: the counters by mark name and the launch."""
+    host (then ``ack-<name>``); returns ``(marks, run)``: the counters by mark name and the launch.
+    ``on_mark(name, marks, seen)``, if given, is called after each answer (``seen``: this thread's
+    ``time.monotonic()`` when it found each mark)."""
     import harness
 
-    marks, holder = {}, {}
+    marks, seen, holder = {}, {}, {}
     launcher = threading.Thread(target=lambda: holder.update(run=cluster.launch_deepspeed(
         script, args, env=harness.fork_environment(), timeout=timeout, master_port=harness.free_port(),
         cwd=REPO)), daemon=True)
@@ -205,18 +248,42 @@ def launch_answering_marks(cluster, script, args, out, read_counters, timeout):
         for path in sorted(out.glob("mark-*")):
             name = path.name[len("mark-"):]
             if name not in marks:
+                seen[name] = time.monotonic()
                 marks[name] = [read_counters(host) for host in range(len(cluster.specs))]
                 (out / f"ack-{name}").write_text("")
+                if on_mark is not None:
+                    on_mark(name, marks, seen)
         time.sleep(0.005)
     return marks, holder.get("run")
 
 
-def run_scenario(scenario, stages, repeats, warmup, short, long, timeout=900, micro_batch=MICRO_BATCH, extra=()):
+def progress_at_marks(progress, scenario, short, long):
+    """An ``on_mark`` that reports each run when its last mark (``<tag>-c``) is answered: its step
+    time between marks b and c (as this process saw them) and its slow-link bytes per step."""
+
+    def on_mark(name, marks, seen):
+        if progress is None or not name.endswith("-c"):
+            return
+        tag, host = name[:-len("-c")], scenario.slow_host
+        step_s = (seen[name] - seen[f"{tag}-b"]) / long
+        link = step_bytes([marks[f"{tag}-{x}"][host] for x in "abc"], short, long)
+        progress.run_finished(f"{scenario.name} {tag}", f"step {1e3 * step_s:.0f} ms, slow-link {link / 1e6:.2f} MB/step")
+
+    return on_mark
+
+
+def run_scenario(scenario, stages, repeats, warmup, short, long, timeout=900, micro_batch=MICRO_BATCH, extra=(),
+                 progress=None):
     """Launch comm_train.py across the emulated hosts; answer its marks with the link counters.
-    ``extra``: more comm_train.py arguments (``--modes``, ``--reduce-bucket``)."""
+    ``extra``: more comm_train.py arguments (``--modes``, ``--reduce-bucket``); ``progress``: a
+    Progress that gets a line per finished run."""
     import tempfile
 
     import emulated_cluster as ec
+
+    if progress is not None:
+        progress.launch_started(f"{scenario.name} ({' + '.join(map(str, scenario.ranks))} ranks), ZeRO "
+                                f"{','.join(map(str, stages))}, {repeats} repeat(s)")
 
     specs = [ec.HostSpec(ranks=r, rate_mbit=rate) for r, rate in zip(scenario.ranks, scenario.rates_mbit)]
     with tempfile.TemporaryDirectory(prefix="bench_communication_") as folder, ec.EmulatedCluster(specs) as cluster:
@@ -225,7 +292,7 @@ def run_scenario(scenario, stages, repeats, warmup, short, long, timeout=900, mi
                 micro_batch, "--warmup", warmup, "--short", short, "--long", long, *extra]
         launched = time.time()
         marks, run = launch_answering_marks(cluster, TRAIN, args, out, lambda h: cluster.link_counters(h).total,
-                                            timeout)
+                                            timeout, on_mark=progress_at_marks(progress, scenario, short, long))
         if run is None or not run.ok:
             raise RuntimeError(f"{scenario.name}: the training run failed:\n"
                                f"{run.describe() if run else 'no result'}")
@@ -247,12 +314,16 @@ def run(quick=False, scenarios=None):
               "gradient_bytes": numel_bytes, "micro_batch_per_rank": MICRO_BATCH,
               "repeats": plan["repeats"],
               "targets": TARGETS, "exact_atol": EXACT_ATOL, "rows": []}
+    # comm_train.py runs both modes (flat, hier) per stage and repeat.
+    progress = Progress(sum(2 * len(plan.get("stages", SCENARIOS[key].stages)) * plan["repeats"]
+                            for key in plan["scenarios"]), total_launches=len(plan["scenarios"]))
     for key in plan["scenarios"]:
         scenario = SCENARIOS[key]
         stages = plan.get("stages", scenario.stages)
         warmup, short, long = (scenario.steps if scenario.steps and not quick
                                else (plan["warmup"], plan["short"], plan["long"]))
-        marks, results, launch = run_scenario(scenario, stages, plan["repeats"], warmup, short, long)
+        marks, results, launch = run_scenario(scenario, stages, plan["repeats"], warmup, short, long,
+                                              progress=progress)
         for stage in stages:
             row = summarise(scenario, stage, marks, results, plan["repeats"], short, long, numel_bytes)
             row.update(steps={"warmup": warmup, "short": short, "long": long}, launch=launch)

@@ -58,14 +58,14 @@ OUTER_SETTINGS = (("Nesterov lr 1 momentum 0.5 (the defaults)", {"lr": 1.0, "mom
                   ("averaging (lr 1, no momentum)", {"lr": 1.0, "momentum": 0.0}))
 
 
-def segment(scenario_name, rate, modes, warmup, short, long, sync_every=None, outer=None):
+def segment(scenario_name, rate, modes, warmup, short, long, sync_every=None, outer=None, progress=None):
     scenario = bc.Scenario(scenario_name, (2, 2), (rate, rate), (STAGE, ))
     extra = ["--modes", modes, "--eval-samples", EVAL_SAMPLES]
     if sync_every:
         extra += ["--sync-every", sync_every, "--pseudo-dtype", "bf16", "--outer-lr", outer["lr"],
                   "--outer-momentum", outer["momentum"]]
     marks, results, launch = bc.run_scenario(scenario, (STAGE, ), 1, warmup, short, long, micro_batch=MICRO_BATCH,
-                                             extra=extra, timeout=1800)
+                                             extra=extra, timeout=1800, progress=progress)
     tag = f"zero{STAGE}-{modes}-r0"
     runs = [result["runs"][tag] for result in results]
     step = runs[0]["seconds"] / runs[0]["long_steps"]
@@ -98,11 +98,13 @@ def run(quick=False, outer_settings=OUTER_SETTINGS, sync_every=None):
     load_start = [round(x, 2) for x in os.getloadavg()]
     began = time.monotonic()
     h = plan["sync_every"]
-    exact_slow = segment("exact, slow link", SLOW_MBIT, "hier", *plan["exact_steps"])
+    runs = 2 + len(outer_settings)  # one run per launch: two exact, one per outer setting
+    progress = bc.Progress(runs, total_launches=runs)
+    exact_slow = segment("exact, slow link", SLOW_MBIT, "hier", *plan["exact_steps"], progress=progress)
     warmup = plan["steps"] - 3 * h
     if warmup < 1:
         raise ValueError(f"sync_every {h} leaves no warm-up in {plan['steps']} steps")
-    exact_curve = segment("exact, loss curve", FAST_MBIT, "hier", warmup, h, 2 * h)
+    exact_curve = segment("exact, loss curve", FAST_MBIT, "hier", warmup, h, 2 * h, progress=progress)
     steps, window = exact_curve["steps"], plan["window"]
     exact_train = mean(exact_curve["losses"][-window:])
     report = {
@@ -114,7 +116,7 @@ def run(quick=False, outer_settings=OUTER_SETTINGS, sync_every=None):
         "losses": {"exact": exact_curve["losses"]}, "low_communication": []}
     for name, outer in outer_settings:
         low = segment(f"low-communication, {name}", SLOW_MBIT, "lowcomm", warmup, h, 2 * h, sync_every=h,
-                      outer=outer)
+                      outer=outer, progress=progress)
         low_train = mean(low["losses"][-window:])
         # Equal wall time: the step exact training reaches at 20 Mbit/s in the time low-communication
         # training takes for all its steps.

@@ -137,11 +137,13 @@ def run(quick=False, stages=None, rate_mbit=RATE_MBIT, micro_batch=MICRO_BATCH, 
     load_start = [round(x, 2) for x in os.getloadavg()]
     began = time.monotonic()
     scenario = bc.Scenario(f"2x2 at {rate_mbit} Mbit/s", (2, 2), (rate_mbit, rate_mbit), plan["stages"])
+    progress = bc.Progress(sum(len(modes_of(stage)) for stage in plan["stages"]) * plan["repeats"])
     marks, results, launch = bc.run_scenario(
         scenario, plan["stages"], plan["repeats"], plan["warmup"], plan["short"], plan["long"],
         micro_batch=micro_batch,
         extra=["--modes", ",".join(ZERO3_MODES + ("fwd-gather", "fwd-coded")), "--reduce-bucket", BUCKET,
-               "--overlap-comm-stages", "1", "--profile", "--dilation", dilation, "--dilation-clock", clock])
+               "--overlap-comm-stages", "1", "--profile", "--dilation", dilation, "--dilation-clock", clock],
+        progress=progress)
     report = {"quick": quick, "rate_mbit": rate_mbit, "micro_batch_per_rank": micro_batch, "dilation": dilation,
               "dilation_clock": clock if dilation else None,
               "reduce_bucket_size": BUCKET, "repeats": plan["repeats"], "launch": launch,

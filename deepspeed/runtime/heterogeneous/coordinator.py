@@ -171,8 +171,9 @@ class _quiet_config_warnings:
 
 def quiet_repeated_warnings(environ=None):
     """Torch's deprecation warnings about the collectives upstream calls
-    (``torch.distributed.all_gather_into_tensor`` is deprecated ...) are shown by global rank 0
-    alone: every rank would print the same line, about code the user cannot change."""
+    (```torch.distributed.<name>` is deprecated ...``) are shown by global rank 0 alone: every rank
+    would print the same line, about code the user cannot change. (TorchBackend already calls
+    all_gather_single and reduce_scatter_single, not the names torch 2.13 deprecates.)"""
     environ = os.environ if environ is None else environ
     if environ.get("RANK", "0") != "0":
         warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
