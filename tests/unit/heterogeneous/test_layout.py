@@ -20,7 +20,7 @@ PKG = "deepspeed.runtime.heterogeneous"
 ROOT = Path(package.__file__).parent
 # Lowest first: each may import only those before it.
 LAYERS = ["config", "measure", "cluster", "emulation", "memory", "planning", "data", "comm", "pipeline", "integrations",
-          "control", "elastic", "cli"]
+          "control", "elastic", "forecast", "cli"]
 # Top-level modules a subpackage may import: constants with no imports of their own.
 LEAVES = {"version"}
 # Thin re-exports of documented paths (they import downwards by construction).

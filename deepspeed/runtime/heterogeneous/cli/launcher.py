@@ -14,13 +14,17 @@ from ..config.settings import ENV_ADAPTIVE_SCHEDULING, ENV_ENABLE, env_flag, loa
 # into ranks that balance and ranks that do not.
 FORWARDED_ENVS = (ENV_ENABLE, ENV_ADAPTIVE_SCHEDULING)
 
-SUBCOMMANDS = ("env_report", )
+SUBCOMMANDS = ("env_report", "plan")
 
 
 def dispatch_subcommand(argv):
-    """Run ``deepspeed env_report ...``; returns False when argv is an ordinary launch."""
+    """Run ``deepspeed env_report ...`` or ``deepspeed plan ...`` (``plan.py``: a described
+    cluster, no device used); returns False when argv is an ordinary launch."""
     if not argv or argv[0] not in SUBCOMMANDS:
         return False
+    if argv[0] == "plan":
+        from .plan import main
+        sys.exit(main(argv[1:]))
     pin_detected_accelerator()
     from deepspeed.env_report import cli_main
     sys.exit(cli_main(argv[1:]))

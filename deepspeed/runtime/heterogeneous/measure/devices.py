@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """What each rank's device is and how fast it should be, before anything is measured on the model.
 
-A built-in table of datasheet rates gives known accelerators a prior score; an unknown device
-(the CPU included) gets a short benchmark instead (``device_benchmark.py``), reported in the same
+A built-in table of datasheet rates (``device_table.py``, each entry with its source) gives known
+accelerators a prior score; an unknown device (the CPU included) gets a short benchmark instead (``device_benchmark.py``), reported in the same
 unit (TFLOP/s) so that the two kinds of score can sit side by side in one plan. Profiling on the
 real model replaces both later (docs/balancing.md, "The start-up plan").
 
@@ -20,70 +20,18 @@ import platform
 import re
 import socket
 from dataclasses import MISSING, asdict, dataclass, fields
-from typing import Tuple
 
 import torch
 
 from deepspeed.accelerator import get_accelerator
 
 from .device_benchmark import measure_device_score
+from .device_table import ACCELERATOR_SPECS, AcceleratorSpec  # noqa: F401 -- re-exported, one table
 
 
 # GPU vendors' "GB" in device names and datasheets is GiB: an "A100 80GB" reports 80 GiB.
 BYTES_PER_GB = 2**30
 
-
-@dataclass(frozen=True)
-class AcceleratorSpec:
-    """Datasheet figures of one accelerator model: dense rates, no structured sparsity."""
-
-    name: str
-    aliases: Tuple[str, ...]
-    """Model tokens as they appear in device names reported by torch (lower case)."""
-    form_factor: str
-    """'' for the reference part (SXM / OAM / the only variant), else 'pcie' or 'nvl'."""
-    fp16_tflops: float
-    bf16_tflops: float
-    """0 where the hardware has no bf16 arithmetic."""
-    fp32_tflops: float
-    memory_gb: float
-    bandwidth_gbps: float
-
-    @property
-    def supports_bf16(self):
-        return self.bf16_tflops > 0
-
-
-# fp16/bf16 are tensor-core (matrix-core) rates with fp32 accumulation, which is what training
-# uses; GeForce cards run that at half their fp16-accumulate rate. fp32 is the plain fp32 rate
-# (TF32 off, PyTorch's matmul default); AMD parts use their fp32 matrix rate, which rocBLAS uses
-# for fp32 GEMM. MI250X figures are per GCD: torch sees each of its two dies as one device, and
-# ROCm reports MI250 and MI250X under the same name.
-# Columns: name, aliases, form factor, fp16, bf16, fp32 (TFLOP/s), memory (GB), bandwidth (GB/s).
-ACCELERATOR_SPECS = (
-    AcceleratorSpec("V100 SXM2 16GB", ("v100", ), "", 125.0, 0.0, 15.7, 16, 900),
-    AcceleratorSpec("V100 SXM2 32GB", ("v100", ), "", 125.0, 0.0, 15.7, 32, 900),
-    AcceleratorSpec("V100 PCIe 16GB", ("v100", ), "pcie", 112.0, 0.0, 14.0, 16, 900),
-    AcceleratorSpec("V100 PCIe 32GB", ("v100", ), "pcie", 112.0, 0.0, 14.0, 32, 900),
-    AcceleratorSpec("V100S PCIe 32GB", ("v100s", ), "pcie", 130.0, 0.0, 16.4, 32, 1134),
-    AcceleratorSpec("T4", ("t4", ), "", 65.0, 0.0, 8.1, 16, 320),
-    AcceleratorSpec("A10", ("a10", ), "", 125.0, 125.0, 31.2, 24, 600),
-    AcceleratorSpec("L4", ("l4", ), "", 121.0, 121.0, 30.3, 24, 300),
-    AcceleratorSpec("L40S", ("l40s", ), "", 362.0, 362.0, 91.6, 48, 864),
-    AcceleratorSpec("A100 40GB SXM", ("a100", ), "", 312.0, 312.0, 19.5, 40, 1555),
-    AcceleratorSpec("A100 80GB SXM", ("a100", ), "", 312.0, 312.0, 19.5, 80, 2039),
-    AcceleratorSpec("A100 40GB PCIe", ("a100", ), "pcie", 312.0, 312.0, 19.5, 40, 1555),
-    AcceleratorSpec("A100 80GB PCIe", ("a100", ), "pcie", 312.0, 312.0, 19.5, 80, 1935),
-    AcceleratorSpec("H100 SXM", ("h100", ), "", 989.0, 989.0, 67.0, 80, 3350),
-    AcceleratorSpec("H100 PCIe", ("h100", ), "pcie", 756.0, 756.0, 51.0, 80, 2000),
-    AcceleratorSpec("H100 NVL", ("h100", ), "nvl", 835.0, 835.0, 60.0, 94, 3900),
-    AcceleratorSpec("H200 SXM", ("h200", ), "", 989.0, 989.0, 67.0, 141, 4800),
-    AcceleratorSpec("H200 NVL", ("h200", ), "nvl", 835.0, 835.0, 60.0, 141, 4800),
-    AcceleratorSpec("GeForce RTX 3090", ("3090", ), "", 71.0, 71.0, 35.6, 24, 936),
-    AcceleratorSpec("GeForce RTX 4090", ("4090", ), "", 165.2, 165.2, 82.6, 24, 1008),
-    AcceleratorSpec("Instinct MI250X (one GCD)", ("mi250x", "mi250"), "", 191.5, 191.5, 47.9, 64, 1638),
-    AcceleratorSpec("Instinct MI300X", ("mi300x", ), "", 1307.4, 1307.4, 163.4, 192, 5300),
-)
 
 # Tokens of device names that say nothing about the rates. Any other token that is not a known
 # model makes the lookup fail: "RTX 3090 Ti" or "A10G" are different chips, and an honest
