@@ -22,6 +22,8 @@ session holds them for the engine's life:
 The engine keeps its session as ``state.comm_session``.
 """
 
+import weakref
+
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
@@ -46,11 +48,16 @@ class CommunicationSession:
     or None (flat upstream collectives, or a low-communication replica)."""
 
     def __init__(self, engine, group):
-        self.engine = engine
+        # A weak reference: the registry must not keep an engine the user dropped alive.
+        self._engine = weakref.ref(engine)
         self.group = group
         self.reducer = None
         self.host_shards = None
         self.closed = False
+
+    @property
+    def engine(self):
+        return self._engine()
 
     @classmethod
     def open(cls, engine):
@@ -62,8 +69,13 @@ class CommunicationSession:
         try:
             session._start(state, inherited)
         except BaseException:
+            if inherited is not None and inherited is not session.reducer:
+                _close_reducer(inherited)
             session.close()
             raise
+        if not state.enabled:  # the fork off: nothing to own, nothing registered (upstream's engine)
+            session.closed = True
+            return session
         _sessions[group] = session
         state.comm_session = session
         return session
@@ -146,8 +158,9 @@ class CommunicationSession:
         self.closed = True
         if _sessions.get(self.group) is self:
             del _sessions[self.group]
-        state = self.engine._config.heterogeneous
-        if getattr(state, "comm_session", None) is self:
+        engine = self.engine
+        state = None if engine is None else engine._config.heterogeneous
+        if state is not None and getattr(state, "comm_session", None) is self:
             state.comm_session = None
         reducer, self.reducer = self.reducer, None
         try:
@@ -156,8 +169,8 @@ class CommunicationSession:
             _close_reducer(reducer)
         finally:
             # Parameters given host shards gather flat again (their hooks removed).
-            if state.enabled and self.engine.zero_optimization_stage() == 3:
-                host_shards.attach(self.engine, None, False)
+            if state is not None and state.enabled and engine.zero_optimization_stage() == 3:
+                host_shards.attach(engine, None, False)
             self.host_shards = None
 
 
