@@ -13,7 +13,7 @@ fork's own parts and no process group:
   writes the rank's share of the state at its memory bandwidth (offloaded state: over PCIe, at
   host memory bandwidth); the collectives come from ``comm_model``;
 - step time = the slowest rank's compute + the collectives + the slowest rank's optimizer step.
-Each side keeps its fastest setting that fits (fewest micro-steps first). The largest model of the
+Each side keeps its fastest setting that fits (on a tie, the fewest micro-steps). The largest model of the
 same family that each side fits is found by depth (``largest_model``).
 """
 
@@ -69,13 +69,14 @@ def best_setting(cluster, question, fork):
     candidates = []
     for stage in question.stages:
         for gas in gas_candidates(question, cluster.world_size):
-            result = evaluate(cluster, question, stage, gas, fork)
-            candidates.append(result)
-            if result["fits"]:
-                break  # more micro-steps only add per-micro-step costs
+            # More micro-steps cost collectives (ZeRO-2/3) but leave room for larger or more uneven
+            # micro-batches: every count is tried.
+            for shares in (("auto", "even") if fork and stage >= 1 else (None, )):
+                candidates.append(evaluate(cluster, question, stage, gas, fork, shares))
     fitting = [c for c in candidates if c["fits"]]
     if fitting:
-        return min(fitting, key=lambda c: (c["step_s"], c["zero_stage"]))
+        return min(fitting, key=lambda c: (round(c["step_s"], 12), c["gradient_accumulation_steps"],
+                                           c["zero_stage"]))
     return min(candidates, key=lambda c: (len(c["problems"]), -c["zero_stage"]))
 
 
@@ -109,11 +110,13 @@ def activation_bytes(question, model=None):
     return model.activation_bytes_per_sample(question.seq_len, question.value_bytes, question.checkpointing)
 
 
-def place(cluster, question, spec, fork, micro_batches, model=None):
+def place(cluster, question, spec, fork, micro_batches, model=None, shares=None):
+    """The pool's placement; ``shares``: "auto" or "even" (default: "auto" for the fork)."""
     pool = memory_pool(cluster, question)
     per_sample = activation_bytes(question, model)
     activations = None if per_sample is None else [m * per_sample for m in micro_batches]
-    placement = pool.place(spec, zero_partitions="auto" if fork else "even", activation_bytes=activations,
+    shares = shares or ("auto" if fork else "even")
+    placement = pool.place(spec, zero_partitions=shares, activation_bytes=activations,
                            cpu_offload=fork, nvme_offload=False, strict=False)
     return pool, placement, per_sample
 
@@ -132,8 +135,10 @@ def micro_batch_caps(placement, per_sample):
     return caps
 
 
-def evaluate(cluster, question, stage, gas, fork):
-    """One side's prediction at ``stage`` and ``gas`` (see the module docstring)."""
+def evaluate(cluster, question, stage, gas, fork, shares=None):
+    """One side's prediction at ``stage`` and ``gas`` (see the module docstring). ``shares``: the
+    fork's ZeRO shares, "auto" (by speed and room) or "even"; the fork tries both, since shares by
+    speed leave a fast rank less room for the larger micro-batch its speed asks for."""
     world, batch = cluster.world_size, question.train_batch_size
     spec, _ = model_spec(cluster, question, stage, gas)
     flops = question.model.flops_per_sample(question.seq_len)
@@ -145,7 +150,7 @@ def evaluate(cluster, question, stage, gas, fork):
         return _unfit(stage, gas, fork, [f"train_batch_size {batch} is not {gas} micro-steps of at least one sample "
                                          f"on each of {world} ranks"])
     if fork:
-        _, first, per_sample = place(cluster, question, spec, True, [1] * world)
+        _, first, per_sample = place(cluster, question, spec, True, [1] * world, shares=shares)
         caps = micro_batch_caps(first, per_sample)
         if caps is not None and min(caps) < 1:
             short = [r for r, c in enumerate(caps) if c < 1]
@@ -160,12 +165,12 @@ def evaluate(cluster, question, stage, gas, fork):
             return _unfit(stage, gas, fork, [f"{batch // gas} samples per micro-step do not split evenly over "
                                              f"{world} ranks"])
         micro = [batch // gas // world] * world
-    pool, placement, per_sample = place(cluster, question, spec, fork, micro)
+    pool, placement, per_sample = place(cluster, question, spec, fork, micro, shares=shares)
     problems += list(placement.problems)
     link, where = slowest_link(cluster)
-    shares = [r.share for r in placement.ranks]
+    rank_shares = [r.share for r in placement.ranks]
     collectives = zero_collectives(stage, question.model.num_parameters, question.value_bytes, world, gas,
-                                   max(shares) if stage >= 1 else 1.0 / world, link)
+                                   max(rank_shares) if stage >= 1 else 1.0 / world, link)
     ranks = []
     for placed, device, mbs, rate in zip(placement.ranks, cluster.ranks, micro, rates):
         compute = gas * mbs / rate
@@ -183,7 +188,7 @@ def evaluate(cluster, question, stage, gas, fork):
     comm_s = communication_seconds(collectives)
     step = compute_s + comm_s + optimizer_s
     return {"name": "fork" if fork else "upstream", "zero_stage": stage, "gradient_accumulation_steps": gas,
-            "fits": not problems, "problems": problems, "step_s": step, "samples_per_s": batch / step,
+            "zero_partitions": shares or ("auto" if fork else "even"), "fits": not problems, "problems": problems, "step_s": step, "samples_per_s": batch / step,
             "compute_s": compute_s, "optimizer_s": optimizer_s, "communication_s": comm_s,
             "communication_share": comm_s / step, "slowest_link": where,
             "bytes_per_rank_per_step": int(bytes_over_link(collectives)),
@@ -258,7 +263,7 @@ def launch_config(question, fork, cluster):
     memory = {**ds.get("heterogeneous_memory", {}), "enabled": True,
               "hbm_utilization_threshold": question.utilization}
     if stage >= 1:
-        memory["zero_partitions"] = "auto"
+        memory["zero_partitions"] = fork.get("zero_partitions", "auto")
     limits = [m for m in cluster.host_memory_bytes if m is not None]
     if limits:
         memory["cpu_memory_limit"] = int(min(limits))
