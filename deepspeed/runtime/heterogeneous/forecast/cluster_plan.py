@@ -188,7 +188,8 @@ def evaluate(cluster, question, stage, gas, fork, shares=None):
     comm_s = communication_seconds(collectives)
     step = compute_s + comm_s + optimizer_s
     return {"name": "fork" if fork else "upstream", "zero_stage": stage, "gradient_accumulation_steps": gas,
-            "zero_partitions": shares or ("auto" if fork else "even"), "fits": not problems, "problems": problems, "step_s": step, "samples_per_s": batch / step,
+            "zero_partitions": shares or ("auto" if fork else "even"), "fits": not problems, "problems": problems,
+            "step_s": step, "samples_per_s": batch / step,
             "compute_s": compute_s, "optimizer_s": optimizer_s, "communication_s": comm_s,
             "communication_share": comm_s / step, "slowest_link": where,
             "bytes_per_rank_per_step": int(bytes_over_link(collectives)),
