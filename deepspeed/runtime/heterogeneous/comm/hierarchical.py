@@ -353,10 +353,3 @@ def reducer_for(group):
     """The reducer in force for ``group``, or None."""
     return _reducers.get(group)
 
-
-def attach(engine):
-    """The entry the engine calls after it built its optimizer (``comm-hierarchical-reduction.patch``):
-    open the engine's ``CommunicationSession`` (``session.py``), which registers a reducer here when
-    hierarchical reduction is in force. Returns the reducer, or None."""
-    from .session import CommunicationSession
-    return CommunicationSession.open(engine).reducer

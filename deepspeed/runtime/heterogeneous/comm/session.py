@@ -7,8 +7,8 @@ gather (``parameter_gather.py``), host shards with hooks on the ZeRO-3 parameter
 (``host_shards.py``), or a low-communication replica per host (``low_communication.py``). The
 session holds them for the engine's life:
 
-- ``CommunicationSession.open(engine)`` (the engine, once its optimizer is built, through
-  ``hierarchical.attach``): decides from the agreed settings, the hosts and the agreed offload set
+- ``CommunicationSession.open(engine)`` (the engine, once its optimizer is built:
+  ``comm-hierarchical-reduction.patch``): decides from the agreed settings, the hosts and the agreed offload set
   (the same on every rank, so every rank creates the same groups or none), registers the reducer
   for the data-parallel group (upstream's call sites find it with ``hierarchical.reducer_for``),
   and checks with one agreement that every rank decided the features alike. An earlier engine's

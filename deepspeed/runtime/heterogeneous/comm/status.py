@@ -111,8 +111,8 @@ def status_line(settings, topology=None, param_dict=None, link_sizes=None):
 
 
 def reduction_line(reducer, engine, communication, shards, shards_note, overlap_note, deferred_gather):
-    """Rank 0's start-up line of the hierarchical reduction in force (``hierarchical.attach``), with
-    the lines of why ``"auto"`` left host shards or overlap off. Printed like the plan
+    """Rank 0's start-up line of the hierarchical reduction in force (``session.CommunicationSession``),
+    with the lines of why ``"auto"`` left host shards or overlap off. Printed like the plan
     (``runtime.log_plan``): a default run shows WARNING and above only."""
     layout = reducer.layout
     stage = engine.zero_optimization_stage()
