@@ -65,7 +65,8 @@ def test_design_example_parses():
     ({"heterogeneous_config": {"emulation": {"speed": [1]}}},
      "heterogeneous_config.emulation.speed: unknown key 'speed'; did you mean 'speeds'? allowed keys: dilation_clock, memory_gb, mode, speed_schedule, speeds"),
     ({"heterogeneous_memory": {"hbm_threshold": 0.5}},
-     "heterogeneous_memory.hbm_threshold: unknown key 'hbm_threshold'; allowed keys: adaptive_chunking"),
+     "heterogeneous_memory.hbm_threshold: unknown key 'hbm_threshold'; allowed keys: activation_bytes_per_sample, "
+     "adaptive_chunking"),
     ({"zero_optimization": {"heterogeneous_offload": {"gpu_offload": True}}},
      "zero_optimization.heterogeneous_offload.gpu_offload: unknown key 'gpu_offload'; did you mean 'cpu_offload'? allowed keys: cpu_offload"),
 ])
