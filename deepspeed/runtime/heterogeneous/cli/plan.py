@@ -155,4 +155,3 @@ def _comm(side):
 def _largest(entry):
     layers = "" if not entry["layers"] else f"{entry['layers']} layers, "
     return f"{layers}{entry['parameters'] / 1e9:.3g} B parameters (ZeRO-{entry['zero_stage']})"
-

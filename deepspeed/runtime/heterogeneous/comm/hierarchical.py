@@ -352,4 +352,3 @@ def all_gather_dp_groups(groups_flat, partitioned_param_groups, dp_process_group
 def reducer_for(group):
     """The reducer in force for ``group``, or None."""
     return _reducers.get(group)
-
