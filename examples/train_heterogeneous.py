@@ -81,6 +81,7 @@ def main():
         samples = engine.train_batch_size() * (args.steps - MEASURE_FROM)
         print(json.dumps({"summary": True, "samples_per_s": samples / elapsed,
                           "emulation": "/".join(sorted(set(modes) - {"none"})) or "none"}), flush=True)
+    engine.destroy()  # what the fork started for the engine ends before the process groups go
     dist.destroy_process_group()
 
 
