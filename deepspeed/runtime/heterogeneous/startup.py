@@ -229,21 +229,26 @@ def place_engine_state(state, ds_config, model, optimizer=None):
         return engine_placement(pool, spec, zero_partitions, offload.cpu_offload, offload.nvme_offload,
                                 baseline_bytes=baselines, activation_bytes=activations)
 
-    auto = auto_shares_with_room(state, ds_config, pool, placed) if setting == "auto" or recut else "auto"
-    placement, offloaded = placed(auto if setting == "auto" else setting)
+    def settle():
+        """``(auto, note, placement, offloaded)`` for the spec in force."""
+        wants_auto = setting == "auto" or recut
+        auto, note = auto_shares_with_room(state, ds_config, pool, placed) if wants_auto else ("auto", None)
+        return (auto, note, *placed(auto if setting == "auto" else setting))
+
+    auto, note, placement, offloaded = settle()
     if offloaded and spec.allocations is not None and spec.allocations.overlap_buckets:
         # A rank that offloads turns overlap off on every rank (overlap.overlap_decision): placed without
         # the worker's buckets, unless the ranks would then fit without offloading and overlap again.
         counted = spec
         spec = replace(spec, allocations=replace(spec.allocations, overlap_buckets=0))
-        auto = auto_shares_with_room(state, ds_config, pool, placed) if setting == "auto" or recut else "auto"
-        without = placed(auto if setting == "auto" else setting)
-        if without[1]:
-            placement, offloaded = without
+        without = settle()
+        if without[3]:
+            auto, note, placement, offloaded = without
         else:
             spec = counted
-            auto = auto_shares_with_room(state, ds_config, pool, placed) if setting == "auto" or recut else "auto"
-            placement, offloaded = placed(auto if setting == "auto" else setting)
+            auto, note, placement, offloaded = settle()
+    if note and state.dp_rank == 0:
+        logger.warning(note)
     if recut:
         wanted = placed(auto)
         if shares_differ(cut, wanted[0].partition_shares, world):
@@ -266,28 +271,26 @@ def place_engine_state(state, ds_config, model, optimizer=None):
 
 
 def auto_shares_with_room(state, ds_config, pool, placed):
-    """``"auto"``, or where ``heterogeneous_memory.activation_bytes_per_sample`` estimates the activations,
-    the shares ``"auto"`` gives with each rank's room for its speed's part of every micro-step kept
-    free (``memory/activation_room.py``; rank 0 logs what it reserved)."""
+    """``("auto", None)``, or where ``heterogeneous_memory.activation_bytes_per_sample`` estimates the
+    activations, the shares ``"auto"`` gives with each rank's room for its speed's part of every
+    micro-step kept free (``memory/activation_room.py``) and the line saying what it reserved, which
+    the caller logs once from rank 0 for the placement it keeps."""
     from .memory.activation_room import activation_room
     from .memory.partitions import describe_shares
     per_sample = state.settings.memory.activation_bytes
     world = pool.world_size
     if not per_sample or world < 2 or int(ds_config.zero_optimization_stage or 0) < 1:
-        return "auto"
+        return "auto", None
     samples = int(ds_config.train_batch_size) // max(1, int(ds_config.gradient_accumulation_steps))
     activations, fraction = activation_room(lambda a: placed("auto", a)[0], pool.speeds, per_sample, samples)
     shares = None if activations is None else placed("auto", activations)[0].partition_shares
-    if state.dp_rank == 0:
-        if shares is None:
-            logger.warning(f"deepspeed-hetero memory pool: heterogeneous_memory.activation_bytes_per_sample "
-                           f"{per_sample} B: the ranks' memory leaves no rank's state room to spare for it; the "
-                           "ZeRO shares follow memory and speed alone")
-        else:
-            logger.warning(f"deepspeed-hetero memory pool: ZeRO shares {describe_shares(shares)} leave each rank room "
-                           f"for {fraction:.0%} of its speed's part of the {samples} samples of a micro-step at "
-                           f"{per_sample / 2**20:.3g} MiB per sample (heterogeneous_memory.activation_bytes_per_sample)")
-    return "auto" if shares is None else list(shares)
+    if shares is None:
+        return "auto", (f"deepspeed-hetero memory pool: heterogeneous_memory.activation_bytes_per_sample {per_sample} "
+                        "B: the ranks' memory leaves no rank's state room to spare for it; the ZeRO shares follow "
+                        "memory and speed alone")
+    return list(shares), (f"deepspeed-hetero memory pool: ZeRO shares {describe_shares(shares)} leave each rank room "
+                          f"for {fraction:.0%} of its speed's part of the {samples} samples of a micro-step at "
+                          f"{per_sample / 2**20:.3g} MiB per sample (heterogeneous_memory.activation_bytes_per_sample)")
 
 
 def recut_zero3_model(state, model, cut, shares, world):
