@@ -10,7 +10,12 @@ the state is 0.28 GiB, so rank 1 cannot hold half of it and half the batch. Arms
 - ``alone``: ``heterogeneous_memory.zero_partitions: "auto"`` as before this change, shares from memory
   and speed alone: rank 1's share fills its room and the planner gives it what is left;
 - ``together``: ``"auto"`` with ``activation_bytes_per_sample`` set to what ``alone``'s profiling
-  measured and advised (its note), so the shares leave rank 1 room for its part of the batch.
+  measured (its note), so the shares leave rank 1 room for its part of the batch.
+
+After profiling, ``alone`` and ``together`` each forecast their own step and the other's (the shares
+with the room reserved, or without it) from the measured forward+backward, optimizer step and
+collectives, and advise accordingly (``activation_room.weigh_shares``); the bench sets each forecast
+beside the step the other arm measured (``forecast_check``).
 
 Reported per arm: the shares, the plan after profiling, samples/s (median over ``--repeats``), and
 the speed of ``together`` and ``alone`` relative to ``unbound``. Writes
@@ -103,12 +108,18 @@ def _train(rank, world_size, memory_gb, per_sample, global_batch):
     finally:
         logger.removeHandler(handler)
         sys.stdout = stdout
-    advice = [re.search(r"activation_bytes_per_sample to (\d+)", n) for n in notes]
-    advised = next((int(m.group(1)) for m in advice if m), None)
+    # The line after profiling: the value to set, or (where its forecast says the step would not be
+    # faster) the activations measured; the forecast of the other shares' step against the current one.
+    measured = [re.search(r"activation_bytes_per_sample to (\d+)|measured: (\d+) bytes per sample", n) for n in notes]
+    measured = next((int(m.group(1) or m.group(2)) for m in measured if m), None)
+    forecast = [re.search(r"forecast ([\d.e+-]+) s per step against ([\d.e+-]+) s now", n) for n in notes]
+    forecast = next(({"other_s": float(m.group(1)), "current_s": float(m.group(2))} for m in forecast if m), None)
+    advice = next(("set" if "activation_bytes_per_sample to" in n else "remove" if "Remove activation_bytes" in n
+                   else "stay" for n in notes if "forecast " in n), None)
     return {"samples_per_s": global_batch * MEASURED_STEPS / elapsed,
             "plan": list(engine.heterogeneous_plan.micro_batch_sizes),
             "shares": [round(s, 4) for s in engine.optimizer.zero3_shares] if engine.optimizer.zero3_shares else None,
-            "advised_bytes_per_sample": advised}
+            "measured_bytes_per_sample": measured, "forecast": forecast, "advice": advice}
 
 
 def measure(name, per_sample=None, global_batch=16):
@@ -128,25 +139,41 @@ def main():
     for repeat in range(args.repeats):
         for name in runs:
             if name == "together" and per_sample is None:
-                raise SystemExit("the 'alone' arm measured no starved rank and advised nothing: nothing to compare")
+                raise SystemExit("the 'alone' arm found no starved rank and measured nothing: nothing to compare")
             result = measure(name, per_sample if name == "together" else None, args.batch)
             if name == "alone" and per_sample is None:
-                per_sample = result["advised_bytes_per_sample"]
+                per_sample = result["measured_bytes_per_sample"]
             runs[name].append(result)
             print(f"[{time.perf_counter() - started:5.0f} s] run {repeat + 1}/{args.repeats} {name:8s}: "
                   f"{result['samples_per_s']:6.1f} samples/s, plan {result['plan']}, shares {result['shares']}, "
-                  f"load {result['load_average']:.1f}", flush=True)
+                  f"load {result['load_average']:.1f}; advice {result['advice']}, forecast {result['forecast']}",
+                  flush=True)
     medians = {name: statistics.median(r["samples_per_s"] for r in rs) for name, rs in runs.items()}
     ratios = {name: medians[name] / medians["unbound"] for name in ("alone", "together")}
     for name in runs:
         last = runs[name][-1]
         print(f"{name:8s}: shares {last['shares']}, plan {last['plan']}, {medians[name]:.1f} samples/s"
               + (f" ({ratios[name]:.2f}x unbound)" if name in ratios else ""))
-    print(f"activation_bytes_per_sample used by 'together': {per_sample} (advised by 'alone')")
+    print(f"activation_bytes_per_sample used by 'together': {per_sample} (measured by 'alone')")
+    step_s = {name: args.batch / medians[name] for name in runs}
+    check = {}
+    for name, other in (("alone", "together"), ("together", "alone")):
+        forecasts = [r["forecast"] for r in runs[name] if r["forecast"]]
+        if not forecasts:
+            continue
+        current = statistics.median(f["current_s"] for f in forecasts)
+        predicted = statistics.median(f["other_s"] for f in forecasts)
+        check[name] = {"advice": runs[name][-1]["advice"], "own_forecast_s": current, "own_measured_s": step_s[name],
+                       "other_forecast_s": predicted, "other_measured_s": step_s[other],
+                       "other_error": predicted / step_s[other] - 1.0}
+        print(f"{name:8s} forecast its own step {current:.3g} s (measured {step_s[name]:.3g} s) and {other}'s "
+              f"{predicted:.3g} s (measured {step_s[other]:.3g} s, {check[name]['other_error']:+.0%}); "
+              f"advice: {check[name]['advice']}")
     results = Path(str(RESULTS).format(batch=args.batch))
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps({"memory_gb": MEMORY, "global_batch": args.batch, "per_sample_bytes": per_sample,
-                                   "medians": medians, "ratios_to_unbound": ratios, "runs": runs}, indent=1) + "\n")
+                                   "medians": medians, "ratios_to_unbound": ratios, "forecast_check": check,
+                                   "runs": runs}, indent=1) + "\n")
     print(f"wrote {results.relative_to(REPO)}")
 
 

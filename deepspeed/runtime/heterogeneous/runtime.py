@@ -298,7 +298,10 @@ class HeterogeneousRuntime:
         mine = {"dp_rank": self.rank, "samples": timing.samples, "step_overhead": timing.step_overhead,
                 "state_bytes": self.memory.model_state_bytes() if self.capacities else 0,
                 "peak_bytes": peak, "capacity_peak_bytes": peak if self.memory.meter.measures_capacity else None,
-                "wall": max(timing.wall - self._agreement_s, 0.0), **self.exchange.since_last_pooling(reset=False)}
+                "wall": max(timing.wall - self._agreement_s, 0.0),
+                # The agreement's own collectives are not the step's (activation_room.forecast_step_seconds).
+                "collective_s": max(timing.in_collectives - self._agreement_s, 0.0),
+                **self.exchange.since_last_pooling(reset=False)}
         began = time.perf_counter()
         history = self.decisions.history
         history.append(self._pooled(mine, f"the measurements of step {self.steps} to agree on a plan"))

@@ -135,20 +135,67 @@ class PlanDecisions:
                                                     activation_bytes=activations)[0]
 
     def _starved_note(self, plan):
-        """Under ``"auto"`` shares chosen without an activation estimate, the advice when memory holds a rank
-        below its speed's part of the micro-step (``activation_room.starved_ranks_advice``)."""
-        from ..memory.activation_room import starved_ranks_advice
+        """Under ``"auto"`` shares on ranks whose memory binds, the shares in force weighed against the other
+        choice on the profiling steps' measurements (``activation_room``): without an activation estimate,
+        the advice when memory holds a rank below its speed's part of the micro-step
+        (``starved_ranks_advice``), given only where the forecast step is shorter; with one, the advice to
+        remove it when the shares chosen without it forecast a shorter step (``reserved_room_advice``)."""
+        from ..memory.activation_room import reserved_room_advice, starved_ranks_advice
         memory = self.state.settings.memory
         pool = getattr(self.state, "memory_pool", None)
         if pool is None or pool.placement is None or memory.zero_partitions != "auto" or \
-                memory.activation_bytes or not self.history or pool.placement.zero_stage < 1:
+                not self.history or pool.placement.zero_stage < 1:
             return None
         try:
+            place = self._place_copy(pool)
+            weigh = self._share_weigher(pool, plan)
+            if memory.activation_bytes:
+                return None if weigh is None else reserved_room_advice(*weigh(place(None)))
             speeds = [1.0 / rate for rate in measured_rates(self.history)]
             return starved_ranks_advice(pool, list(plan.micro_batch_sizes), self._measured_activations(), speeds,
-                                        self._place_copy(pool))
+                                        place, weigh)
         except Exception:  # noqa: BLE001 -- the advice is a courtesy; the plan stands without it
             return None
+
+    def _share_weigher(self, pool, plan):
+        """``weigh(placement)``: ``(current, other)`` ``ShareOption``s of the shares in force at ``plan`` and of
+        ``placement``'s shares at the micro-batches the planner gives within the room they leave
+        (``activation_room.weigh_shares``); None where the step cannot be forecast (no memory limits, no
+        activations measured, gas differing between ranks)."""
+        from ..memory.activation_room import ShareOption, forecast_step_seconds, limits_after_move, weigh_shares
+        from ..planning.profiling import fit_steps
+        per_rank_gas = set(plan.gradient_accumulation_steps)
+        limits = self.memory_limits()
+        per_sample = max(self._measured_activations() or [0.0])
+        if len(per_rank_gas) != 1 or limits is None or per_sample <= 0 or self.base_models is None:
+            return None
+        (gas, ) = per_rank_gas
+        world = len(plan.micro_batch_sizes)
+        steps = fit_steps(self.history)
+        overheads = [sum(step[r]["step_overhead"] for step in steps) / len(steps) for r in range(world)]
+        collective_s = min(sum(step[r].get("collective_s") or 0.0 for step in steps) / len(steps)
+                           for r in range(world))
+        shares_now = list(pool.placement.partition_shares or [1.0 / world] * world)
+        held_now = _state_held(pool.placement)
+        fits = self.base_models
+        models = [TimeModel(fit.a + overhead / gas, fit.b) for fit, overhead in zip(fits, overheads)]
+
+        def plan_for(moved_limits):
+            return plan_micro_batches(models, train_batch_size=plan.train_batch_size, gradient_accumulation_steps=gas,
+                                      strategy=self.settings.load_balancing_strategy,
+                                      max_micro_batch=moved_limits).micro_batch_sizes
+
+        current = ShareOption(tuple(shares_now), tuple(plan.micro_batch_sizes),
+                              forecast_step_seconds(fits, plan.micro_batch_sizes, gas, overheads, collective_s,
+                                                    shares_now, shares_now))
+
+        def weigh(placement):
+            shares = list(placement.partition_shares or [1.0 / world] * world)
+            moved = limits_after_move(limits, per_sample, held_now, _state_held(placement))
+            (other, ) = weigh_shares([(shares, moved)], fits, gas, overheads, collective_s, shares_now, plan_for)
+            return current, other
+
+        return weigh
 
     def _with_share_advice(self, exc):
         """A rank that cannot hold one sample under ``"auto"`` shares, chosen before any activation was
@@ -313,3 +360,8 @@ def nothing_measured(phase, profiled, profile_steps, steps):
 
 def _sizes(plan):
     return plan.micro_batch_sizes, plan.gradient_accumulation_steps
+
+
+def _state_held(placement):
+    """Per rank, the bytes a placement keeps on the device besides the activations reserved in it."""
+    return [rank.device_bytes - (rank.activation_bytes or 0.0) for rank in placement.ranks]

@@ -4,8 +4,8 @@
 
 A profiling step's measurements, pooled over the ranks (``cluster/agreement.merge_replicas``), are
 one entry per data-parallel rank: ``{"samples": [(mbs, seconds, activation bytes or None), ...],
-"step_overhead": seconds, "state_bytes": bytes, "wall": seconds}``. ``history`` is the list of those
-steps.
+"step_overhead": seconds, "state_bytes": bytes, "wall": seconds, "collective_s": seconds}``.
+``history`` is the list of those steps.
 
 A plan must be one a user can trust: never a split of noise, never absurd, and checked
 after the switch (``rebalance.Rebalancer.judge_switch``). ``trusted_plan`` keeps the start-up
