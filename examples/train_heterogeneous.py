@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Train the small GPT on the generated corpus with a heterogeneous_config; one JSON line per
-logged step and a summary line, for examples/heterogeneous_demo.py.
+"""Train the small GPT on the generated corpus with a heterogeneous_config; for
+examples/heterogeneous_demo.py, rank 0 prints JSON lines: the start-up plan and what it came from,
+one line per step (its loss, the plan it ran, seconds since the first step began) and a summary
+(samples/s from step 5 on, the emulation mode, the per-rank speeds the profiling steps measured).
 
     deepspeed --num_gpus 2 examples/train_heterogeneous.py --deepspeed_config ds_config.json --steps 40
 
@@ -26,6 +28,30 @@ from examples.tiny_gpt import GPT, GPTConfig, TokenDataset, split_batch  # noqa:
 MEASURE_FROM = 5  # steps before this one (start-up, profiling) are left out of samples/s
 
 
+def startup(engine):
+    """The start-up plan's micro-batches, the plan before any memory cap (``state.reference_plan``)
+    and the devices' prior scores with their source ("spec", "measured"; "unknown" scores 0)."""
+    state = engine._config.heterogeneous
+    plan, planned = state.plan, state.reference_plan or state.plan
+    devices = state.devices or []
+    return {"plan": list(plan.micro_batch_sizes) if plan else None,
+            "planned": list(planned.micro_batch_sizes) if planned else None,
+            "scores": [d.spec_score for d in devices], "sources": [d.score_source for d in devices]}
+
+
+def profiled_speeds(runtime):
+    """Per data-parallel rank, the speed the profiling steps measured (forward+backward samples per
+    second, ``profiling.measured_rates``) relative to rank 0's; None where nothing was profiled."""
+    from deepspeed.runtime.heterogeneous.planning.profiling import measured_rates
+    if runtime is None or not runtime.decisions.history:
+        return None
+    try:
+        rates = measured_rates(runtime.decisions.history)
+    except ValueError:  # a rank without micro-steps: nothing to report
+        return None
+    return [rates[0] / rate for rate in rates]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=40)
@@ -40,8 +66,11 @@ def main():
     engine, _, loader, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters(),
                                                 training_data=dataset)
     rank = engine.global_rank
+    if rank == 0:
+        print(json.dumps({"start": startup(engine)}), flush=True)
     batches = iter(loader)
     start = profiler = None
+    began = time.perf_counter()
     for step in range(args.steps):
         if step == MEASURE_FROM:
             dist.barrier()
@@ -61,7 +90,8 @@ def main():
         dist.all_reduce(share)
         if rank == 0:
             print(json.dumps({"step": step, "loss": share[0].item() / share[1].item(),
-                              "plan": list(ran.micro_batch_sizes) if ran else None}), flush=True)
+                              "plan": list(ran.micro_batch_sizes) if ran else None,
+                              "elapsed": time.perf_counter() - began}), flush=True)
     dist.barrier()
     elapsed = time.perf_counter() - start
     if profiler is not None:
@@ -80,7 +110,8 @@ def main():
     if rank == 0:
         samples = engine.train_batch_size() * (args.steps - MEASURE_FROM)
         print(json.dumps({"summary": True, "samples_per_s": samples / elapsed,
-                          "emulation": "/".join(sorted(set(modes) - {"none"})) or "none"}), flush=True)
+                          "emulation": "/".join(sorted(set(modes) - {"none"})) or "none",
+                          "measured_speeds": profiled_speeds(runtime)}), flush=True)
     engine.destroy()  # what the fork started for the engine ends before the process groups go
     dist.destroy_process_group()
 
