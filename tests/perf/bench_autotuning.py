@@ -46,6 +46,13 @@ load": the CPU cores, on average, that processes other than this benchmark's kep
 
     python tests/perf/bench_autotuning.py                      (from the repository root)
     python tests/perf/bench_autotuning.py --clusters emulated --modes fast --keep
+    python tests/perf/bench_autotuning.py --pruning            (fast mode with and without plan pruning)
+
+``--pruning`` runs no grid: fast mode as it is (``autotuning.plan_pruning`` 0.25, the default: a ZeRO
+stage predicted more than 25% worse than the best, its communication included, is not run) beside
+fast mode without pruning (``plan_pruning: false``) on the emulated cluster, alternately, ``--repeats``
+times each, and reports per run the experiments run, the stages pruned and the configuration chosen.
+Writes tests/perf/results/autotuning_pruning.json.
 """
 
 import argparse
@@ -94,7 +101,11 @@ CLUSTERS = {
 MODES = {
     "fast": {"fast": True},
     "model_based": {"fast": False, "tuner_type": "model_based"},
+    # Fast mode as it was before the plan's communication model pruned stages (issue 58, item 6).
+    "fast_unpruned": {"fast": True, "plan_pruning": False},
 }
+DEFAULT_MODES = ["fast", "model_based"]
+PRUNING_RESULTS = REPO / "tests" / "perf" / "results" / "autotuning_pruning.json"
 
 
 class CpuMeter:
@@ -219,7 +230,7 @@ def _chosen(optimal):
 
 def run_tuner(cluster, mode, work):
     """One ``deepspeed --autotuning tune`` run; its outcome from results.json and the optimal config."""
-    from deepspeed.autotuning.heterogeneous.results import OK, PREDICTED_OOM
+    from deepspeed.autotuning.heterogeneous.results import NOT_RUN, OK, PRUNED
     os.makedirs(work, exist_ok=True)
     config = user_config(cluster, work, mode)
     config_path = os.path.join(work, "ds_config.json")
@@ -256,9 +267,11 @@ def run_tuner(cluster, mode, work):
     with open(results_path) as handle:
         results = json.load(handle)
     experiments = results["experiments"]
-    ran = [e for e in experiments if e["status"] != PREDICTED_OOM]
+    ran = [e for e in experiments if e["status"] not in NOT_RUN]
+    pruned = [e["name"] for e in experiments if e["status"] == PRUNED]
     row.update(tuning_seconds=results.get("tuning_seconds"), profile=results.get("profile"),
-               experiments_run=len(ran), candidates_predicted_oom=len(experiments) - len(ran),
+               experiments_run=len(ran), candidates_predicted_oom=len(experiments) - len(ran) - len(pruned),
+               pruned=pruned,
                experiments=[{k: e.get(k) for k in ("name", "status", "value", "predicted", "seconds")}
                             for e in experiments])
     ok = [e for e in ran if e["status"] == OK and e["value"] is not None]
@@ -449,11 +462,55 @@ def _write(report, began, load_start):
     RESULTS.write_text(json.dumps(report, indent=2))
 
 
+def run_pruning(repeats, keep=False):
+    """Fast mode with and without plan pruning, alternately, on the emulated cluster (no grid)."""
+    began = time.monotonic()
+    load_start = [round(x, 2) for x in os.getloadavg()]
+    work = tempfile.mkdtemp(prefix="bench_autotuning_pruning_")
+    runs = {"fast": [], "fast_unpruned": []}
+    try:
+        for repeat in range(repeats):
+            for mode in runs:
+                row = run_tuner("emulated", mode, os.path.join(work, f"{mode}_{repeat}"))
+                row.pop("profile", None)
+                runs[mode].append(row)
+                done = repeat * len(runs) + list(runs).index(mode) + 1
+                print(f"[{time.monotonic() - began:5.0f} s] run {done}/{repeats * len(runs)} {mode}: "
+                      f"{row.get('experiments_run')} experiments, pruned {row.get('pruned')}, chosen "
+                      f"{row.get('chosen')} at {row.get('best_throughput') or 0:.1f} samples/s, other load "
+                      f"{_cores(row.get('other_load_cores'))} cores", flush=True)
+    finally:
+        clean_shm(work)
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+    summary = {mode: {"experiments_run": [r.get("experiments_run") for r in rows],
+                      "chosen": [r.get("chosen") for r in rows],
+                      "best_throughput": [r.get("best_throughput") for r in rows],
+                      "tuning_seconds": [r.get("tuning_seconds") for r in rows]} for mode, rows in runs.items()}
+    report = {"cluster": "emulated", "description": CLUSTERS["emulated"]["description"], "speeds": SPEEDS,
+              "zero_stages": STAGES, "train_batch_size": GLOBAL_BATCH, "summary": summary, "runs": runs,
+              "total_wall_seconds": time.monotonic() - began,
+              "load_average": {"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]}}
+    PRUNING_RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    PRUNING_RESULTS.write_text(json.dumps(report, indent=2))
+    for mode, row in summary.items():
+        print(f"{mode:14s} experiments {row['experiments_run']}, chosen {row['chosen']}, "
+              f"samples/s {[round(v or 0, 1) for v in row['best_throughput']]}, tuning s "
+              f"{[round(v or 0) for v in row['tuning_seconds']]}")
+    print(f"JSON written to {PRUNING_RESULTS}")
+    return report
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clusters", nargs="+", default=list(CLUSTERS), choices=list(CLUSTERS))
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES))
     parser.add_argument("--keep", action="store_true", help="keep the experiments' folders (printed in the JSON)")
+    parser.add_argument("--pruning", action="store_true", help="fast mode with and without plan pruning, no grid")
+    parser.add_argument("--repeats", type=int, default=1, help="with --pruning: runs of each mode")
     arguments = parser.parse_args()
     os.chdir(REPO)
-    run(arguments.clusters, arguments.modes, keep=arguments.keep)
+    if arguments.pruning:
+        run_pruning(arguments.repeats, keep=arguments.keep)
+    else:
+        run(arguments.clusters, arguments.modes, keep=arguments.keep)

@@ -7,7 +7,7 @@ import os
 import shlex
 import time
 
-from .results import OK, OOM, PREDICTED_OOM, PROFILED, format_summary, lr_advice, select_best
+from .results import NOT_RUN, OK, OOM, PROFILED, format_summary, lr_advice, select_best
 from .experiment import Experiment, optimal_ds_config
 
 RESULT_FILES = ("summary.txt", "results.json", "ds_config_optimal.json", "cmd_optimal.txt")
@@ -31,11 +31,11 @@ class TuningOutputs:
         counts = {}
         for outcome in self.outcomes:
             counts[outcome.status] = counts.get(outcome.status, 0) + 1
-        if counts and set(counts) <= {OOM, PREDICTED_OOM}:
+        if counts and set(counts) <= {OOM, *NOT_RUN}:
             why = ("every candidate ran out of memory: lower the micro-batch sizes, use a higher ZeRO stage or "
                    "offload optimizer states")
         else:
-            last = [o for o in self.outcomes if o.status not in (OK, PREDICTED_OOM, PROFILED)]
+            last = [o for o in self.outcomes if o.status not in (OK, PROFILED, *NOT_RUN)]
             if last:
                 why = f"no experiment succeeded; last error ({last[-1].name}, {last[-1].status}):\n{last[-1].error}"
             elif counts:
@@ -45,8 +45,8 @@ class TuningOutputs:
         return f"{why}\noutcomes: {counts}; details: {os.path.join(self.results_dir, 'results.json')}"
 
     def _ran(self):
-        """Experiments that ran (predicted out-of-memory candidates did not)."""
-        return len([o for o in self.outcomes if o.status != PREDICTED_OOM])
+        """Experiments that ran (candidates predicted out of memory or pruned did not)."""
+        return len([o for o in self.outcomes if o.status not in NOT_RUN])
 
     def best(self):
         return select_best(self.outcomes, self.settings.metric)
@@ -98,7 +98,7 @@ class TuningOutputs:
     def print_tuning_results(self):
         best = self.best()
         print(self._summary(), flush=True)
-        ran = len([o for o in self.outcomes if o.status != PREDICTED_OOM])
+        ran = len([o for o in self.outcomes if o.status not in NOT_RUN])
         folder = f" (folder {best.folder})" if best.folder and os.path.basename(best.folder) != best.name else ""
         _say(f"{ran} experiments in {_clock(time.monotonic() - self.began)}; best {best.name}: "
              f"{self.settings.metric} {best.value:.4g}{folder}")

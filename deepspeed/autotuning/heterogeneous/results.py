@@ -9,6 +9,9 @@ from typing import Dict, List, Optional
 OK, OOM, FAILED, TIMEOUT, NO_METRICS, PREDICTED_OOM = ("ok", "out of memory", "failed", "timed out", "no metrics",
                                                        "predicted out of memory")
 PROFILED = "profiling only"  # measured the ranks; not a candidate (heterogeneous_config is off)
+PRUNED = "pruned by the plan"  # fast mode: a ZeRO stage predicted beyond autotuning.plan_pruning of the best
+NOT_RUN = (PREDICTED_OOM, PRUNED)
+"""Outcomes the tuner decided from predictions alone: no experiment ran."""
 
 # Lines that mean the process ran out of memory. A run is never judged by the word "error"
 # in its output (upstream marked any stderr line containing it as a failure); the exit status
@@ -116,10 +119,10 @@ def format_summary(outcomes, metric, stages, pipeline_points=()):
     groups += [(pipeline_label(d, p), lambda o, d=d, p=p: (o.pipeline_stages, o.partition) == (d, p))
                for d, p in pipeline_points]
     for label, member in groups:
-        mine = [o for o in outcomes if member(o) and o.status != PREDICTED_OOM]
+        mine = [o for o in outcomes if member(o) and o.status not in NOT_RUN]
         best = select_best(mine, metric)
         rows.append((label, str(len(mine)), _fmt(best), best.name if best else "-"))
-    ran = [o for o in outcomes if o.status != PREDICTED_OOM]
+    ran = [o for o in outcomes if o.status not in NOT_RUN]
     best = select_best(ran, metric)
     rows.append(("global", str(len(ran)), _fmt(best), best.name if best else "-"))
     widths = [max(len(r[c]) for r in [header] + rows) for c in range(4)]

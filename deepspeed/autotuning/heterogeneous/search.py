@@ -10,7 +10,8 @@ import os
 
 from .costmodel import ClusterProfile
 from .outputs import _say
-from .results import OK, OOM, PREDICTED_OOM, PROFILED, TIMEOUT, is_better, lower_is_better, select_best
+from .results import (NOT_RUN, OK, OOM, PROFILED, PRUNED, TIMEOUT, Outcome, is_better, lower_is_better,
+                      select_best)
 from .experiment import Experiment, interpolate
 
 EXPLORATION = 0.2
@@ -155,7 +156,7 @@ class TuningSearch:
         return sorted(fitting, key=lambda item: item[1].metric(self.settings.metric), reverse=reverse)
 
     def _already(self, experiment):
-        names = {o.name for o in self.outcomes if o.status != PREDICTED_OOM}
+        names = {o.name for o in self.outcomes if o.status not in NOT_RUN}
         return experiment.name in names
 
     def _fast(self, fitting):
@@ -165,6 +166,7 @@ class TuningSearch:
             mine = [item for item in ranked if item[0].stage == stage]
             if mine:
                 firsts.append(mine)
+        firsts = self._pruned(firsts)
         self.planned += len([mine for mine in firsts if not self._already(mine[0][0])])
         for mine in firsts:
             experiment, prediction = mine[0]
@@ -178,6 +180,36 @@ class TuningSearch:
             self.planned += 1
             experiment, prediction = runner_up[0]
             self._run(experiment, prediction.metric(self.settings.metric))
+
+    def _pruned(self, firsts):
+        """Fast mode's stages (each a ranked list of ``(experiment, prediction)``) less those whose best
+        prediction is worse than the best stage's by more than ``autotuning.plan_pruning``, recorded as
+        PRUNED with the figures. Only where the predictions carry each stage's communication (the
+        profiling run measured its collectives): compute alone cannot rank the stages."""
+        margin = self.settings.plan_pruning
+        if margin is None or self.profile is None or self.profile.bytes_per_second is None or len(firsts) < 2:
+            return firsts
+        metric = self.settings.metric
+        values = [mine[0][1].metric(metric) for mine in firsts]
+        lower = lower_is_better(metric)
+        best = min(values) if lower else max(values)
+        kept = []
+        for mine, value in zip(firsts, values):
+            worse = value / best - 1.0 if lower else 1.0 - value / best
+            experiment, prediction = mine[0]
+            if worse <= margin or self._already(experiment):
+                kept.append(mine)
+                continue
+            why = (f"ZeRO-{experiment.stage}'s best candidate is predicted {worse:.0%} worse than the best stage's "
+                   f"({metric} {value:.4g} against {best:.4g}; its collectives "
+                   f"{prediction.communication_seconds * 1e3:.0f} ms per step), beyond autotuning.plan_pruning "
+                   f"{margin:g}")
+            _say(f"pruned {experiment.name}: {why}")
+            self.outcomes.append(Outcome(name=experiment.name, stage=experiment.stage, status=PRUNED, error=why,
+                                         predicted=value, gas=experiment.gas,
+                                         micro_batch_sizes=list(experiment.micro_batch_sizes),
+                                         train_batch_size=experiment.train_batch_size))
+        return kept
 
     def _grid(self, fitting):
         todo = [item for item in fitting if not self._already(item[0])]
@@ -206,7 +238,7 @@ class TuningSearch:
                 self._run(mine[0][0], mine[0][1].metric(metric))
         best = select_best(self.outcomes, metric)
         stale = 0
-        trials = len([o for o in self.outcomes if o.status != PREDICTED_OOM])
+        trials = len([o for o in self.outcomes if o.status not in NOT_RUN])
         while todo and stale < self.settings.tuner_early_stopping and trials < self.settings.tuner_num_trials:
             index = choose_next(todo, self._corrections(by_name), metric, self.rng)
             experiment, prediction = todo.pop(index)

@@ -45,6 +45,8 @@ AUTOTUNING_KEYS = {
     "num_tuning_micro_batch_sizes": "int >= 1",
     "experiment_timeout": "seconds > 0 (default 1800)",
     "seed": "int (random and model_based tuners)",
+    "plan_pruning": "a fraction > 0 or false (default 0.25): fast mode skips a ZeRO stage predicted that much "
+                    "worse than the best",
     MBS: "'auto', an int or a list of ints",
     GAS: "'auto', an int or a list of ints",
     ZERO: "{'stage': int or list of 0-3}",
@@ -79,6 +81,10 @@ class Settings:
     num_tuning_micro_batch_sizes: int = 3
     experiment_timeout: float = 1800.0
     seed: int = 0
+    plan_pruning: Optional[float] = 0.25
+    """Fast mode: skip a ZeRO stage whose best candidate's predicted metric (compute plus the stage's
+    communication at the measured bandwidth) is worse than the best stage's by more than this fraction;
+    None: run every stage's best (as before the plan's communication model was used)."""
 
 
 def _int(value, key, low):
@@ -141,6 +147,15 @@ def parse_settings(ds_config):
     if settings.min_train_micro_batch_size_per_gpu > settings.max_train_micro_batch_size_per_gpu:
         raise AutotuningConfigError("autotuning.min_train_micro_batch_size_per_gpu exceeds "
                                     "max_train_micro_batch_size_per_gpu")
+    if "plan_pruning" in block:
+        value = block["plan_pruning"]
+        if value is False or value is None:
+            settings.plan_pruning = None
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise AutotuningConfigError(f"autotuning.plan_pruning = {value!r}: must be a fraction > 0 (e.g. 0.25: "
+                                        f"skip a ZeRO stage predicted 25% worse than the best) or false")
+        else:
+            settings.plan_pruning = float(value)
     if "experiment_timeout" in block:
         value = block["experiment_timeout"]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:

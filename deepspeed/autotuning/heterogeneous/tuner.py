@@ -38,7 +38,7 @@ from deepspeed.utils import logger
 
 from .experiment import replica_micro_batches
 from .outputs import RESULT_FILES, TuningOutputs, _clock, _say
-from .results import FAILED, NO_METRICS, OK, PREDICTED_OOM, Outcome, metric_value, select_best
+from .results import FAILED, NO_METRICS, NOT_RUN, OK, PREDICTED_OOM, Outcome, metric_value, select_best
 from .runner import ExperimentRunner, find_config_path
 # EXPLORATION and choose_next are re-exported: the tests import them from this module.
 from .search import EXPLORATION, PROFILE_STEPS, TuningSearch, choose_next  # noqa: F401
@@ -176,7 +176,7 @@ class HeterogeneousAutotuner(TuningSearch, TuningOutputs):
         exp_dir = os.path.join(self.exps_dir, name)
         config = experiment.ds_config(self.user_config, os.path.join(exp_dir, "metrics.json"), settings,
                                       PROFILE_STEPS)
-        number = len([o for o in self.outcomes if o.status != PREDICTED_OOM]) + 1
+        number = len([o for o in self.outcomes if o.status not in NOT_RUN]) + 1
         # The search plans stage by stage, so the total grows as it goes: a count that reached its
         # total and went on ("3/3, 4/4") would read as finished.
         total = max(self.planned, number)
@@ -218,7 +218,7 @@ class HeterogeneousAutotuner(TuningSearch, TuningOutputs):
         """Two script-level failures before any success: the script cannot be tuned; stop."""
         if any(o.status == OK for o in self.outcomes):
             return
-        ran = [o for o in self.outcomes if o.status != PREDICTED_OOM]
+        ran = [o for o in self.outcomes if o.status not in NOT_RUN]
         if len(ran) >= 2 and all(o.status in (FAILED, NO_METRICS) for o in ran[-2:]):
             self._write_results()
             raise AutotuningError(f"the first experiments failed the same way, so the script cannot be tuned as "

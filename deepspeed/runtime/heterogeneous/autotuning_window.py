@@ -18,7 +18,8 @@ carries the FLOPS profiler's hooks on rank 0 and is left out. Rank 0 writes one 
     step_seconds    rank 0's seconds per window step
     ranks           per rank: micro-batch, gas, seconds per step, peak memory, capacity, device
     profile         with a heterogeneous compute_aware plan: the measured per-rank time and
-                    activation models the tuner predicts candidates with (costmodel.py)
+                    activation models and seconds in collectives the tuner predicts candidates
+                    with (costmodel.py)
 """
 
 import json
@@ -82,6 +83,9 @@ def _rank_profile(engine):
     measured = [(m, b) for step in runtime.decisions.history for m, _, b in step[rank]["samples"] if b is not None]
     activations = fit_activation_model(measured) if measured else None
     model = runtime.decisions.measured_time_models()[rank]
+    from deepspeed.runtime.heterogeneous.planning.profiling import fit_steps
+    steps = fit_steps(runtime.decisions.history)
+    in_collectives = [step[rank].get("collective_s") for step in steps]
     return {
         "a": model.a,
         "b": model.b,
@@ -93,6 +97,9 @@ def _rank_profile(engine):
         "capacity_bytes": None if runtime.capacities is None else runtime.capacities[rank],
         "utilization": runtime.state.settings.memory.hbm_utilization_threshold,
         "profile_gas": runtime.state.base_gas,
+        # Seconds per step in collectives over the fitted profiling steps: what the tuner's cost model
+        # turns into a bandwidth for the other stages' communication.
+        "collective_seconds": None if None in in_collectives else sum(in_collectives) / len(in_collectives),
     }
 
 

@@ -4,6 +4,7 @@ classification, the cost model, the model-based choice, the summary and the lr a
 Each upstream defect named in the issue has a test here or in test_autotuning_runs.py."""
 
 import json
+from dataclasses import replace
 import random
 
 import pytest
@@ -325,6 +326,63 @@ def test_cost_model_predicts_the_slowest_rank_and_memory_per_stage():
     small = _profile(capacities=(12e6 + 16e6, None))  # room for 11 samples at stage 0
     assert small.max_micro_batch(0)[0] == 11
     assert not small.predict(0, 1, (12, 4)).fits and small.predict(0, 1, (11, 5)).fits
+
+
+def test_the_cost_model_adds_each_stages_communication_at_the_measured_bandwidth():
+    # The profiling run (ZeRO-1, gas 1) spent 0.2 s per step in collectives: its reduce-scatter and
+    # all-gather send 2 MB each per rank (1M fp32 parameters over 2 ranks), so 20 MB/s.
+    profile = replace(_profile(), collective_seconds=0.2, profile_stage=1, profile_gas=1)
+    assert profile.stage_bytes(1, 1) == 4e6 and profile.bytes_per_second == pytest.approx(2e7)
+    # ZeRO-3 gathers twice and reduces once per micro-step: 6 MB, 0.3 s; ZeRO-2 reduces every micro-step.
+    assert profile.communication(3, 1) == pytest.approx(0.3)
+    assert profile.communication(2, 2) == pytest.approx((2 * 2e6 + 2e6) / 2e7)
+    prediction = profile.predict(3, 1, (12, 4))
+    assert prediction.step_seconds == pytest.approx(0.022 + 0.3) and prediction.communication_seconds == 0.3
+    # Without the measurement the prediction is compute alone (a profile written by an older run).
+    assert _profile().predict(3, 1, (12, 4)).step_seconds == pytest.approx(0.022)
+    assert any("20.0 MB/s" in row or "19.1 MiB/s" in row for row in profile.summary())
+
+
+class _PredictedSearch(TuningSearch):
+    """The search alone: experiments "run" at their predicted metric, and are recorded."""
+
+    def __init__(self, profile, stages, **block):
+        config = {"train_batch_size": 16, "zero_optimization": {"stage": stages},
+                  "autotuning": {"enabled": True, **block}}
+        self.settings = parse_settings(config)
+        self.space = parse_space(config, self.settings, 2)
+        self.profile, self.outcomes, self.planned, self.ran = profile, [], 0, []
+
+    def _run(self, experiment, predicted=None, settings=None):
+        self.ran.append(experiment.name)
+        outcome = R.Outcome(name=experiment.name, stage=experiment.stage, status=R.OK, value=predicted)
+        self.outcomes.append(outcome)
+        return outcome
+
+
+def _fitting(profile, stages):
+    experiments = [Experiment(stage=s, gas=1, micro_batch_sizes=sizes, heterogeneous=True)
+                   for s in stages for sizes in ((8, 8), (12, 4))]
+    return [(e, profile.predict(e.stage, e.gas, e.micro_batch_sizes)) for e in experiments]
+
+
+def test_fast_mode_skips_the_stages_the_plan_predicts_far_worse():
+    profile = replace(_profile(), collective_seconds=0.2, profile_stage=1, profile_gas=1)
+    search = _PredictedSearch(profile, [1, 2, 3])
+    search._fast(_fitting(profile, [1, 2, 3]))
+    # ZeRO-3's 0.3 s of collectives against ZeRO-1/2's 0.2 s: 31% fewer samples/s, beyond 0.25.
+    pruned = [o for o in search.outcomes if o.status == R.PRUNED]
+    assert [o.stage for o in pruned] == [3] and "predicted 31% worse" in pruned[0].error, pruned
+    assert search.ran == ["z1_gas1_tmbspg12-4", "z2_gas1_tmbspg12-4", "z1_gas1_tmbspg8"], search.ran
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip()
+            for line in R.format_summary(search.outcomes, "throughput", [1, 2, 3]).splitlines() if line.startswith("|")}
+    assert (rows["z1"], rows["z2"], rows["z3"], rows["global"]) == ("2", "1", "0", "3"), rows  # pruned: not run
+    # Off, or without a measured bandwidth, fast mode runs every stage's best as before.
+    for search in (_PredictedSearch(profile, [1, 2, 3], plan_pruning=False), _PredictedSearch(_profile(), [1, 2, 3])):
+        search._fast(_fitting(search.profile, [1, 2, 3]))
+        assert len(search.ran) == 4 and not any(o.status == R.PRUNED for o in search.outcomes)
+    with pytest.raises(AutotuningConfigError, match="plan_pruning"):
+        parse_settings({"autotuning": {"plan_pruning": -1}})
 
 
 def test_model_based_choice_follows_corrected_predictions_and_really_explores():
