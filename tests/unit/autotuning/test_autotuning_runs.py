@@ -7,6 +7,7 @@ down; each experiment costs ~15-25 s of start-up on two cores.
 """
 
 import json
+import re
 import os
 import shutil
 import signal
@@ -131,6 +132,8 @@ def test_tune_then_run_on_an_emulated_mixed_cluster(tmp_path):
         assert line in output
     assert "[autotuning] experiment 1 (profiling run) profile_z1_gas1_tbs16: running" in output
     assert "[autotuning] experiment 2 of " in output and " planned so far " in output and "ETA" in output
+    # The profiling run measured its collectives: the bandwidth other stages' communication is predicted at.
+    assert re.search(r"collectives: [\d.]+ ms per step at ZeRO-1, [\d.]+ MiB/s per rank", output), output[-6000:]
     optimal = json.loads((tmp_path / "autotuning_results" / "ds_config_optimal.json").read_text())
     plan = optimal["heterogeneous_config"]
     assert optimal["train_batch_size"] == 16 and optimal["zero_optimization"]["stage"] == 1
