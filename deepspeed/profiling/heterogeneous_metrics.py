@@ -32,14 +32,20 @@ Definitions (sums run over the profiled steps; ``N`` data-parallel ranks):
   step time).
 - Health targets: utilisation > 75% (else LOW), communication share < 25% (else
   HIGH), memory balance > 0.8 (else LOW); ``n/a`` when a value is unknown.
+- Speed changes: a rank's compute seconds per sample (``busy / samples``) that moves by a factor
+  of ``SPEED_CHANGE_FACTOR`` or more between two runs of at least ``SPEED_CHANGE_MIN_STEPS`` steps
+  at one micro-batch size (medians), and the changes an emulation's ``speed_schedule`` asked for
+  within the window; one entry per rank and change, the asked and the measured side by side when
+  they are within a step.
 """
 
+import itertools
 import math
 
 from deepspeed.runtime.heterogeneous.cluster.agreement import merge_replicas as merge_model_parallel_peers
 
-__all__ = ["HEALTH_TARGETS", "METRICS_VERSION", "compute_metrics", "health_status", "memory_balance",
-           "merge_replicas", "split_collective_time"]
+__all__ = ["HEALTH_TARGETS", "METRICS_VERSION", "compute_metrics", "health_status", "measured_speed_changes",
+           "memory_balance", "merge_replicas", "speed_changes", "split_collective_time"]
 
 METRICS_VERSION = 1
 
@@ -49,6 +55,9 @@ HEALTH_TARGETS = {
     "communication_share": (0.25, False),
     "memory_balance": (0.8, True),
 }
+
+SPEED_CHANGE_FACTOR = 1.5
+SPEED_CHANGE_MIN_STEPS = 3
 
 _RECORD_FIELDS = ("compute_s", "forward_s", "backward_s", "optimizer_s", "collective_s", "wall_s", "activation_bytes",
                   "resplit_input_bytes", "resplit_output_bytes")
@@ -106,7 +115,113 @@ def _ratio(numerator, denominator):
     return numerator / denominator if denominator > 0 else 0.0
 
 
-def compute_metrics(ranks, capacities=None, plan=None, device_names=None, events=(), topology=None):
+def _median(values):
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def _deviation(values):
+    centre = _median(values)
+    return math.fsum(abs(value - centre) for value in values)
+
+
+def _level_shifts(levels, start, stop, threshold, min_steps):
+    """Where ``levels[start:stop]`` shifts by ``threshold`` or more: the split that leaves the least
+    absolute deviation from each side's median, then the same within each side. Medians and
+    absolute deviations, so one slow step (a neighbour's burst, a garbage collection) is no shift."""
+    splits = range(start + min_steps, stop - min_steps + 1)
+    if not splits:
+        return []
+    split = min(splits, key=lambda at: _deviation(levels[start:at]) + _deviation(levels[at:stop]))
+    before, after = _median(levels[start:split]), _median(levels[split:stop])
+    if abs(after - before) < threshold:
+        return []
+    # The steps either side of the split belong to their sides; else the shift lies elsewhere (a
+    # burst of min_steps - 1 slow steps at the end of a run pulls the split onto a normal step).
+    if abs(levels[split] - after) > abs(levels[split] - before) or \
+            abs(levels[split - 1] - before) > abs(levels[split - 1] - after):
+        return []
+    return (_level_shifts(levels, start, split, threshold, min_steps) + [split] +
+            _level_shifts(levels, split, stop, threshold, min_steps))
+
+
+def measured_speed_changes(steps, per_rank_records, factor=SPEED_CHANGE_FACTOR, min_steps=SPEED_CHANGE_MIN_STEPS):
+    """Steps at which a rank's compute seconds per sample moved by ``factor`` or more and stayed.
+
+    Only steps at one micro-batch size are compared: a rebalance changes the size, and with it the
+    share of a micro-step's fixed cost in each sample (on the small GPT on a CPU, 12 samples cost
+    half as much each as 8), which is no change of the device's speed.
+
+    Args:
+        steps: the profiled steps, in order.
+        per_rank_records: per rank, its records of those steps (``compute_s``, ``optimizer_s``,
+            ``samples``, ``micro_batch_size``).
+        factor: the smallest ratio of the medians either side that counts (default 1.5).
+        min_steps: the fewest steps either side of a change (default 3).
+
+    Returns ``[{"step", "rank", "seconds_per_sample": [before, after], "factor": after / before}]``,
+    ``step`` the first step at the new speed; a factor above 1 is a slow-down.
+    """
+    changes = []
+    for rank, records in enumerate(per_rank_records):
+        timed = [(step, r["micro_batch_size"], (r["compute_s"] + r["optimizer_s"]) / r["samples"])
+                 for step, r in zip(steps, records) if r["samples"] > 0 and r["compute_s"] + r["optimizer_s"] > 0]
+        for _, run in itertools.groupby(timed, key=lambda entry: entry[1]):
+            run = list(run)
+            # On log values a slow-down and a speed-up by the same factor are shifts of one size.
+            levels = [math.log(seconds) for _, _, seconds in run]
+            bounds = [0] + _level_shifts(levels, 0, len(levels), math.log(factor), min_steps) + [len(levels)]
+            for before, at, after in zip(bounds, bounds[1:], bounds[2:]):
+                per_sample = [math.exp(_median(levels[before:at])), math.exp(_median(levels[at:after]))]
+                changes.append({"step": run[at][0], "rank": rank, "seconds_per_sample": per_sample,
+                                "factor": per_sample[1] / per_sample[0]})
+    return changes
+
+
+def asked_speed_changes(steps, emulation, world_size):
+    """The changes of the emulated speeds that ``emulation`` (``{"speeds", "speed_schedule"}``, one
+    speed per data-parallel rank) makes at the profiled ``steps``: ``[{"step", "rank", "speeds":
+    [before, after]}]``; none without emulation or where the lists are not one entry per rank."""
+    if not emulation:
+        return []
+    first = emulation.get("speeds") or [1.0] * world_size
+    schedule = sorted(emulation.get("speed_schedule") or [], key=lambda change: change["step"])
+    if len(first) != world_size or any(len(change["speeds"]) != world_size for change in schedule):
+        return []
+
+    def speeds_at(step):
+        due = [change["speeds"] for change in schedule if change["step"] <= step]
+        return list(due[-1]) if due else list(first)
+
+    return [{"step": step, "rank": rank, "speeds": [before[rank], after[rank]]}
+            for step in steps for before, after in [(speeds_at(step - 1), speeds_at(step))]
+            for rank in range(world_size) if before[rank] != after[rank]]
+
+
+def speed_changes(steps, per_rank_records, emulation=None):
+    """Each rank's speed changes within the profiled steps: asked by the emulation, measured, or
+    both (a measured change within one step of an asked one for the same rank is that change).
+
+    Returns ``[{"step", "rank", "asked_speeds": [before, after] or None, "measured_factor": float
+    or None, "seconds_per_sample": [before, after] or None}]`` sorted by step and rank."""
+    measured = measured_speed_changes(steps, per_rank_records)
+    merged = []
+    for asked in asked_speed_changes(steps, emulation, len(per_rank_records)):
+        match = next((m for m in measured if m["rank"] == asked["rank"] and abs(m["step"] - asked["step"]) <= 1),
+                     None)
+        if match is not None:
+            measured.remove(match)
+        merged.append({"step": asked["step"], "rank": asked["rank"], "asked_speeds": asked["speeds"],
+                       "measured_factor": match and match["factor"],
+                       "seconds_per_sample": match and match["seconds_per_sample"]})
+    merged += [{"step": m["step"], "rank": m["rank"], "asked_speeds": None, "measured_factor": m["factor"],
+                "seconds_per_sample": m["seconds_per_sample"]} for m in measured]
+    return sorted(merged, key=lambda change: (change["step"], change["rank"]))
+
+
+def compute_metrics(ranks, capacities=None, plan=None, device_names=None, events=(), topology=None,
+                    emulation=None):
     """The profile's metrics (a JSON-ready dict) from per-rank records (see the module docstring).
 
     Args:
@@ -118,6 +233,9 @@ def compute_metrics(ranks, capacities=None, plan=None, device_names=None, events
         events: rebalance events as dicts (``step``, ``old_sizes``, ``new_sizes``, ...).
         topology: the hosts and measured inter-host bandwidths (``Topology.to_dict()`` plus its
             one-line ``describe``), or None on one host.
+        emulation: the emulated speeds, ``{"speeds": [...] or None, "speed_schedule": [{"step",
+            "speeds"}, ...]}``, one speed per data-parallel rank, or None: their changes within the
+            window join the measured ones in ``speed_changes``.
     """
     if not ranks:
         raise ValueError("HeterogeneousProfiler: no ranks to compute metrics for")
@@ -204,5 +322,6 @@ def compute_metrics(ranks, capacities=None, plan=None, device_names=None, events
         "ranks": rank_metrics,
         "plan": plan,
         "rebalance_events": [dict(event) for event in events],
+        "speed_changes": speed_changes(steps, [entry["records"] for entry in ranks], emulation),
         "topology": topology,
     }

@@ -6,6 +6,7 @@
     ...train...
     profiler.stop_profile()                     # every rank, at the same step (a collective)
     profiler.print_heterogeneous_metrics()      # rank 0 prints; every rank can query
+    profiler.save()                             # rank 0: hetero_profile/profile.json, timeline.png
 
 While profiling, the engine's heterogeneous runtime records, per rank and optimizer step ``s``,
 the rank's own compute (forward + backward) and optimizer seconds with time inside collectives
@@ -16,12 +17,16 @@ Start between optimizer steps: the first profiled step is timed from the call to
 ``start_heterogeneous_profile`` on.
 
 The metrics and their definitions are in ``heterogeneous_metrics.py``: pure functions over plain
-records (``compute_metrics`` and its helpers). The report, the JSON file and the PNG timeline are
-in ``heterogeneous_report.py``. Only ``HeterogeneousProfiler.stop_profile`` talks to other ranks.
-The metrics also carry the plan in force when profiling stopped and the rebalance events of the
-profiled steps. ``save_timeline`` needs matplotlib (``pip install matplotlib``), imported only
-there; the rest does not. Every name listed in ``__all__`` stays importable from this module.
+records (``compute_metrics`` and its helpers). The report and the JSON file are in
+``heterogeneous_report.py``, the PNG timeline in ``heterogeneous_timeline.py``. Only
+``HeterogeneousProfiler.stop_profile`` talks to other ranks. The metrics also carry the plan in
+force when profiling stopped, the rebalance events of the profiled steps and the ranks' speed
+changes (measured, and asked by an emulation's ``speed_schedule``). ``save()`` writes the JSON and
+the timeline into a folder. The timeline needs matplotlib (``pip install matplotlib``), imported
+only there; the rest does not. Every name listed in ``__all__`` stays importable from this module.
 """
+
+import os
 
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
@@ -30,9 +35,12 @@ from deepspeed.profiling.heterogeneous_metrics import (HEALTH_TARGETS, compute_m
 from deepspeed.profiling.heterogeneous_metrics import METRICS_VERSION  # noqa: F401 (once defined here)
 from deepspeed.profiling.heterogeneous_report import draw_timeline, format_metrics, load_metrics, write_metrics
 
+# Where ``save()`` writes unless told: a folder of its own, which .gitignore names.
+DEFAULT_OUTPUT_DIRECTORY = "hetero_profile"
+
 __all__ = [
-    "HEALTH_TARGETS", "HeterogeneousProfiler", "compute_metrics", "draw_timeline", "format_metrics", "health_status",
-    "load_metrics", "memory_balance", "merge_replicas", "split_collective_time"
+    "DEFAULT_OUTPUT_DIRECTORY", "HEALTH_TARGETS", "HeterogeneousProfiler", "compute_metrics", "draw_timeline",
+    "format_metrics", "health_status", "load_metrics", "memory_balance", "merge_replicas", "split_collective_time"
 ]
 
 
@@ -60,6 +68,18 @@ def _topology_dict(topology):
     if topology is None or topology.num_hosts == 1:
         return None
     return {**topology.to_dict(), "describe": topology.describe()}
+
+
+def _emulation_dict(emulation, world_size):
+    """The emulated speeds per data-parallel rank for the metrics' speed changes; None without
+    them or where the lists are per process (a pipeline's), not per data-parallel rank."""
+    if emulation is None or not (emulation.speeds or emulation.speed_schedule):
+        return None
+    schedule = [{"step": change.step, "speeds": list(change.speeds)} for change in emulation.speed_schedule or []]
+    speeds = list(emulation.speeds) if emulation.speeds else None
+    if any(len(entry) != world_size for entry in [speeds or [None] * world_size] + [c["speeds"] for c in schedule]):
+        return None
+    return {"speeds": speeds, "speed_schedule": schedule}
 
 
 def _event_dict(event):
@@ -124,6 +144,7 @@ class HeterogeneousProfiler:
             "device_names": self.engine.heterogeneous_state.device_names,
             "events": gathered[0]["events"],
             "topology": _topology_dict(self.engine.heterogeneous_state.topology),
+            "emulation": _emulation_dict(runtime.settings.emulation, runtime.plan.world_size),
         }
         self._metrics = None
 
@@ -160,3 +181,23 @@ class HeterogeneousProfiler:
     def save_timeline(self, path):
         """Write the timeline PNG to ``path`` (needs matplotlib; see ``draw_timeline``)."""
         return draw_timeline(self.get_metrics(), path)
+
+    def save(self, directory=DEFAULT_OUTPUT_DIRECTORY):
+        """Write ``profile.json`` and ``timeline.png`` into ``directory`` (created; default
+        ``hetero_profile`` under the working directory) on global rank 0; every rank gets the paths
+        back, ``{"json": ..., "timeline": ...}``. Without matplotlib the timeline is skipped with a
+        line that says how to install it, and its path is None."""
+        paths = {"json": os.path.join(directory, "profile.json"), "timeline": os.path.join(directory, "timeline.png")}
+        if dist.get_rank() == 0:
+            os.makedirs(directory, exist_ok=True)
+            self.export_json(paths["json"])
+        try:
+            import matplotlib  # noqa: F401 (only whether it is there: the drawing imports what it uses)
+        except ImportError:
+            if dist.get_rank() == 0:
+                print(f"HeterogeneousProfiler.save(): no {paths['timeline']}: the timeline needs matplotlib "
+                      f"(pip install matplotlib)", flush=True)
+            return {**paths, "timeline": None}
+        if dist.get_rank() == 0:
+            self.save_timeline(paths["timeline"])
+        return paths

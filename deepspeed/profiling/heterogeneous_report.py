@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The heterogeneous profiler's output (docs/profiler.md): the printable report, the JSON
-file and the PNG timeline, from the metrics ``heterogeneous_metrics.compute_metrics`` returns.
-
-``draw_timeline`` needs matplotlib (``pip install matplotlib``), imported only there; the rest does
-not.
+"""The heterogeneous profiler's output (docs/profiler.md): the printable report and the JSON
+file, from the metrics ``heterogeneous_metrics.compute_metrics`` returns; the PNG timeline is
+``heterogeneous_timeline.draw_timeline`` (it needs matplotlib), importable from here too.
 """
 
 import json
+
+from deepspeed.profiling.heterogeneous_timeline import describe_speed_change, draw_timeline
 
 __all__ = ["draw_timeline", "format_metrics", "load_metrics", "write_metrics"]
 
@@ -86,65 +86,7 @@ def format_metrics(metrics):
         lines.append(f"  step {event['step']}: micro-batches {list(event['old_sizes'])} -> "
                      f"{list(event['new_sizes'])}, predicted gain {_percent(event['predicted_gain'])}, "
                      f"observed {_percent(event.get('observed_gain'))}")
+    changes = metrics.get("speed_changes") or []
+    lines.append("speed changes:" + ("" if changes else " none"))
+    lines += ["  " + describe_speed_change(change) for change in changes]
     return "\n".join(lines)
-
-
-def _step_end_times(metrics):
-    ends, now = [], 0.0
-    for seconds in metrics["step_time_s"]:
-        now += seconds
-        ends.append(now)
-    return ends
-
-
-def draw_timeline(metrics, path):
-    """Write a PNG timeline of ``metrics`` (as ``get_metrics()`` or ``load_metrics()`` gives them).
-
-    One row per rank; each step occupies its step time ``T_s`` on the time axis and holds the
-    rank's busy, waiting and transfer seconds side by side (totals of the step, not the order in
-    which they happened); the rest of the step is other work (data loading, the user's loop).
-    Rebalance events are vertical lines at the end of their step. Needs matplotlib.
-    """
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as exc:
-        raise ImportError("HeterogeneousProfiler.save_timeline() draws with matplotlib, which is not installed: "
-                          "pip install matplotlib") from exc
-    ranks = metrics["ranks"]
-    # The object API with the Agg canvas leaves pyplot's global backend to the user.
-    figure = Figure(figsize=(10, 1.6 + 0.7 * len(ranks)))
-    FigureCanvasAgg(figure)
-    axes = figure.add_subplot()
-    ends = _step_end_times(metrics)
-    starts = [0.0] + ends[:-1]
-    colours = {"busy": "tab:green", "waiting": "tab:orange", "transfer": "tab:blue"}
-    for row, rank in enumerate(ranks):
-        spans = {kind: [] for kind in colours}
-        for start, entry in zip(starts, rank["timeline"]):
-            at = start
-            for kind in colours:
-                seconds = max(entry[f"{kind}_s"], 0.0)
-                spans[kind].append((at, seconds))
-                at += seconds
-        for kind, colour in colours.items():
-            axes.broken_barh(spans[kind], (row - 0.35, 0.7), facecolors=colour, label=kind if row == 0 else None)
-    for end in ends:
-        axes.axvline(end, color="0.85", linewidth=0.5, zorder=0)
-    for event in metrics["rebalance_events"]:
-        if event["step"] in metrics["steps"]:
-            at = ends[metrics["steps"].index(event["step"])]
-            axes.axvline(at, color="tab:red", linestyle="--")
-            axes.text(at, len(ranks) - 0.4, f" rebalance {list(event['old_sizes'])} -> {list(event['new_sizes'])}",
-                      color="tab:red", fontsize=8, va="bottom")
-    axes.set_yticks(range(len(ranks)), [f"rank {r['rank']} ({r['device']})" for r in ranks])
-    axes.set_ylim(len(ranks) - 0.3, -0.7)
-    axes.set_xlim(0, ends[-1] if ends else 1)
-    axes.set_xlabel("seconds since the first profiled step")
-    axes.set_title(f"steps {metrics['steps'][0]}-{metrics['steps'][-1]}: heterogeneous utilisation "
-                   f"{_percent(metrics['heterogeneous_utilization'])}, communication "
-                   f"{_percent(metrics['communication_share'])}")
-    axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, format="png")
-    return path

@@ -4,6 +4,7 @@
 import contextlib
 import importlib.util
 import io
+import itertools
 import json
 import os
 import sys
@@ -11,9 +12,11 @@ import sys
 import pytest
 import torch
 
+from deepspeed.profiling.heterogeneous_metrics import measured_speed_changes, speed_changes
 from deepspeed.profiling.heterogeneous_profiler import (HeterogeneousProfiler, compute_metrics, draw_timeline,
                                                         format_metrics, health_status, load_metrics, memory_balance,
                                                         merge_replicas, split_collective_time)
+from deepspeed.profiling.heterogeneous_timeline import GAP_LABEL, short_device_name, timeline_figure
 from harness import run_ranks
 
 # -- pure metrics ---------------------------------------------------------------------------------
@@ -145,6 +148,136 @@ def test_timeline_png(tmp_path):
         assert handle.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+# -- speed changes and the timeline's marks ------------------------------------------------------------
+
+XEON = "Intel(R) Xeon(R) Platinum 8375C CPU @ 2.90GHz"
+SLOW_FROM = 5  # rank 1 runs at 0.4 from this step on
+EMULATION = {"speeds": [1.0, 1.0], "speed_schedule": [{"step": SLOW_FROM, "speeds": [1.0, 0.4]}]}
+
+
+def slowdown_ranks(steps=10, rebalance_after=7):
+    """Rank 1 computes 2.5x longer per sample from step SLOW_FROM on, rank 0 waits for it; after
+    ``rebalance_after`` rank 1 gets 4 samples instead of 8, which evens the ranks out again."""
+    fast, slow = [], []
+    for step in range(1, steps + 1):
+        rebalanced = step > rebalance_after
+        samples = (12, 4) if rebalanced else (8, 8)
+        per_sample = (0.05, 0.125 if step >= SLOW_FROM else 0.05)
+        wobble = 1.0 + 0.04 * (step % 3 - 1)  # a few percent of noise, well below the factor
+        busy = [n * t * wobble for n, t in zip(samples, per_sample)]
+        wall = max(busy) + 0.06
+        fast.append(record(step, busy[0], 0.0, wall - busy[0] - 0.01, wall, samples=samples[0]))
+        slow.append(record(step, busy[1], 0.0, wall - busy[1] - 0.01, wall, samples=samples[1]))
+    return [{"records": fast, "peak_bytes": 900}, {"records": slow, "peak_bytes": 1000}]
+
+
+def slowdown_metrics():
+    events = [{"step": step, "old_sizes": old, "new_sizes": new, "predicted_gain": 0.3, "step_time_before": 1.0,
+               "step_time_after": None, "observed_gain": None}
+              for step, old, new in ((7, [8, 8], [12, 4]), (10, [12, 4], [11, 5]))]  # the last at the right edge
+    return compute_metrics(slowdown_ranks(), device_names=[XEON, XEON], events=events, emulation=EMULATION)
+
+
+def test_a_lasting_change_of_seconds_per_sample_is_a_speed_change_and_one_slow_step_is_not():
+    ranks = slowdown_ranks()
+    steps = list(range(1, 11))
+    records = [rank["records"] for rank in ranks]
+    (change, ) = measured_speed_changes(steps, records)
+    assert change["step"] == SLOW_FROM and change["rank"] == 1
+    assert change["factor"] == pytest.approx(2.5, rel=0.1)
+    # A rebalance changes the micro-batch size and with it the cost per sample (a micro-step's
+    # fixed cost spread over fewer samples): no speed change.
+    overhead = [record(step, 0.8 if step <= 4 else 0.5, 0.0, 0.1, 1.0, samples=8 if step <= 4 else 2)
+                for step in range(1, 9)]
+    assert measured_speed_changes(list(range(1, 9)), [overhead]) == []
+    # One step three times as slow (a neighbour's burst) is no change.
+    spiky = [dict(r) for r in records[0]]
+    spiky[3]["compute_s"] *= 3
+    assert measured_speed_changes(steps, [spiky]) == []
+    # Two slow steps at the end of the window (a burst cut short) are no change either.
+    burst = [record(step, 0.4 if step < 9 else 1.2, 0.0, 0.1, 1.5) for step in range(1, 11)]
+    assert measured_speed_changes(list(range(1, 11)), [burst]) == []
+    # A speed-up is a change too, the other way.
+    (faster, ) = measured_speed_changes(steps[::-1], [records[1][::-1]])
+    assert faster["factor"] == pytest.approx(0.4, rel=0.1)
+
+
+def test_the_asked_and_the_measured_change_are_one_entry():
+    ranks = slowdown_ranks()
+    steps = list(range(1, 11))
+    records = [rank["records"] for rank in ranks]
+    (change, ) = speed_changes(steps, records, EMULATION)
+    assert (change["step"], change["rank"], change["asked_speeds"]) == (SLOW_FROM, 1, [1.0, 0.4])
+    assert change["measured_factor"] == pytest.approx(2.5, rel=0.1)
+    # Asked but not seen (the emulation missed it): kept, with nothing measured.
+    unseen = speed_changes(steps, [records[0], records[0]], EMULATION)
+    assert [(c["rank"], c["asked_speeds"], c["measured_factor"]) for c in unseen] == [(1, [1.0, 0.4], None)]
+    # A change outside the window, or lists that are not one speed per rank, are not in it.
+    assert speed_changes(steps[6:], [r[6:] for r in records], EMULATION) == []
+    assert speed_changes(steps, [records[0], records[0]], {"speeds": [1.0, 1.0, 1.0], "speed_schedule": []}) == []
+    text = format_metrics(slowdown_metrics())
+    assert f"rank 1 from step {SLOW_FROM}: speed 1 -> 0.4 asked, 2.5x slower measured" in text
+
+
+def test_short_device_names_keep_the_model_and_the_json_keeps_the_full_name():
+    assert short_device_name(XEON) == "CPU (Xeon 8375C)"
+    assert short_device_name("AMD EPYC 7R13 48-Core Processor") == "CPU (EPYC 7R13)"
+    assert short_device_name("NVIDIA A100-SXM4-80GB") == "A100-SXM4-80GB"
+    assert short_device_name("NVIDIA GeForce RTX 4090") == "RTX 4090"
+    assert short_device_name("-") == "" and short_device_name(None) == ""
+    long = short_device_name("Some Vendor Accelerator Model 9000 Extreme Edition")
+    assert len(long) == 18 and long.endswith("\u2026")
+    assert slowdown_metrics()["ranks"][0]["device"] == XEON
+
+
+def _texts_by_gid(figure, gid):
+    return [text for text in figure.axes[0].texts if text.get_gid() == gid]
+
+
+def test_timeline_marks_steps_changes_gaps_and_short_names():
+    pytest.importorskip("matplotlib")
+    metrics = slowdown_metrics()
+    figure = timeline_figure(metrics)
+    figure.canvas.draw()
+    renderer = figure.canvas.get_renderer()
+    axes = figure.axes[0]
+    # Step numbers on the x axis, one tick at each step's start.
+    labels = [label.get_text() for label in axes.get_xticklabels()]
+    assert labels == [str(step) for step in metrics["steps"]]
+    assert list(axes.get_xticks()) == pytest.approx([0.0] + list(itertools.accumulate(metrics["step_time_s"]))[:-1])
+    # Each plan change and each speed change is labelled inside the axes, no two labels overlap.
+    rebalances, speeds = _texts_by_gid(figure, "rebalance"), _texts_by_gid(figure, "speed-change")
+    assert [t.get_text() for t in rebalances] == ["rebalance after step 7: [8, 8] \u2192 [12, 4]",
+                                                  "rebalance after step 10: [12, 4] \u2192 [11, 5]"]
+    assert [t.get_text() for t in speeds] == [f"rank 1 from step {SLOW_FROM}: speed 1 \u2192 0.4 asked, "
+                                              f"2.5\u00d7 slower measured"]
+    inside = axes.get_window_extent(renderer)
+    boxes = [text.get_window_extent(renderer) for text in rebalances + speeds]
+    for text, box in zip(rebalances + speeds, boxes):
+        assert inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 and box.y1 <= inside.y1, \
+            (text.get_text(), box, inside)
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    # The legend says what a white gap is, and names the marks.
+    legend = [text.get_text() for text in figure.legends[0].get_texts()]
+    assert GAP_LABEL in legend and "plan change (rebalance)" in legend
+    assert any(label.startswith("speed change") for label in legend)
+    # Short device names on the y axis.
+    assert [label.get_text() for label in axes.get_yticklabels()] == ["rank 0 \u00b7 CPU (Xeon 8375C)",
+                                                                      "rank 1 \u00b7 CPU (Xeon 8375C)"]
+
+
+def test_timeline_of_many_steps_labels_every_kth_step():
+    pytest.importorskip("matplotlib")
+    ranks = [{"records": [record(step, 0.2, 0.05, 0.1, 0.4) for step in range(1, 61)], "peak_bytes": None}]
+    figure = timeline_figure(compute_metrics(ranks))
+    labels = [label.get_text() for label in figure.axes[0].get_xticklabels()]
+    assert labels == [str(step) for step in range(1, 61, 3)]
+    # The unlabelled step starts get a minor tick (matplotlib drops those under a major one).
+    starts = {round(0.4 * step, 6) for step in range(60)}
+    ticks = [*figure.axes[0].get_xticks(), *figure.axes[0].get_xticks(minor=True)]
+    assert {round(tick, 6) for tick in ticks} == starts
+
+
 def block_matplotlib(monkeypatch):
     """Make matplotlib unimportable, as if it were not installed (cached submodules included)."""
     for name in [name for name in sys.modules if name.startswith("matplotlib.")]:
@@ -159,6 +292,18 @@ def test_timeline_without_matplotlib_says_how_to_install_it(tmp_path, monkeypatc
         draw_timeline(metrics, str(tmp_path / "timeline.png"))
     assert not (tmp_path / "timeline.png").exists()
     assert "health targets" in format_metrics(metrics)  # the rest works without it
+
+
+def test_save_without_matplotlib_writes_the_json_and_says_why_no_timeline(tmp_path, monkeypatch, capsys):
+    from deepspeed.profiling import heterogeneous_profiler
+    monkeypatch.setattr(heterogeneous_profiler.dist, "get_rank", lambda: 0)
+    profiler = HeterogeneousProfiler.__new__(HeterogeneousProfiler)  # a finished profile, no engine
+    profiler._snapshot, profiler._metrics = {"ranks": two_ranks()}, None
+    block_matplotlib(monkeypatch)
+    folder = tmp_path / "out"
+    assert profiler.save(str(folder)) == {"json": str(folder / "profile.json"), "timeline": None}
+    assert os.listdir(folder) == ["profile.json"]
+    assert "pip install matplotlib" in capsys.readouterr().out
 
 
 def test_a_module_without_an_engine_says_what_to_pass():
@@ -220,9 +365,10 @@ def profile_training(rank, world_size, out_dir):
     if importlib.util.find_spec("matplotlib") is not None:
         with open(profiler.save_timeline(os.path.join(out_dir, f"rank{rank}.png")), "rb") as handle:
             png = handle.read(8)
+    saved = profiler.save(os.path.join(out_dir, "hetero_profile"))
     return {"metrics": profiler.get_metrics(), "utilization": profiler.get_device_utilization(), "text": text,
             "printed": printed.getvalue(), "loaded": load_metrics(json_path), "png": png,
-            "plan": list(engine.heterogeneous_plan.micro_batch_sizes)}
+            "plan": list(engine.heterogeneous_plan.micro_batch_sizes), "saved": saved}
 
 
 @pytest.mark.multiprocess
@@ -250,3 +396,11 @@ def test_two_ranks_see_the_same_profile(tmp_path):
         assert line.split()[-1] in ("ok", "LOW", "HIGH"), line
     if importlib.util.find_spec("matplotlib") is not None:
         assert fast["png"] == slow["png"] == b"\x89PNG\r\n\x1a\n"
+    # save(): the folder it names, the same paths on every rank, written once.
+    folder = tmp_path / "hetero_profile"
+    assert fast["saved"] == slow["saved"] and fast["saved"]["json"] == str(folder / "profile.json")
+    assert load_metrics(folder / "profile.json") == metrics
+    has_matplotlib = importlib.util.find_spec("matplotlib") is not None
+    assert sorted(os.listdir(folder)) == ["profile.json"] + (["timeline.png"] if has_matplotlib else [])
+    # Emulated speeds without a schedule: no asked change.
+    assert all(change["asked_speeds"] is None for change in metrics["speed_changes"])
