@@ -24,6 +24,5 @@ for _ in range(20):                             # train as usual
 profiler.stop_profile()                         # every rank, same step (gathers all ranks' records)
 profiler.print_heterogeneous_metrics()          # rank 0: utilisation, comm (transfer/wait), memory; ok/LOW/HIGH
 print(profiler.get_device_utilization())        # busy / step time per data-parallel rank, e.g. [0.81, 0.93]
-profiler.export_json("hetero_profile.json")     # all metrics, the plan in force, rebalance events
-profiler.save_timeline("hetero_timeline.png")   # needs matplotlib (an optional extra)
+profiler.save("hetero_profile")                 # rank 0: profile.json and timeline.png (needs matplotlib) there
 engine.reschedule_workload(profiler.get_metrics())  # every rank: re-plan from what it measured

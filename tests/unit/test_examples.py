@@ -123,9 +123,27 @@ def test_python_snippets_on_two_ranks(tmp_path):
         assert sum(ranks[0]["plan"]) == ranks[0]["train_batch_size"], script
     # The sampler feeds each rank its manual share.
     assert [r["last_batch"] for r in by_script["examples/snippets/sampler.py"]] == [20, 12]
-    profile = json.loads((cwd / "hetero_profile.json").read_text())
+    # The profiler's outputs go to the folder the snippet names, under the working directory.
+    profile = json.loads((cwd / "hetero_profile" / "profile.json").read_text())
     assert profile, "the profiler wrote an empty JSON"
-    assert (cwd / "hetero_timeline.png").stat().st_size > 0
+    assert (cwd / "hetero_profile" / "timeline.png").stat().st_size > 0
+
+
+def test_timeline_recipe_shows_a_slow_down_and_a_rebalance_within_its_profile():
+    """docs/profiler.md's timeline recipe (2 minutes; run by hand for the PNG there): it names files
+    that exist, and its config slows a rank and rebalances within the steps it profiles."""
+    from examples.train_heterogeneous import MEASURE_FROM
+
+    words = shown_text("examples/snippets/timeline.sh").replace("\\\n", " ").split()
+    assert words[:2] == ["deepspeed", "--num_gpus"] and (REPO_ROOT / words[3]).is_file(), words
+    options = dict(zip(words[4::2], words[5::2]))
+    config = json.loads((REPO_ROOT / options["--deepspeed_config"]).read_text())["heterogeneous_config"]
+    steps = int(options["--steps"])
+    (change, ) = config["emulation"]["speed_schedule"]
+    assert MEASURE_FROM + 1 < change["step"] < steps and min(change["speeds"]) < 1, change
+    assert config["scheduler"]["dynamic_rebalancing"]
+    assert change["step"] + 2 * config["scheduler"]["check_interval"] < steps  # two checks see the slow-down
+    assert options["--profile"] == "hetero_profile"
 
 
 @pytest.mark.multiprocess
