@@ -329,18 +329,20 @@ def test_cost_model_predicts_the_slowest_rank_and_memory_per_stage():
 
 
 def test_the_cost_model_adds_each_stages_communication_at_the_measured_bandwidth():
-    # The profiling run (ZeRO-1, gas 1) spent 0.2 s per step in collectives: its reduce-scatter and
-    # all-gather send 2 MB each per rank (1M fp32 parameters over 2 ranks), so 20 MB/s.
+    # The profiling run (ZeRO-1, gas 1) spent 0.2 s per step in collectives: its gradient all-reduce
+    # sends 4 MB per rank and its all-gather 2 MB (1M fp32 parameters over 2 ranks), so 30 MB/s.
     profile = replace(_profile(), collective_seconds=0.2, profile_stage=1, profile_gas=1)
-    assert profile.stage_bytes(1, 1) == 4e6 and profile.bytes_per_second == pytest.approx(2e7)
-    # ZeRO-3 gathers twice and reduces once per micro-step: 6 MB, 0.3 s; ZeRO-2 reduces every micro-step.
-    assert profile.communication(3, 1) == pytest.approx(0.3)
-    assert profile.communication(2, 2) == pytest.approx((2 * 2e6 + 2e6) / 2e7)
+    assert profile.stage_bytes(1, 1) == 6e6 and profile.bytes_per_second == pytest.approx(3e7)
+    # ZeRO-3 gathers once (the model is under stage3_max_reuse_distance) and reduce-scatters once per
+    # micro-step: 4 MB; ZeRO-2 all-reduces every micro-step.
+    assert profile.communication(3, 1) == pytest.approx(4e6 / 3e7)
+    assert profile.communication(2, 2) == pytest.approx((2 * 4e6 + 2e6) / 3e7)
     prediction = profile.predict(3, 1, (12, 4))
-    assert prediction.step_seconds == pytest.approx(0.022 + 0.3) and prediction.communication_seconds == 0.3
+    assert prediction.step_seconds == pytest.approx(0.022 + 4e6 / 3e7)
+    assert prediction.communication_seconds == pytest.approx(4e6 / 3e7)
     # Without the measurement the prediction is compute alone (a profile written by an older run).
     assert _profile().predict(3, 1, (12, 4)).step_seconds == pytest.approx(0.022)
-    assert any("20.0 MB/s" in row or "19.1 MiB/s" in row for row in profile.summary())
+    assert any("30.0 MB/s" in row or "28.6 MiB/s" in row for row in profile.summary())
 
 
 class _PredictedSearch(TuningSearch):
@@ -370,13 +372,14 @@ def test_fast_mode_skips_the_stages_the_plan_predicts_far_worse():
     profile = replace(_profile(), collective_seconds=0.2, profile_stage=1, profile_gas=1)
     search = _PredictedSearch(profile, [1, 2, 3])
     search._fast(_fitting(profile, [1, 2, 3]))
-    # ZeRO-3's 0.3 s of collectives against ZeRO-1/2's 0.2 s: 31% fewer samples/s, beyond 0.25.
+    # ZeRO-1/2's 0.2 s of collectives (a gradient all-reduce and a gather) against ZeRO-3's 0.13 s (one
+    # gather and one reduce-scatter): 30% fewer samples/s, beyond 0.25.
     pruned = [o for o in search.outcomes if o.status == R.PRUNED]
-    assert [o.stage for o in pruned] == [3] and "predicted 31% worse" in pruned[0].error, pruned
-    assert search.ran == ["z1_gas1_tmbspg12-4", "z2_gas1_tmbspg12-4", "z1_gas1_tmbspg8"], search.ran
+    assert [o.stage for o in pruned] == [1, 2] and "predicted 30% worse" in pruned[0].error, pruned
+    assert search.ran == ["z3_gas1_tmbspg12-4", "z3_gas1_tmbspg8"], search.ran
     rows = {line.split("|")[1].strip(): line.split("|")[2].strip()
             for line in R.format_summary(search.outcomes, "throughput", [1, 2, 3]).splitlines() if line.startswith("|")}
-    assert (rows["z1"], rows["z2"], rows["z3"], rows["global"]) == ("2", "1", "0", "3"), rows  # pruned: not run
+    assert (rows["z1"], rows["z2"], rows["z3"], rows["global"]) == ("0", "0", "2", "2"), rows  # pruned: not run
     # Off, or without a measured bandwidth, fast mode runs every stage's best as before.
     for search in (_PredictedSearch(profile, [1, 2, 3], plan_pruning=False), _PredictedSearch(_profile(), [1, 2, 3])):
         search._fast(_fitting(search.profile, [1, 2, 3]))

@@ -181,9 +181,46 @@ def test_collectives_pad_to_the_largest_share():
     link = parse_cluster(two_hosts()).inter_host_link
     even = zero_collectives(3, 1000, 2, 4, 2, 0.25, link)
     uneven = zero_collectives(3, 1000, 2, 4, 2, 0.5, link)
-    assert [c.per_step for c in even] == [2, 2, 2]
+    assert [c.per_step for c in even] == [2, 2]
     assert even[0].bytes_per_rank == 3 * 0.25 * 2000 and uneven[0].bytes_per_rank == 3 * 0.5 * 2000
     assert zero_collectives(2, 1000, 2, 1, 1, 1.0, link) == []
+
+
+def test_collectives_as_deepspeed_runs_them():
+    link = parse_cluster(two_hosts()).inter_host_link
+    ring = 3 * 0.25 * 2000  # one ring pass over 4 ranks of a 2000-byte tensor
+
+    def sent(*args, **kwargs):
+        return [(c.per_step, c.bytes_per_rank) for c in zero_collectives(*args, **kwargs)]
+
+    # ZeRO-1/2 all-reduce each gradient bucket (use_multi_rank_bucket_allreduce), ZeRO-2 at every micro-step.
+    assert sent(1, 1000, 2, 4, 3, 0.25, link) == [(1, 2 * ring), (1, ring)]
+    assert sent(2, 1000, 2, 4, 3, 0.25, link) == [(3, 2 * ring), (1, ring)]
+    assert sent(2, 1000, 2, 4, 3, 0.25, link, gradient_all_reduce=False) == [(3, ring), (1, ring)]
+    # ZeRO-3: the backward gathers only what the forward released beyond stage3_max_reuse_distance.
+    assert sent(3, 1000, 2, 4, 2, 0.25, link) == [(2, ring), (2, ring)]
+    assert sent(3, 1000, 2, 4, 2, 0.25, link, max_reuse_distance=400) == [(2, ring), (2, 0.6 * ring), (2, ring)]
+    # gloo runs a reduce-scatter as an all-reduce of the whole tensor.
+    assert sent(3, 1000, 2, 4, 2, 0.25, link, backend="gloo") == [(2, ring), (2, 2 * ring)]
+    with pytest.raises(ValueError, match="nccl"):
+        zero_collectives(3, 1000, 2, 4, 2, 0.25, link, backend="mpi")
+
+
+def test_cpu_ranks_plan_gloo_and_host_memory():
+    kind = {"name": "core", "fp32_tflops": 0.05, "memory_gb": 4, "memory_bandwidth_gb_s": 10}
+    question = {"model": {"parameters": 1_000_000, "flops_per_sample": 1e9, "activation_bytes_per_sample": 1e6},
+                "training": {"train_batch_size": 4, "gradient_accumulation_steps": 1, "precision": "fp32",
+                             "zero_stage": 3, "efficiency": 1.0}}
+    plans = {}
+    for cpu in (False, True):
+        cluster = parse_cluster({"hosts": [{"devices": [{"kind": dict(kind, cpu=cpu), "count": 2}]}], **question})
+        assert [r.cpu for r in cluster.ranks] == [cpu, cpu]
+        plans[cpu] = plan_cluster(cluster, largest=False)["fork"]
+    # gloo runs the reduce-scatter as an all-reduce: one more ring pass of the 4 MB gradients, 2 MB.
+    assert plans[True]["bytes_per_rank_per_step"] - plans[False]["bytes_per_rank_per_step"] == 2_000_000
+    assert parse_cluster({"hosts": [{"devices": [{"kind": "EPYC-7763-core", "memory_gb": 2}]}]}).ranks[0].cpu
+    with pytest.raises(ClusterDescriptionError, match="cpu"):
+        parse_cluster({"hosts": [{"devices": [{"kind": dict(kind, cpu="yes")}]}]})
 
 
 def test_the_largest_model_is_larger_where_memory_differs():

@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from ..measure.device_table import AcceleratorSpec, find_kind, kind_names
+from ..measure.device_table import CPU_SPECS, AcceleratorSpec, find_kind, kind_names
 
 GIB = 2**30
 
@@ -33,7 +33,7 @@ and the report says so."""
 TOP_KEYS = ("name", "description", "hosts", "inter_host_link", "model", "training", "ds_config")
 HOST_KEYS = ("name", "count", "devices", "intra_host_link", "memory_gb")
 DEVICE_KEYS = ("kind", "count", "memory_gb")
-KIND_KEYS = ("name", "fp16_tflops", "bf16_tflops", "fp32_tflops", "memory_gb", "memory_bandwidth_gb_s")
+KIND_KEYS = ("name", "fp16_tflops", "bf16_tflops", "fp32_tflops", "memory_gb", "memory_bandwidth_gb_s", "cpu")
 LINK_KEYS = ("gbit_per_s", "latency_us")
 TRAINING_KEYS = ("train_batch_size", "gradient_accumulation_steps", "seq_len", "precision", "zero_stage",
                  "optimizer", "efficiency", "activation_checkpointing", "hbm_utilization_threshold")
@@ -67,6 +67,9 @@ class RankDevice:
     memory_bytes: int
     from_table: bool
     """The kind's figures come from the datasheet table (else the file gave them as numbers)."""
+    cpu: bool = False
+    """A CPU rank: its memory is the host's and it trains over gloo (a CPU kind of the table, or a
+    kind by numbers with ``"cpu": true``)."""
 
 
 @dataclass(frozen=True)
@@ -143,9 +146,9 @@ def parse_cluster(data, base_dir=".", source="cluster"):
             names.append(name)
             links.append(link)
             memories.append(memory)
-            for spec, device_count, memory_bytes, from_table in parsed:
+            for spec, device_count, memory_bytes, from_table, cpu in parsed:
                 for _ in range(device_count):
-                    ranks.append(RankDevice(len(ranks), host_index, name, spec, memory_bytes, from_table))
+                    ranks.append(RankDevice(len(ranks), host_index, name, spec, memory_bytes, from_table, cpu))
     inter = data.get("inter_host_link")
     if len(names) > 1 and inter is None:
         raise ClusterDescriptionError(f"{source}: inter_host_link is required with {len(names)} hosts: "
@@ -168,9 +171,13 @@ def _device(device, where):
         if spec is None:
             raise ClusterDescriptionError(f"{where}.kind: '{kind}' is not a known device kind; known: "
                                           f"{', '.join(kind_names())}; or give the kind by numbers: {KIND_KEYS}")
-        from_table = True
+        from_table, cpu = True, spec in CPU_SPECS
     elif isinstance(kind, dict):
         spec, from_table = _kind_by_numbers(kind, f"{where}.kind"), False
+        cpu = kind.get("cpu", False)
+        if not isinstance(cpu, bool):
+            raise ClusterDescriptionError(f"{where}.kind.cpu = {cpu!r} must be true or false (true: a CPU rank, "
+                                          "whose memory is the host's, over gloo)")
     else:
         raise ClusterDescriptionError(f"{where}.kind must be a kind's name ({', '.join(kind_names()[:4])}, ...) "
                                       f"or an object with {KIND_KEYS}")
@@ -179,7 +186,7 @@ def _device(device, where):
         raise ClusterDescriptionError(f"{where}.memory_gb is required for kind '{spec.kind}' (a CPU rank's share "
                                       f"of its host's RAM)")
     memory_bytes = int(_positive(memory_gb, f"{where}.memory_gb") * GIB)
-    return spec, _count(device.get("count", 1), f"{where}.count"), memory_bytes, from_table
+    return spec, _count(device.get("count", 1), f"{where}.count"), memory_bytes, from_table, cpu
 
 
 def _kind_by_numbers(kind, where):

@@ -19,12 +19,13 @@ same family that each side fits is found by depth (``largest_model``).
 
 from dataclasses import replace
 
-from ..measure.device_table import CPU_SPECS, datasheet
+from ..measure.device_table import datasheet
 from ..memory.pool import HeterogeneousMemoryPool
 from ..memory.report import DEVICE
 from ..memory.spec import ModelStateSpec
 from ..planning.planner import plan_micro_batches, time_models_from_scores
-from .comm_model import bytes_over_link, communication_seconds, slowest_link, zero_collectives
+from .comm_model import (bytes_over_link, collective_settings, communication_seconds, slowest_link,
+                         zero_collectives)
 from .question import peak_flops, settle_question, with_stage
 
 PCIE_BYTES_PER_S = 25e9
@@ -90,7 +91,7 @@ def gas_candidates(question, world):
 def model_spec(cluster, question, stage, gas, model=None):
     model = model or question.model
     ds = with_stage(question.ds_config, stage, gas)
-    on_host = all(r.spec in CPU_SPECS for r in cluster.ranks)  # CPU ranks: the device is the host
+    on_host = all(r.cpu for r in cluster.ranks)  # CPU ranks: the device is the host
     spec = ModelStateSpec.for_config_dict(ds, model.num_parameters, question.precision != "fp32",
                                           world=cluster.world_size, emulated_device=not on_host)
     return replace(spec, allocations=replace(spec.allocations, largest_parameter=model.largest_tensor)), ds
@@ -170,7 +171,8 @@ def evaluate(cluster, question, stage, gas, fork, shares=None):
     link, where = slowest_link(cluster)
     rank_shares = [r.share for r in placement.ranks]
     collectives = zero_collectives(stage, question.model.num_parameters, question.value_bytes, world, gas,
-                                   max(rank_shares) if stage >= 1 else 1.0 / world, link)
+                                   max(rank_shares) if stage >= 1 else 1.0 / world, link,
+                                   **collective_settings(cluster, question.ds_config, spec.allocations))
     ranks = []
     for placed, device, mbs, rate in zip(placement.ranks, cluster.ranks, micro, rates):
         compute = gas * mbs / rate
