@@ -48,10 +48,10 @@ load": the CPU cores, on average, that processes other than this benchmark's kep
     python tests/perf/bench_autotuning.py --clusters emulated --modes fast --keep
     python tests/perf/bench_autotuning.py --pruning            (fast mode with and without plan pruning)
 
-``--pruning`` runs no grid: fast mode as it is (``autotuning.plan_pruning`` 0.25, the default: a ZeRO
-stage predicted more than 25% worse than the best, its communication included, is not run) beside
-fast mode without pruning (``plan_pruning: false``) on the emulated cluster, alternately, ``--repeats``
-times each, and reports per run the experiments run, the stages pruned and the configuration chosen.
+``--pruning`` runs no grid: fast mode as it is (``autotuning.plan_pruning`` true, the default: ZeRO-3
+is not run where ZeRO-2 is predicted to fit its best candidate) beside fast mode without pruning
+(``plan_pruning: false``) on the emulated cluster, alternately, ``--repeats`` times each, and reports
+per run the experiments run, the stages pruned and the configuration chosen.
 Writes tests/perf/results/autotuning_pruning.json.
 """
 

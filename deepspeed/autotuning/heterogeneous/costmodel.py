@@ -21,8 +21,9 @@ differ in what they communicate: ``communication(s, gas)`` is the bytes stage ``
 (``deepspeed plan``'s model, ``forecast/comm_model.py``) at the bandwidth the profiling run measured:
 the bytes its own stage sent per step over the seconds its ranks spent in collectives (the rank that
 waited least, whose time is the transfers'). Without that measurement (a profile from an older run)
-the prediction is compute alone, and the tuner lets real experiments rank the stages; with it, fast
-mode prunes the stages predicted beyond ``autotuning.plan_pruning`` of the best (``search.py``).
+the prediction is compute alone. Either way real experiments rank the stages: bytes are not all a
+stage costs (ZeRO-3's per-module gathers and hooks cost more than its bytes on CPU ranks), so only
+what the plan can rule out is pruned (``search.TuningSearch._pruned``).
 """
 
 from dataclasses import dataclass, replace

@@ -182,34 +182,41 @@ class TuningSearch:
             self._run(experiment, prediction.metric(self.settings.metric))
 
     def _pruned(self, firsts):
-        """Fast mode's stages (each a ranked list of ``(experiment, prediction)``) less those whose best
-        prediction is worse than the best stage's by more than ``autotuning.plan_pruning``, recorded as
-        PRUNED with the figures. Only where the predictions carry each stage's communication (the
-        profiling run measured its collectives): compute alone cannot rank the stages."""
-        margin = self.settings.plan_pruning
-        if margin is None or self.profile is None or self.profile.bytes_per_second is None or len(firsts) < 2:
+        """Fast mode's stages (each a ranked list of ``(experiment, prediction)``) less those the plan
+        rules out (``autotuning.plan_pruning``; false: none), each recorded as PRUNED with its reason:
+        ZeRO-3 where ZeRO-2 is predicted to fit ZeRO-3's best candidate. ZeRO-3 steps the same optimizer
+        partition and adds a parameter all-gather in every micro-step's forward and backward (and their
+        hooks), so at the same micro-batches it cannot be faster.
+
+        The predicted step times do not rank the stages: they count the bytes each stage sends, not
+        ZeRO-3's per-module gathers and hooks, which measured on CPU ranks cost more than its bytes
+        (docs/autotuning.md)."""
+        if not self.settings.plan_pruning or len(firsts) < 2:
             return firsts
-        metric = self.settings.metric
-        values = [mine[0][1].metric(metric) for mine in firsts]
-        lower = lower_is_better(metric)
-        best = min(values) if lower else max(values)
-        kept = []
-        for mine, value in zip(firsts, values):
-            worse = value / best - 1.0 if lower else 1.0 - value / best
-            experiment, prediction = mine[0]
-            if worse <= margin or self._already(experiment):
-                kept.append(mine)
-                continue
-            why = (f"ZeRO-{experiment.stage}'s best candidate is predicted {worse:.0%} worse than the best stage's "
-                   f"({metric} {value:.4g} against {best:.4g}; its collectives "
-                   f"{prediction.communication_seconds * 1e3:.0f} ms per step), beyond autotuning.plan_pruning "
-                   f"{margin:g}")
-            _say(f"pruned {experiment.name}: {why}")
-            self.outcomes.append(Outcome(name=experiment.name, stage=experiment.stage, status=PRUNED, error=why,
-                                         predicted=value, gas=experiment.gas,
-                                         micro_batch_sizes=list(experiment.micro_batch_sizes),
-                                         train_batch_size=experiment.train_batch_size))
-        return kept
+        return self._dominated(firsts)
+
+    def _dominated(self, firsts):
+        by_stage = {mine[0][0].stage: mine for mine in firsts}
+        if 3 not in by_stage or 2 not in by_stage:
+            return firsts
+        experiment, prediction = by_stage[3][0]
+        same = [(e, p) for e, p in by_stage[2]
+                if (e.gas, tuple(e.micro_batch_sizes)) == (experiment.gas, tuple(experiment.micro_batch_sizes))]
+        if not same or self._already(experiment):
+            return firsts
+        why = (f"ZeRO-2 is predicted to fit its micro-batches {list(experiment.micro_batch_sizes)} (gas "
+               f"{experiment.gas}); ZeRO-3 steps the same optimizer partition and adds a parameter all-gather in "
+               f"every micro-step's forward and backward, so it cannot be faster there (autotuning.plan_pruning "
+               f"false runs it)")
+        self._prune(experiment, prediction.metric(self.settings.metric), why)
+        return [mine for mine in firsts if mine is not by_stage[3]]
+
+    def _prune(self, experiment, predicted, why):
+        _say(f"pruned {experiment.name}: {why}")
+        self.outcomes.append(Outcome(name=experiment.name, stage=experiment.stage, status=PRUNED, error=why,
+                                     predicted=predicted, gas=experiment.gas,
+                                     micro_batch_sizes=list(experiment.micro_batch_sizes),
+                                     train_batch_size=experiment.train_batch_size))
 
     def _grid(self, fitting):
         todo = [item for item in fitting if not self._already(item[0])]

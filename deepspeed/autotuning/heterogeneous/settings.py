@@ -45,8 +45,8 @@ AUTOTUNING_KEYS = {
     "num_tuning_micro_batch_sizes": "int >= 1",
     "experiment_timeout": "seconds > 0 (default 1800)",
     "seed": "int (random and model_based tuners)",
-    "plan_pruning": "a fraction > 0 or false (default 0.25): fast mode skips a ZeRO stage predicted that much "
-                    "worse than the best",
+    "plan_pruning": "bool (default true): fast mode skips ZeRO-3 where ZeRO-2 is predicted to fit its best "
+                    "candidate",
     MBS: "'auto', an int or a list of ints",
     GAS: "'auto', an int or a list of ints",
     ZERO: "{'stage': int or list of 0-3}",
@@ -81,10 +81,9 @@ class Settings:
     num_tuning_micro_batch_sizes: int = 3
     experiment_timeout: float = 1800.0
     seed: int = 0
-    plan_pruning: Optional[float] = 0.25
-    """Fast mode: skip a ZeRO stage whose best candidate's predicted metric (compute plus the stage's
-    communication at the measured bandwidth) is worse than the best stage's by more than this fraction;
-    None: run every stage's best (as before the plan's communication model was used)."""
+    plan_pruning: bool = True
+    """Fast mode: skip ZeRO-3 where the memory model predicts ZeRO-2 fits ZeRO-3's best candidate (ZeRO-3
+    then does the same work and more); false: run every stage's best."""
 
 
 def _int(value, key, low):
@@ -104,7 +103,7 @@ def parse_settings(ds_config):
         raise AutotuningConfigError(f"autotuning: unknown key(s) {unknown}; allowed keys: "
                                     f"{', '.join(sorted(AUTOTUNING_KEYS))}")
     settings = Settings()
-    for key in ("fast", "overwrite"):
+    for key in ("fast", "overwrite", "plan_pruning"):
         if key in block:
             if not isinstance(block[key], bool):
                 raise AutotuningConfigError(f"autotuning.{key} = {block[key]!r}: must be true or false")
@@ -147,15 +146,6 @@ def parse_settings(ds_config):
     if settings.min_train_micro_batch_size_per_gpu > settings.max_train_micro_batch_size_per_gpu:
         raise AutotuningConfigError("autotuning.min_train_micro_batch_size_per_gpu exceeds "
                                     "max_train_micro_batch_size_per_gpu")
-    if "plan_pruning" in block:
-        value = block["plan_pruning"]
-        if value is False or value is None:
-            settings.plan_pruning = None
-        elif isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise AutotuningConfigError(f"autotuning.plan_pruning = {value!r}: must be a fraction > 0 (e.g. 0.25: "
-                                        f"skip a ZeRO stage predicted 25% worse than the best) or false")
-        else:
-            settings.plan_pruning = float(value)
     if "experiment_timeout" in block:
         value = block["experiment_timeout"]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
