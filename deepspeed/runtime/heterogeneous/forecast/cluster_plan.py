@@ -17,6 +17,7 @@ Each side keeps its fastest setting that fits (on a tie, the fewest micro-steps)
 same family that each side fits is found by depth (``largest_model``).
 """
 
+import threading
 from dataclasses import replace
 
 from ..measure.device_table import datasheet
@@ -43,6 +44,13 @@ def plan_cluster(cluster, model=None, ds_config=None, training=None, largest=Tru
         from .cluster_file import load_cluster_file
         cluster = load_cluster_file(cluster)
     question = settle_question(cluster, model, ds_config, training)
+    try:
+        return _plan(cluster, question, largest)
+    finally:
+        _PER_PLAN.value = None
+
+
+def _plan(cluster, question, largest):
     upstream = best_setting(cluster, question, fork=False)
     fork = best_setting(cluster, question, fork=True)
     result = {
@@ -98,6 +106,29 @@ def model_spec(cluster, question, stage, gas, model=None):
 
 
 def memory_pool(cluster, question):
+    """The pool of ``cluster`` for ``question``, built once per plan (it reads every rank) and placed
+    again for every setting tried: ``place`` starts afresh."""
+    return _per_plan(cluster, question)["pool"]
+
+
+_PER_PLAN = threading.local()
+"""What a plan computes once per rank (the pool, rates, time models), for the (cluster, question)
+being planned, compared by identity: a plan of N ranks places some 100 settings, and each of these
+is O(N). Per thread; ``plan_cluster`` drops it when it returns."""
+
+
+def _per_plan(cluster, question):
+    cached = getattr(_PER_PLAN, "value", None)
+    if cached is None or cached["cluster"] is not cluster or cached["question"] is not question:
+        flops = question.model.flops_per_sample(question.seq_len)
+        rates = [peak_flops(r.spec, question.precision) * question.efficiency / flops for r in cluster.ranks]
+        cached = _PER_PLAN.value = {"cluster": cluster, "question": question, "pool": _new_pool(cluster, question),
+                                    "rates": rates, "models": time_models_from_scores(rates),
+                                    "names": [r.spec.kind or r.spec.name for r in cluster.ranks]}
+    return cached
+
+
+def _new_pool(cluster, question):
     limits = [m for m in cluster.host_memory_bytes if m is not None]
     return HeterogeneousMemoryPool([r.memory_bytes for r in cluster.ranks],
                                    cpu_memory_limit=min(limits) if limits else None,
@@ -142,10 +173,8 @@ def evaluate(cluster, question, stage, gas, fork, shares=None):
     speed leave a fast rank less room for the larger micro-batch its speed asks for."""
     world, batch = cluster.world_size, question.train_batch_size
     spec, _ = model_spec(cluster, question, stage, gas)
-    flops = question.model.flops_per_sample(question.seq_len)
-    rates = [peak_flops(r.spec, question.precision) * question.efficiency / flops for r in cluster.ranks]
-    models = time_models_from_scores(rates)
-    names = [r.spec.kind or r.spec.name for r in cluster.ranks]
+    per_plan = _per_plan(cluster, question)
+    rates, models, names = per_plan["rates"], per_plan["models"], per_plan["names"]
     problems = []
     if batch % gas or batch // gas < world:
         return _unfit(stage, gas, fork, [f"train_batch_size {batch} is not {gas} micro-steps of at least one sample "
@@ -173,18 +202,21 @@ def evaluate(cluster, question, stage, gas, fork, shares=None):
     collectives = zero_collectives(stage, question.model.num_parameters, question.value_bytes, world, gas,
                                    max(rank_shares) if stage >= 1 else 1.0 / world, link,
                                    **collective_settings(cluster, question.ds_config, spec.allocations))
-    ranks = []
+    ranks, phases, optimizer = [], {}, {}
     for placed, device, mbs, rate in zip(placement.ranks, cluster.ranks, micro, rates):
         compute = gas * mbs / rate
+        alike = (placed.share, placed.offload_fraction, device.spec)
+        if alike not in optimizer:
+            optimizer[alike] = optimizer_seconds(spec, placed, device, question)
         ranks.append({
             "rank": placed.rank, "host": device.host_name, "kind": device.spec.kind or device.spec.name,
             "micro_batch": mbs, "gas": gas, "share": placed.share if stage >= 1 else None,
             "offload_fraction": placed.offload_fraction,
             "offload": placed.optimizer_location if placed.offload_fraction > 0 else DEVICE,
             "capacity_bytes": placed.capacity_bytes, "predicted_peak_bytes": placed.device_bytes,
-            "peak_phase": placed.peak_phase, "peak_by_phase": _phases(pool, placed.rank, mbs, per_sample),
+            "peak_phase": placed.peak_phase, "peak_by_phase": _phases(pool, placed, mbs, per_sample, phases),
             "fits": placed.fits, "compute_s": compute,
-            "optimizer_s": optimizer_seconds(spec, placed, device, question)})
+            "optimizer_s": optimizer[alike]})
     compute_s = max(r["compute_s"] for r in ranks)
     optimizer_s = max(r["optimizer_s"] for r in ranks)
     comm_s = communication_seconds(collectives)
@@ -214,9 +246,13 @@ def optimizer_seconds(spec, placed, device, question):
     return on_device + off_device
 
 
-def _phases(pool, rank, micro_batch, per_sample):
-    peak = pool.predicted_peak(rank, (per_sample or 0.0) * micro_batch)
-    return None if peak is None else {phase: int(peak.phase_bytes(phase)) for phase in peak.phases}
+def _phases(pool, placed, micro_batch, per_sample, seen):
+    """The rank's peak by phase; ``seen``: those of the ranks placed alike before it (most are)."""
+    key = (placed.share, placed.offload_fraction, placed.baseline_bytes, micro_batch, placed.host)
+    if key not in seen:
+        peak = pool.predicted_peak(placed.rank, (per_sample or 0.0) * micro_batch)
+        seen[key] = None if peak is None else {phase: int(peak.phase_bytes(phase)) for phase in peak.phases}
+    return None if seen[key] is None else dict(seen[key])
 
 
 def _unfit(stage, gas, fork, problems):

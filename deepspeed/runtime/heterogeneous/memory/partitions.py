@@ -87,7 +87,8 @@ def choose_partition_shares(speeds, rooms=None, state_bytes=None, minimum=0.02):
         for r in over:
             shares[r] = caps[r]
             mass -= caps[r]
-            free.remove(r)
+        capped = set(over)
+        free = [r for r in free if r not in capped]
     return _normalised(_with_floor([s or 0.0 for s in shares], floor))
 
 

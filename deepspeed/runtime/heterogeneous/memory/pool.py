@@ -49,6 +49,7 @@ when ``heterogeneous_memory.enabled`` (``startup.place_engine_state``, kept as
 (``cli/env_report.config_placement_lines``).
 """
 
+from collections import Counter
 from dataclasses import replace
 
 from ..config.settings import HeterogeneousMemoryConfig, parse_bytes
@@ -111,6 +112,7 @@ class HeterogeneousMemoryPool:
         self.placement = None
         self._model_state = None
         self._baselines = [0.0] * world
+        self._peak_shares = None  # (shares, largest share, host shard fractions) of the placement's shares
 
     @property
     def model_state(self):
@@ -163,6 +165,7 @@ class HeterogeneousMemoryPool:
         if len(baselines) != world:
             raise ValueError(f"baseline_bytes has {len(baselines)} entries for {world} ranks")
         self._baselines = baselines
+        self._peak_shares = None
         stage = model_state.zero_stage
         partitioned = stage >= 1 and world > 1
         if partitioned and zero_partitions not in ("auto", "even"):
@@ -178,19 +181,20 @@ class HeterogeneousMemoryPool:
         offloaded = {}  # rank -> fraction of its optimizer state off the device
         while True:
             shares = fixed if fixed is not None else self._auto_shares(model_state, offloaded, activations)
-            ranks = self._ranks(model_state, shares, offloaded, activations)
-            over = [r for r in ranks if not r.fits and r.rank not in offloaded]
-            if not over or not may_offload:
+            over = self._ranks(model_state, shares, offloaded, activations, over_only=True) if may_offload else ()
+            if not over:
+                ranks = self._ranks(model_state, shares, offloaded, activations)
                 break
             if stage == 3:
-                offloaded.update({r.rank: zero3_offload_fraction(r, model_state) for r in over})
+                ranks = self._ranks(model_state, shares, offloaded, activations)
+                offloaded.update({r: zero3_offload_fraction(ranks[r], model_state) for r in over})
             elif fixed is None:
                 # One rank at a time, the one with the least memory first: re-sharing after each
-                # lets the others keep their state on the device.
-                smallest = min(over, key=lambda r: (r.budget_bytes, -r.rank))
-                offloaded[smallest.rank] = 1.0
+                # lets the others keep their state on the device (a run of alike ranks at once,
+                # ``_next_offloads``).
+                offloaded.update(dict.fromkeys(self._next_offloads(model_state, over, offloaded, activations), 1.0))
             else:
-                offloaded.update({r.rank: 1.0 for r in over})
+                offloaded.update(dict.fromkeys(over, 1.0))
         ranks, problems = self._host_placement(ranks, nvme_offload, cpu_offload, model_state)
         problems = [self.rank_problem(r, model_state, cpu_offload or nvme_offload) for r in ranks if not r.fits
                     ] + problems
@@ -235,7 +239,8 @@ class HeterogeneousMemoryPool:
         # shrinks by that. The others' room for state shrinks by a per-share price that depends on
         # their host's total share, so settle it by rounds from the shares without host shards.
         whole = model_state.host_shard_bytes(1.0)
-        alone = [self.hosts.count(host) == 1 for host in self.hosts]
+        per_host = Counter(self.hosts)
+        alone = [per_host[host] == 1 for host in self.hosts]
         for _ in range(HOST_SHARD_ROUNDS):
             fractions = self.host_shard_fractions(model_state, shares)
             scaled = [room if room is None else max(0.0, room - whole) if lone else room if not share else
@@ -258,28 +263,100 @@ class HeterogeneousMemoryPool:
             host_totals[host] = host_totals.get(host, 0.0) + share
         return [share / host_totals[host] if host_totals[host] > 0 else 0.0 for host, share in zip(self.hosts, shares)]
 
-    def _ranks(self, model_state, shares, offloaded, activations):
+    def _next_offloads(self, model_state, over, offloaded, activations):
+        """The ZeRO-1/2 ranks that offload next under "auto" shares (``over``: the ranks over budget,
+        not offloaded): the one with the least memory (the highest rank on a tie), then, one at a
+        time, each rank alike it (the same budget, speed, activations and baseline, so next in that
+        order) while it is the first over budget once those before it offload and the shares are
+        chosen again. The count is found by galloping and bisection (whether the k-th alike rank is
+        still over only falls as k grows), so k ranks that offload cost O(log k) placements, not k
+        (planning 1,024 ranks in under a second); the ranks are those the one-at-a-time loop offloads."""
+        world, budgets = self.world_size, self.budgets
+
+        def first(ranks):
+            return min(ranks, key=lambda r: (budgets[r], -r))
+
+        def alike(rank):
+            return (budgets[rank], self.speeds[rank], activations[rank], self._baselines[rank], rank == world - 1)
+
+        run = []
+        for rank in sorted(over, key=lambda r: (budgets[r], -r)):
+            if run and alike(rank) != alike(run[0]):
+                break
+            run.append(rank)
+
+        def next_over(count):
+            """Whether run[count] is the first rank over budget once run[:count] offload too."""
+            trial = {**offloaded, **dict.fromkeys(run[:count], 1.0)}
+            still = self._ranks(model_state, self._auto_shares(model_state, trial, activations), trial, activations,
+                                over_only=True)
+            return bool(still) and first(still) == run[count]
+
+        # Galloping, then bisection: O(log k) placements for the k alike ranks that offload.
+        low, high = 1, len(run) + 1  # run[:low] offload; run[:high] do not all
+        while low * 2 < high:
+            if not next_over(low * 2 - 1):
+                high = low * 2
+                break
+            low *= 2
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if next_over(middle - 1) else (low, middle)
+        return run[:low]
+
+    def _ranks(self, model_state, shares, offloaded, activations, over_only=False):
+        """Each rank's ``RankPlacement`` under ``shares`` and ``offloaded`` (rank -> fraction);
+        ``over_only``: only the ranks not in ``offloaded`` over their budget (their numbers)."""
         world, ranks = self.world_size, []
         host_shards = self.host_shard_fractions(model_state, shares)
+        # Computed once, not per rank, and each distinct rank's parts, peak (and with over_only, fit)
+        # once: a placement of N ranks costs O(N) (planning 1,024 ranks), most of them alike.
+        budgets, largest, hosts = self.budgets, max(shares), len(set(self.hosts))
         forced = model_state.optimizer_device
         # choose_partition_shares rounds to millionths; the last share takes what the others' rounding left.
         slack = world * 1e-6 * model_state.device_bytes(world, 1.0) if model_state.zero_stage >= 1 else 0.0
+        parts_of, peak_of, fits_of, placed_of = {}, {}, {}, {}
         for rank, share in enumerate(shares):
-            parts = model_state.parts(world, share if model_state.zero_stage >= 1 else None)
+            if over_only and rank in offloaded:
+                continue
             fraction = 1.0 if forced else offloaded.get(rank, 0.0)
+            key = (share, fraction, activations[rank], self._baselines[rank], host_shards[rank])
+            if over_only and (key, budgets[rank]) in fits_of:
+                if not fits_of[key, budgets[rank]]:
+                    ranks.append(rank)
+                continue
+            if not over_only and key in placed_of:
+                ranks.append(placed_of[key].alike(rank=rank, host=self.hosts[rank], name=self.device_names[rank],
+                                                  capacity_bytes=self.capacities[rank], budget_bytes=budgets[rank]))
+                continue
+            part = share if model_state.zero_stage >= 1 else None
+            if part not in parts_of:
+                parts_of[part] = model_state.parts(world, part)
+            parts = parts_of[part]
             sub_groups = offloaded_sub_groups(model_state.sub_groups, fraction) if model_state.zero_stage == 3 else None
-            peak = None if model_state.allocations is None else model_state.peak(
-                share, fraction, activations[rank], self._baselines[rank], largest_share=max(shares),
-                host_shard=host_shards[rank], hosts=len(set(self.hosts)))
-            ranks.append(RankPlacement(
+            peak = None
+            if model_state.allocations is not None:
+                if key not in peak_of:
+                    prediction = model_state.peak(share, fraction, activations[rank], self._baselines[rank],
+                                                  largest_share=largest, host_shard=host_shards[rank], hosts=hosts)
+                    peak_of[key] = (prediction.peak_bytes, prediction.peak_phase)
+                peak = peak_of[key]
+            placed = RankPlacement(
                 rank=rank, host=self.hosts[rank], name=self.device_names[rank], capacity_bytes=self.capacities[rank],
-                budget_bytes=self.budgets[rank], share=share,
+                budget_bytes=budgets[rank], share=share,
                 parameter_bytes=parts.parameters + model_state.host_shard_bytes(host_shards[rank]),
                 gradient_bytes=parts.gradients, optimizer_bytes=parts.optimizer, activation_bytes=activations[rank],
                 optimizer_location=(NVME if forced == "nvme" else HOST) if fraction > 0 else DEVICE,
                 offload_fraction=fraction, offload_sub_groups=sub_groups, slack_bytes=slack,
-                baseline_bytes=self._baselines[rank], predicted_peak_bytes=None if peak is None else peak.peak_bytes,
-                peak_phase=None if peak is None else peak.peak_phase))
+                baseline_bytes=self._baselines[rank], predicted_peak_bytes=None if peak is None else peak[0],
+                peak_phase=None if peak is None else peak[1])
+            if over_only:
+                fits_of[key, budgets[rank]] = placed.fits
+                if not placed.fits:
+                    ranks.append(rank)
+            else:
+                placed_of[key] = placed
+                ranks.append(placed)
         return ranks
 
     def _host_placement(self, ranks, nvme_offload, cpu_offload=True, model_state=None):
@@ -297,9 +374,12 @@ class HeterogeneousMemoryPool:
             ranks = [to_nvme(r) if r.host_bytes > 0 else r for r in ranks]
         if self.host_budget is None:
             return ranks, []
-        problems = []
+        problems, offloading = [], {}
+        for rank in ranks:
+            if rank.host_bytes > 0:
+                offloading.setdefault(rank.host, []).append(rank)
         for host in sorted(set(self.hosts)):
-            on_host = sorted((r for r in ranks if r.host == host and r.host_bytes > 0), key=lambda r: -r.host_bytes)
+            on_host = sorted(offloading.get(host, ()), key=lambda r: -r.host_bytes)
             total = sum(r.host_bytes for r in on_host)
             for moved in on_host:
                 if total <= self.host_budget or not nvme_offload:
@@ -354,11 +434,15 @@ class HeterogeneousMemoryPool:
         if self.placement is None or self._model_state is None or self._model_state.allocations is None:
             return None
         placed = self.placement.ranks[rank]
-        shares = [r.share for r in self.placement.ranks]
+        # The shares' largest and host shards, computed once per placement (not per rank: O(N) per call
+        # made a plan of N ranks O(N^2)); keyed by the shares, which record_* and revise_* keep.
+        shares = tuple(r.share for r in self.placement.ranks) if self._peak_shares is None else None
+        if shares is not None:
+            self._peak_shares = (shares, max(shares), self.host_shard_fractions(self._model_state, shares),
+                                 len(set(self.hosts)))
+        _, largest, host_shards, hosts = self._peak_shares
         return self._model_state.peak(placed.share, placed.offload_fraction, activation_bytes, placed.baseline_bytes,
-                                      largest_share=max(shares),
-                                      host_shard=self.host_shard_fractions(self._model_state, shares)[rank],
-                                      hosts=len(set(self.hosts)))
+                                      largest_share=largest, host_shard=host_shards[rank], hosts=hosts)
 
     def revise_allocations(self, **changes):
         """What the engine settled after the placement (the overlap worker off, where the placement
@@ -422,8 +506,8 @@ def _dense_hosts(hosts, world):
     hosts = list(hosts)
     if len(hosts) != world:
         raise ValueError(f"HeterogeneousMemoryPool: hosts {hosts} must name the node of each of the {world} ranks")
-    order = list(dict.fromkeys(hosts))
-    return [order.index(h) for h in hosts]
+    order = {host: index for index, host in enumerate(dict.fromkeys(hosts))}
+    return [order[h] for h in hosts]
 
 
 # -- the engine's and the env report's pools ------------------------------------------------------

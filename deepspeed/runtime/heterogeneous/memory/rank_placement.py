@@ -50,6 +50,17 @@ class RankPlacement:
     measured_peak_bytes: Optional[int] = None
     """The peak the rank measured (``meter.py``), None until measured."""
 
+    def alike(self, **fields):
+        """This placement for another rank placed alike: ``dataclasses.replace`` without running
+        ``__init__`` again (the pool places ranks by the thousand, most of them alike)."""
+        unknown = set(fields) - set(self.__dict__)
+        if unknown:
+            raise TypeError(f"RankPlacement has no field(s) {sorted(unknown)}")
+        copy = object.__new__(RankPlacement)
+        copy.__dict__.update(self.__dict__)
+        copy.__dict__.update(fields)
+        return copy
+
     @property
     def offloaded_bytes(self):
         return self.optimizer_bytes * self.offload_fraction
