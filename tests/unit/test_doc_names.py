@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Everything README.md, docs/*.md and the fork's docstrings name exists (pure, a few seconds).
 
-Repository paths (``deepspeed/runtime/heterogeneous/...``, ``tests/perf/bench_x.py``, globs), paths
+Repository paths (``deepspeed/runtime/heterogeneous/...``, ``tests/perf/bench_overlap.py``, globs), paths
 relative to a folder (``memory/pool.py``: some file of the assembled tree ends with it), patch
 names (in patches/), module attributes (``cluster/agreement.check_settings_agree``: defined or
 imported there), config keys (``heterogeneous_config.scheduler.check_interval``; in the docs also
