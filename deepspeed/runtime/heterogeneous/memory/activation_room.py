@@ -210,4 +210,3 @@ def weigh_shares(options, fits, gas, overheads, collective_s, shares_now, plan_f
         seconds = forecast_step_seconds(fits, sizes, gas, overheads, collective_s, shares_now, shares)
         weighed.append(ShareOption(tuple(shares), sizes, seconds))
     return weighed
-
