@@ -170,6 +170,10 @@ def test_the_plan_of_a_case_checked_by_hand():
     assert fork["bytes_per_rank_per_step"] == 4_000_000 and math.isclose(fork["communication_s"], 4e-3)
     # Adam's step reads and writes parameters, gradients and 8 bytes of state: 16 B x 2 per element at 32 GB/s.
     assert math.isclose(fork["optimizer_s"], 1e-3)
+    # ZeRO-0 memory of the fast rank: its parameters (4 MB: a plan has no baseline that holds them), Adam's
+    # 8 MB, 4 samples of 1 MB activations, then the gradients (4 MB) and their all-reduce buffer (4 MB).
+    assert fork["ranks"][0]["peak_by_phase"] == {"initialize": 4e6, "forward": 16e6, "backward": 20e6,
+                                                 "reduce": 20e6, "step": 16e6}
     assert math.isclose(fork["step_s"], 7e-3) and math.isclose(upstream["step_s"], 8e-3)
     assert math.isclose(result["speedup"], 8 / 7)
     assert fork["fits"] and upstream["fits"]

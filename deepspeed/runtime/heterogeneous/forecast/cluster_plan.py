@@ -102,7 +102,10 @@ def model_spec(cluster, question, stage, gas, model=None):
     on_host = all(r.cpu for r in cluster.ranks)  # CPU ranks: the device is the host
     spec = ModelStateSpec.for_config_dict(ds, model.num_parameters, question.precision != "fp32",
                                           world=cluster.world_size, emulated_device=not on_host)
-    return replace(spec, allocations=replace(spec.allocations, largest_parameter=model.largest_tensor)), ds
+    # No baseline in a plan: ZeRO-0 trains the module's own parameters, which must be counted; ZeRO-1/2/3
+    # count their flat or partitioned copies, the originals' memory going back as they are replaced.
+    return replace(spec, allocations=replace(spec.allocations, largest_parameter=model.largest_tensor,
+                                             parameters_resident=stage >= 1)), ds
 
 
 def memory_pool(cluster, question):
