@@ -58,20 +58,23 @@ def cluster_rows():
     rows = []
     for ranks in CLUSTER_RANKS:
         cluster = described_cluster(ranks)
-        seconds = []
+        seconds, cpu = [], []
         for _ in range(CLUSTER_REPEATS):
-            began = time.perf_counter()
+            began, began_cpu = time.perf_counter(), time.process_time()
             plan = plan_cluster(cluster)
             seconds.append(time.perf_counter() - began)
+            cpu.append(time.process_time() - began_cpu)
         median = statistics.median(seconds)
         fork = plan["fork"]
         rows.append({"ranks": ranks, "hosts": plan["cluster"]["hosts"], "median_s": median, "runs_s": seconds,
+                     "median_cpu_s": statistics.median(cpu), "load_average": os.getloadavg()[0],
                      "us_per_rank": median / ranks * 1e6, "fork_zero_stage": fork["zero_stage"],
                      "fork_gas": fork["gradient_accumulation_steps"], "speedup": plan["speedup"],
                      "offloading_ranks": sum(1 for r in fork["ranks"] if r["offload_fraction"] > 0),
                      "within_target": median < TARGET_S if ranks == CLUSTER_TARGET_RANKS else None})
         print(f"plan_cluster, {ranks} ranks on {plan['cluster']['hosts']} hosts: {median * 1000:.0f} ms per plan "
-              f"({median / ranks * 1e6:.0f} us per rank; median of {CLUSTER_REPEATS}; fork: ZeRO-{fork['zero_stage']}, "
+              f"({statistics.median(cpu) * 1000:.0f} ms of CPU; {median / ranks * 1e6:.0f} us per rank; median of "
+              f"{CLUSTER_REPEATS}; load {os.getloadavg()[0]:.1f}; fork: ZeRO-{fork['zero_stage']}, "
               f"gas {fork['gradient_accumulation_steps']}, {plan['speedup']:.2f}x upstream)"
               + (f"; {'met' if median < TARGET_S else 'NOT met'} the {TARGET_S:g} s target"
                  if ranks == CLUSTER_TARGET_RANKS else ""), flush=True)

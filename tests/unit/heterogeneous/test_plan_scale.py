@@ -112,7 +112,10 @@ def test_many_alike_ranks_that_offload_are_placed_the_same_in_fewer_rounds(param
     assert placements[0] == placements[1]
     assert len(placements[0].offloaded_ranks) == offloading and not placements[0].problems
     assert rounds[1] == offloading + 1  # one round per offloading rank, and the last
-    assert rounds[0] <= 2 * math.log2(offloading) + 3
+    # The whole run tried first, then galloping and bisection: logarithmic in the ranks that offload.
+    assert rounds[0] <= 2 * math.log2(offloading) + 4
+    if offloading == 60:  # the whole run at once
+        assert rounds[0] <= 4
 
 
 @pytest.mark.parametrize("stage, hosts", [(2, 1), (3, 1), (3, 4), (1, 2)])

@@ -208,7 +208,7 @@ def evaluate(cluster, question, stage, gas, fork, shares=None):
     ranks, phases, optimizer = [], {}, {}
     for placed, device, mbs, rate in zip(placement.ranks, cluster.ranks, micro, rates):
         compute = gas * mbs / rate
-        alike = (placed.share, placed.offload_fraction, device.spec)
+        alike = (placed.share, placed.offload_fraction, id(device.spec))
         if alike not in optimizer:
             optimizer[alike] = optimizer_seconds(spec, placed, device, question)
         ranks.append({
@@ -250,12 +250,14 @@ def optimizer_seconds(spec, placed, device, question):
 
 
 def _phases(pool, placed, micro_batch, per_sample, seen):
-    """The rank's peak by phase; ``seen``: those of the ranks placed alike before it (most are)."""
-    key = (placed.share, placed.offload_fraction, placed.baseline_bytes, micro_batch, placed.host)
-    if key not in seen:
-        peak = pool.predicted_peak(placed.rank, (per_sample or 0.0) * micro_batch)
-        seen[key] = None if peak is None else {phase: int(peak.phase_bytes(phase)) for phase in peak.phases}
-    return None if seen[key] is None else dict(seen[key])
+    """The rank's peak by phase; ``seen``: those of the predictions met before (ranks placed alike
+    share one, ``predicted_peak``)."""
+    peak = pool.predicted_peak(placed.rank, (per_sample or 0.0) * micro_batch)
+    if peak is None:
+        return None
+    if id(peak) not in seen:
+        seen[id(peak)] = (peak, {phase: int(peak.phase_bytes(phase)) for phase in peak.phases})
+    return dict(seen[id(peak)][1])
 
 
 def _unfit(stage, gas, fork, problems):

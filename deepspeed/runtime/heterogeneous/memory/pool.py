@@ -112,7 +112,8 @@ class HeterogeneousMemoryPool:
         self.placement = None
         self._model_state = None
         self._baselines = [0.0] * world
-        self._peak_shares = None  # (shares, largest share, host shard fractions) of the placement's shares
+        self._peak_shares = None  # the placement's largest share, host shards, host count, predictions
+        self._budgets = None
 
     @property
     def model_state(self):
@@ -126,7 +127,11 @@ class HeterogeneousMemoryPool:
     @property
     def budgets(self):
         """Per rank, the bytes it may fill on its device (None: no limit known)."""
-        return [None if c is None else c * self.utilization for c in self.capacities]
+        key = (self.utilization, self.capacities)
+        if self._budgets is None or self._budgets[0] != key:
+            # Computed once (read at every placement); again if capacities or utilization change.
+            self._budgets = (key, [None if c is None else c * self.utilization for c in self.capacities])
+        return list(self._budgets[1])
 
     @classmethod
     def from_state(cls, state, world_size):
@@ -196,8 +201,8 @@ class HeterogeneousMemoryPool:
             else:
                 offloaded.update(dict.fromkeys(over, 1.0))
         ranks, problems = self._host_placement(ranks, nvme_offload, cpu_offload, model_state)
-        problems = [self.rank_problem(r, model_state, cpu_offload or nvme_offload) for r in ranks if not r.fits
-                    ] + problems
+        problems = self._rank_problems([r for r in ranks if not r.fits], model_state, cpu_offload or nvme_offload
+                                       ) + problems
         if strict and problems:
             raise MemoryPlacementError("; ".join(problems))
         if partitioned:
@@ -268,9 +273,10 @@ class HeterogeneousMemoryPool:
         not offloaded): the one with the least memory (the highest rank on a tie), then, one at a
         time, each rank alike it (the same budget, speed, activations and baseline, so next in that
         order) while it is the first over budget once those before it offload and the shares are
-        chosen again. The count is found by galloping and bisection (whether the k-th alike rank is
-        still over only falls as k grows), so k ranks that offload cost O(log k) placements, not k
-        (planning 1,024 ranks in under a second); the ranks are those the one-at-a-time loop offloads."""
+        chosen again. The count is found by trying the whole run, then by galloping and bisection
+        (whether the k-th alike rank is still over only falls as k grows): k ranks cost O(log k)
+        placements, not k (planning 1,024 ranks in under a second), and the ranks are those the
+        one-at-a-time loop offloads."""
         world, budgets = self.world_size, self.budgets
 
         def first(ranks):
@@ -292,8 +298,13 @@ class HeterogeneousMemoryPool:
                                 over_only=True)
             return bool(still) and first(still) == run[count]
 
-        # Galloping, then bisection: O(log k) placements for the k alike ranks that offload.
+        # The whole run first (a kind that does not fit offloads on all its ranks: one placement), then
+        # galloping and bisection: O(log k) placements for the k alike ranks that offload.
         low, high = 1, len(run) + 1  # run[:low] offload; run[:high] do not all
+        if len(run) > 1:
+            if next_over(len(run) - 1):
+                return run
+            high = len(run)
         while low * 2 < high:
             if not next_over(low * 2 - 1):
                 high = low * 2
@@ -396,8 +407,22 @@ class HeterogeneousMemoryPool:
                     f"({OFFLOAD_KEY}.nvme_offload), use a higher ZeRO stage or give the ranks more device memory")
         return ranks, problems
 
+    def _rank_problems(self, ranks, model_state, offload_allowed):
+        """``rank_problem`` of each of ``ranks``, what follows the label written once for ranks placed
+        alike (a plan of 1,024 ranks that do not fit names each of them)."""
+        said, problems = {}, []
+        for rank in ranks:
+            key = tuple(value for name, value in rank.__dict__.items() if name not in ("rank", "host", "name"))
+            if key not in said:
+                said[key] = self._rank_need(rank, model_state, offload_allowed)
+            problems.append(f"{_rank_label(rank)} {said[key]}")
+        return problems
+
     def rank_problem(self, rank, model_state, offload_allowed):
-        label = f"data-parallel rank {rank.rank}" + ("" if rank.name == "-" else f" ({rank.name})")
+        """Why ``rank`` (a ``RankPlacement``) does not fit, with the numbers and what to change."""
+        return f"{_rank_label(rank)} {self._rank_need(rank, model_state, offload_allowed)}"
+
+    def _rank_need(self, rank, model_state, offload_allowed):
         held = (f"parameters {_size(rank.parameter_bytes)} + gradients {_size(rank.gradient_bytes)} + optimizer "
                 f"state {_size(rank.optimizer_bytes - rank.offloaded_bytes)}" +
                 (f" + activations {_size(rank.activation_bytes)}" if rank.activation_bytes else "") +
@@ -425,8 +450,7 @@ class HeterogeneousMemoryPool:
             advice = f"{smaller}, or give the rank more memory"
         fits_in = "" if rank.capacity_bytes is None else (
             f" (it would fit a capacity of {_size(rank.device_bytes / self.utilization)})")
-        return (f"{label} needs {_size(rank.device_bytes)} on its device ({held}), more than {budget}; {advice}"
-                f"{fits_in}")
+        return f"needs {_size(rank.device_bytes)} on its device ({held}), more than {budget}; {advice}{fits_in}"
 
     def predicted_peak(self, rank, activation_bytes=0.0):
         """``peak.PeakPrediction`` of a placed rank with ``activation_bytes`` of activations,
@@ -436,13 +460,18 @@ class HeterogeneousMemoryPool:
         placed = self.placement.ranks[rank]
         # The shares' largest and host shards, computed once per placement (not per rank: O(N) per call
         # made a plan of N ranks O(N^2)); keyed by the shares, which record_* and revise_* keep.
+        # Ranks placed alike share one prediction (not to be modified).
         shares = tuple(r.share for r in self.placement.ranks) if self._peak_shares is None else None
         if shares is not None:
-            self._peak_shares = (shares, max(shares), self.host_shard_fractions(self._model_state, shares),
-                                 len(set(self.hosts)))
-        _, largest, host_shards, hosts = self._peak_shares
-        return self._model_state.peak(placed.share, placed.offload_fraction, activation_bytes, placed.baseline_bytes,
-                                      largest_share=largest, host_shard=host_shards[rank], hosts=hosts)
+            self._peak_shares = (max(shares), self.host_shard_fractions(self._model_state, shares),
+                                 len(set(self.hosts)), {})
+        largest, host_shards, hosts, predictions = self._peak_shares
+        key = (placed.share, placed.offload_fraction, activation_bytes, placed.baseline_bytes, host_shards[rank])
+        if key not in predictions:
+            predictions[key] = self._model_state.peak(placed.share, placed.offload_fraction, activation_bytes,
+                                                      placed.baseline_bytes, largest_share=largest,
+                                                      host_shard=host_shards[rank], hosts=hosts)
+        return predictions[key]
 
     def revise_allocations(self, **changes):
         """What the engine settled after the placement (the overlap worker off, where the placement
@@ -451,6 +480,7 @@ class HeterogeneousMemoryPool:
         if self._model_state is not None and self._model_state.allocations is not None:
             self._model_state = replace(self._model_state,
                                         allocations=replace(self._model_state.allocations, **changes))
+            self._peak_shares = None
 
     def record_activations(self, rank, activation_bytes):
         """Count a rank's measured activation bytes (its micro-batch's, ``memory.ActivationMeter``)
@@ -485,6 +515,10 @@ class HeterogeneousMemoryPool:
         left, for the last ``place`` (budgets only before it): ``str()`` is a table, ``to_dict()``
         plain data."""
         return MemoryReport(self, self.placement)
+
+
+def _rank_label(rank):
+    return f"data-parallel rank {rank.rank}" + ("" if rank.name == "-" else f" ({rank.name})")
 
 
 def _capacity(entry, index):

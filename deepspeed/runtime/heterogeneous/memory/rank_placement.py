@@ -52,13 +52,10 @@ class RankPlacement:
 
     def alike(self, **fields):
         """This placement for another rank placed alike: ``dataclasses.replace`` without running
-        ``__init__`` again (the pool places ranks by the thousand, most of them alike)."""
-        unknown = set(fields) - set(self.__dict__)
-        if unknown:
-            raise TypeError(f"RankPlacement has no field(s) {sorted(unknown)}")
+        ``__init__`` again (the pool places ranks by the thousand, most of them alike); ``fields``
+        must be RankPlacement's (not checked here)."""
         copy = object.__new__(RankPlacement)
-        copy.__dict__.update(self.__dict__)
-        copy.__dict__.update(fields)
+        object.__setattr__(copy, "__dict__", {**self.__dict__, **fields})
         return copy
 
     @property
