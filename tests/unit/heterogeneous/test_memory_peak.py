@@ -25,6 +25,21 @@ def allocations(stage, **changes):
     return ZeroAllocations(**settings)
 
 
+def test_zero2_keeps_the_accumulated_partition_between_micro_steps():
+    one, two = predict_peak(allocations(2), share=0.25), predict_peak(allocations(2, gradient_accumulation_steps=2),
+                                                                      share=0.25)
+    # At gas 2 the partition accumulated so far (0.25 * 4e6) lives through the next micro-step's
+    # forward and backward, beside the partition that backward fills.
+    for phase in ("forward", "backward", "reduce"):
+        assert two.phase_bytes(phase) - one.phase_bytes(phase) == 1e6
+    assert two.phase_bytes("step") == one.phase_bytes("step")
+    # ZeRO-1 reduces only at the boundary, and offload accumulates into the fp32 partition's gradient.
+    assert (predict_peak(allocations(1, gradient_accumulation_steps=2), share=0.25).phases["forward"]
+            == predict_peak(allocations(1), share=0.25).phases["forward"])
+    assert "accumulated gradients" not in {k for k, v in predict_peak(
+        allocations(2, gradient_accumulation_steps=2), share=0.25, offloaded=0.5).phases["forward"].items() if v}
+
+
 def test_zero2_phases_hold_the_buffers_upstream_allocates():
     peak = predict_peak(allocations(2), share=0.25, baseline_bytes=10 * MiB)
     # Kept: flat parameters 4e6, fp32 partition 0.25 * 4e6 = 1e6, Adam 0.25 * 8e6 = 2e6.

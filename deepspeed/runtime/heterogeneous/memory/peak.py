@@ -111,6 +111,11 @@ class ZeroAllocations:
     converted: bool = False
     frozen_parameters: int = 0
     overlap_buckets: int = 0
+    gradient_accumulation_steps: int = 1
+    """Micro-steps per optimizer step. ZeRO-2 keeps the gradients accumulated over the earlier
+    micro-steps (``all_grad_tensors``: the rank's partition, in the gradient accumulation dtype)
+    through the next micro-step's forward and backward, beside the new partition that backward fills
+    (measured: bench_plan_accuracy.py's ZeRO-2 row at gas 2 held one more partition than counted)."""
     """ZeRO-1/2/3 buckets the overlap worker holds at once (``communication.overlap`` in force:
     ``comm/overlap.DEPTH``; 0 without it), each twice: the set-aside bucket and the copy it reduces."""
 
@@ -156,7 +161,8 @@ class PeakPrediction:
 
 
 # Allocations that are model state kept between steps (the pool's parameters / gradients / optimizer).
-_KEPT = ("parameters", "gradients", "gradient partition", "fp32 partition", "optimizer state", "activations")
+_KEPT = ("parameters", "gradients", "gradient partition", "fp32 partition", "optimizer state", "activations",
+         "accumulated gradients")
 
 
 def predict_peak(allocations, share=None, offloaded=0.0, activation_bytes=0.0, baseline_bytes=0.0,
@@ -222,6 +228,10 @@ def predict_peak(allocations, share=None, offloaded=0.0, activation_bytes=0.0, b
         if stage == 1:
             grads["gradients"] = max(n * pb - bucket, 0.0)
         grad_for_step = part * n * 4.0 * kept  # single_grad_partition (fp32)
+        # ZeRO-2 at gas > 1: the partition accumulated over the earlier micro-steps (not under offload,
+        # which accumulates into the fp32 partition's gradient).
+        accumulated = (part * n * pb if stage == 2 and a.gradient_accumulation_steps > 1 and offloaded <= 0
+                       else 0.0)
         stepped = part * n  # one flat partition
         temporaries = a.optimizer_temporaries * stepped * 4.0 * kept
         # average_tensor reduces each owner's slice of the bucket through allreduce_bucket, which
@@ -251,13 +261,15 @@ def predict_peak(allocations, share=None, offloaded=0.0, activation_bytes=0.0, b
         phases = {
             # initialize_optimizer_states hands the optimizer a zero gradient partition first.
             "initialize": {**params, "fp32 partition": fp32_partition, "initial gradient partition": part * n * 4.0},
-            "forward": {**params, **state, "activations": activation_bytes},
+            "forward": {**params, **state, "activations": activation_bytes, "accumulated gradients": accumulated},
             # A bucket the model fills only at its end (ZeRO-2) and ZeRO-1's reduce at the boundary come
             # once autograd has freed the activations; a smaller ZeRO-2 bucket reduces while they live.
             "backward": {**params, **state, "activations": activation_bytes, **grads, **pending,
+                         "accumulated gradients": accumulated,
                          **({"reduce bucket": bucket, "reduced slice copy": slice_copy}
                             if stage == 2 and a.reduce_bucket < n else {})},
-            "reduce": {**params, **state, **grads, "reduce bucket": bucket, "reduced slice copy": slice_copy},
+            "reduce": {**params, **state, **grads, "reduce bucket": bucket, "reduced slice copy": slice_copy,
+                       "accumulated gradients": accumulated},
             "step": {**params, **state, **kept_grads, "fp32 gradient partition": grad_for_step,
                      "optimizer temporaries": temporaries},
             "all-gather": {**params, **state, **kept_grads, "all-gather staging": staging},

@@ -157,7 +157,8 @@ class ModelStateSpec:
             num_parameters=int(num_parameters), largest_parameter=0, zero_stage=spec.zero_stage, world=int(world),
             param_bytes=spec.param_bytes, optimizer_bytes=spec.optimizer_bytes,
             optimizer_temporaries=optimizer_temporaries(optimizer, None), master_bytes=spec.master_bytes,
-            foreach=emulated_device, host_is_device=not emulated_device, **zero_buffer_settings(zero))
+            foreach=emulated_device, host_is_device=not emulated_device, **zero_buffer_settings(zero),
+            gradient_accumulation_steps=int(param_dict.get("gradient_accumulation_steps") or 1))
         return replace(spec, allocations=allocations)
 
     @classmethod
@@ -188,7 +189,8 @@ def engine_allocations(ds_config, model, optimizer, spec, emulated_device=False)
                            master_bytes=spec.master_bytes, foreach=not on_host, **zero_buffer_settings(zero),
                            host_is_device=on_host, parameters_resident=resident,
                            converted=spec.param_bytes < 4 and any(p.dtype == torch.float32 for p in params),
-                           frozen_parameters=frozen)
+                           frozen_parameters=frozen,
+                           gradient_accumulation_steps=int(getattr(ds_config, "gradient_accumulation_steps", 1) or 1))
 
 
 def zero_buffer_settings(zero):
