@@ -23,12 +23,13 @@ PATCHSET    := $(PYTHON) scripts/patchset.py
 # ninja (a dependency installed into the venv) must be on PATH for JIT op builds.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: help venv tree install export check dist test test-all demo multihost-demo perf clean device-bundle device-rehearsal
+.PHONY: help venv tree install export check dist test test-quick test-all demo multihost-demo perf clean device-bundle device-rehearsal
 
 help:
 	@echo "make demo     set up, assemble, install and run the heterogeneous-training demo"
 	@echo "make multihost-demo  the same on two emulated hosts (root: network namespaces, tc)"
 	@echo "make test     set up, assemble, install and run the test suite"
+	@echo "make test-quick  the same set-up, then the pure and single-process tests only (a few minutes)"
 	@echo "make tree     fetch the pinned upstream sdist and apply patches/series in place"
 	@echo "make export   regenerate patches/*.patch from edited upstream files"
 	@echo "make check    verify series, tree, exports and packages"
@@ -86,6 +87,10 @@ dist:
 
 test: install $(VENV)/.test-extras
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+test-quick: install $(VENV)/.test-extras
+	@# The pure and single-process tests: no test that spawns ranks or runs the launcher.
+	$(PY) -m pytest tests/unit -m "not multiprocess" $(PYTEST_ARGS)
 
 demo: install
 	$(PY) examples/heterogeneous_demo.py
