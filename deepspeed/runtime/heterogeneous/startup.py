@@ -15,7 +15,7 @@ from dataclasses import replace
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
-from .cluster.agreement import Agreement
+from .cluster.agreement import Agreement, largest_per_replica
 from .comm import host_shard_plan, overlap
 from .comm.status import status_line
 from .comm.link_buckets import apply_link_aware_buckets
@@ -147,8 +147,7 @@ def cap_startup_plan(ds_config, model, optimizer=None):
             gathered = Agreement(f"data-parallel rank {state.dp_rank}").gather_from_every_rank(
                 {"dp_rank": state.dp_rank, "state_bytes": mine}, "the predicted bytes at start-up")
             # Model-parallel members of a replica hold different shards: the largest one counts.
-            state_bytes = [max(g["state_bytes"] for g in gathered if g["dp_rank"] == rank)
-                           for rank in range(plan.world_size)]
+            state_bytes = largest_per_replica(((g["dp_rank"], g["state_bytes"]) for g in gathered), plan.world_size)
         else:
             state_bytes = [mine] * plan.world_size
     names = state.device_names or [f"rank {rank}" for rank in range(plan.world_size)]
@@ -334,7 +333,7 @@ def gather_baselines(state, world, counted_bytes=0):
         return [mine] * world
     gathered = Agreement(f"data-parallel rank {state.dp_rank}").gather_from_every_rank(
         (state.dp_rank, mine), "the memory in use as the engine starts")
-    return [max((b or 0 for r, b in gathered if r == rank), default=0) for rank in range(world)]
+    return largest_per_replica(((r, b or 0) for r, b in gathered), world, default=0)
 
 
 def rank_memory_meter(state):

@@ -176,6 +176,31 @@ def _store():
         return None
 
 
+def by_replica(pairs):
+    """``{dp_rank: [value, ...]}`` from ``(dp_rank, value)`` pairs, in one pass (gathered entries are
+    grouped once, not searched once per rank: O(N), not O(N^2), for N ranks)."""
+    groups = {}
+    for rank, value in pairs:
+        groups.setdefault(rank, []).append(value)
+    return groups
+
+
+def largest_per_replica(pairs, data_parallel_size, default=None, error=ValueError):
+    """Per data-parallel rank 0..size-1, the largest value its processes reported (``pairs``:
+    ``(dp_rank, value)``; a replica counts its fullest member); ``default`` where none did, or
+    ``error`` when ``default`` is None."""
+    groups = by_replica(pairs)
+    values = []
+    for rank in range(data_parallel_size):
+        if rank in groups:
+            values.append(max(groups[rank]))
+        elif default is not None:
+            values.append(default)
+        else:
+            raise error(f"deepspeed-hetero: no process reported data-parallel rank {rank}")
+    return values
+
+
 def merge_replicas(contributions, data_parallel_size, sequences, error=ValueError):
     """One entry per data-parallel rank from every process's contribution.
 
@@ -190,9 +215,9 @@ def merge_replicas(contributions, data_parallel_size, sequences, error=ValueErro
 
     Numeric fields are the largest value any member reported (None when none did).
     """
-    merged = []
+    merged, groups = [], by_replica((c["dp_rank"], c) for c in contributions)
     for rank in range(data_parallel_size):
-        members = [c for c in contributions if c["dp_rank"] == rank]
+        members = groups.get(rank, [])
         if not members:
             raise error(f"deepspeed-hetero: no process reported data-parallel rank {rank}")
         entry = {}
@@ -236,9 +261,10 @@ def check_settings_agree(summary):
     (``config.settings_summary``) is the same; called by each rank with the fork enabled.
 
     Each rank puts its summary in the store; rank 0 waits for all of them (a rank without the fork
-    never writes one: the wait ends after ``SETTINGS_TIMEOUT_S`` with an error naming it), compares
-    and publishes the verdict, which every rank raises alike. Nothing when the world is one process
-    or there is no store (another comm backend).
+    never writes one: the wait ends after ``SETTINGS_TIMEOUT_S`` with an error naming it), reads them
+    in one round trip, compares and publishes the verdict, which every rank raises alike: four store
+    calls on rank 0 and three on the others, whatever the world (the store serves 3N + 1). Nothing
+    when the world is one process or there is no store (another comm backend).
     """
     global _rounds
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -257,7 +283,7 @@ def check_settings_agree(summary):
         if missing:
             verdict = missing_ranks_message(missing, world, summary, timeout)
         else:
-            verdict = settings_mismatch([json.loads(store.get(key)) for key in keys]) or ""
+            verdict = settings_mismatch([json.loads(value) for value in _get_all(store, keys)]) or ""
         store.set(verdict_key, verdict)
     else:
         # Rank 0 publishes a verdict, possibly after waiting out its own timeout for a late rank.
@@ -269,6 +295,15 @@ def check_settings_agree(summary):
             verdict = store.get(verdict_key).decode()
     if verdict:
         raise SettingsMismatchError(verdict)
+
+
+def _get_all(store, keys):
+    """Every key's value, in one round trip to the store where it can (``multi_get``): rank 0 reads
+    N summaries, and N round trips would grow with the world; else one by one."""
+    try:
+        return store.multi_get(keys)
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return [store.get(key) for key in keys]
 
 
 def _settings_timeout(store):

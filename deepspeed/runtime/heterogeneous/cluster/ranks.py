@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from deepspeed import comm as dist
 
-from .agreement import Agreement
+from .agreement import Agreement, by_replica
 from ..measure.devices import DeviceDescription, describe_local_device, emulated_memory_bytes, local_device_index
 
 
@@ -61,9 +61,9 @@ def gather_devices(dp_rank, world_size, memory_bytes=None):
         return [DeviceDescription.from_dict(mine)]
     gathered = Agreement(f"data-parallel rank {dp_rank}").gather_from_every_rank((dp_rank, mine),
                                                                                "every rank's device")
-    devices = []
+    devices, groups = [], by_replica(gathered)
     for rank in range(world_size):
-        members = [DeviceDescription.from_dict(d) for r, d in gathered if r == rank]
+        members = [DeviceDescription.from_dict(d) for d in groups.get(rank, ())]
         slowest = min(members, key=lambda d: (d.spec_score, d.rank))
         devices.append(replace(slowest, memory_bytes=min(d.memory_bytes for d in members)))
     return devices

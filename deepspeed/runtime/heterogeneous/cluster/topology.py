@@ -33,6 +33,7 @@ import socket
 import statistics
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Optional, Sequence, Tuple
 
 NODE_RANK_VARIABLES = ("CROSS_RANK", "GROUP_RANK")
@@ -56,10 +57,7 @@ class Topology:
     def __post_init__(self):
         if not self.hosts:
             raise ValueError("Topology.hosts: one host index per data-parallel rank, got none")
-        seen = []
-        for host in self.hosts:
-            if host not in seen:
-                seen.append(host)
+        seen = list(dict.fromkeys(self.hosts))
         if seen != list(range(len(seen))):
             raise ValueError(f"Topology.hosts must number hosts 0..H-1 in order of first appearance, got {self.hosts}")
         if self.leader_bandwidths and len(self.leader_bandwidths) != len(seen):
@@ -74,21 +72,30 @@ class Topology:
     def world_size(self):
         return len(self.hosts)
 
+    @cached_property
+    def _members(self):
+        """Per host, its data-parallel ranks in rank order (one pass: O(N) for N ranks)."""
+        members = [[] for _ in range(self.num_hosts)]
+        for rank, host in enumerate(self.hosts):
+            members[host].append(rank)
+        return tuple(map(tuple, members))
+
     def ranks_of(self, host):
         """The data-parallel ranks on ``host``, in rank order."""
         if not 0 <= host < self.num_hosts:
             raise ValueError(f"host {host} is out of range: this topology has {self.num_hosts} host(s)")
-        return tuple(rank for rank, h in enumerate(self.hosts) if h == host)
+        return self._members[host]
 
     @property
     def leaders(self):
         """Each host's leader: its lowest data-parallel rank."""
-        return tuple(self.ranks_of(host)[0] for host in range(self.num_hosts))
+        return tuple(members[0] for members in self._members)
 
     @property
     def local_ranks(self):
         """Each data-parallel rank's position among its host's ranks."""
-        return tuple(self.ranks_of(host).index(rank) for rank, host in enumerate(self.hosts))
+        position = {rank: index for members in self._members for index, rank in enumerate(members)}
+        return tuple(position[rank] for rank in range(len(self.hosts)))
 
     @property
     def link_bandwidth(self):

@@ -12,6 +12,7 @@ optimizer state) and the kernel kills it beyond the limit. Nothing here runs whe
 
 from deepspeed.utils import logger
 
+from ..cluster.agreement import by_replica
 from .emulator import (SPEED_TOLERANCE, achieved_speeds, scheduled_speed, speeds_hold, start_emulation,
                        start_memory_limit, workload_seconds)
 
@@ -69,9 +70,10 @@ class EmulatedLimits:
             return self.speed_check
         seconds = gather((self.rank, workload()), "the emulation's speed check")
         ranks = sorted({rank for rank, _, _ in modes})
-        asked = [max(s for r, s, _ in modes if r == rank) for rank in ranks]
+        speeds, times = by_replica((r, s) for r, s, _ in modes), by_replica(seconds)
+        asked = [max(speeds[rank]) for rank in ranks]
         # A replica's members (model parallelism) share an emulated rank: the slowest sets its pace.
-        took = [max(t for r, t in seconds if r == rank) for rank in ranks]
+        took = [max(times[rank]) for rank in ranks]
         achieved = achieved_speeds(asked, took)
         holds = speeds_hold(asked, achieved)
         fell_back = not holds and self.emulation.mode == "auto"
