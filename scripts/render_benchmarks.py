@@ -273,8 +273,41 @@ def render_zero3_capacity(results):
     return "\n".join(lines)
 
 
+def _pct(value):
+    return "-" if value is None else f"{value:+.1%}"
+
+
+def render_plan_accuracy(results):
+    """bench_plan_accuracy.py: deepspeed plan's predictions against the same runs measured
+    (plan_accuracy.json): step time, the worst rank's peak memory, bytes per step over the slow link."""
+    result = results[0]
+    lines = ["| row | step time: predicted / measured | error | peak memory (worst rank): predicted / measured "
+             "| error | slow-link bytes per step: predicted / measured | error |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for row in result["rows"]:
+        predicted, measured = row["predicted"], row["measured"]
+        worst = row["memory_errors"].index(row["memory_error"])
+        lines.append(f"| {row['label']} | {predicted['step_s']:.2f} / {measured['step_s']:.2f} s | "
+                     f"{_pct(row['step_time_error'])} | {predicted['peak_bytes'][worst] / MIB:.1f} / "
+                     f"{measured['peak_bytes'][worst] / MIB:.1f} MiB (rank {worst}) | {_pct(row['memory_error'])} | "
+                     f"{predicted['bytes_per_step'] / 1e6:.2f} / {measured['bytes_per_step'] / 1e6:.2f} MB | "
+                     f"{_pct(row['bytes_error'])} |")
+    steps = sorted(abs(row["step_time_error"]) for row in result["rows"])
+    middle = len(steps) // 2
+    median = steps[middle] if len(steps) % 2 else (steps[middle - 1] + steps[middle]) / 2
+    memory = [error for row in result["rows"] for error in row["memory_errors"]]
+    load = result.get("load_average", {})
+    lines += ["", f"Step time, absolute error: median {median:.1%} (goal 10%), worst {steps[-1]:.1%} (goal 20%). "
+              f"Memory, every rank: from {min(memory):+.1%} to {max(memory):+.1%} (goal: within 10%, never more than "
+              f"5% under). Bytes: worst {max(abs(row['bytes_error']) for row in result['rows']):.1%} (goal 5%). "
+              f"Load average {load.get('before', [0])[0]:.1f} before, {load.get('after', [0])[0]:.1f} after; "
+              f"{result['seconds']:.0f} s."]
+    return "\n".join(lines)
+
+
 RENDERERS = {
     "activation_room_b*.json": render_activation_room,
+    "plan_accuracy.json": render_plan_accuracy,
     "memory_model_hf.json": render_memory_model_hf,
     "zero3_capacity.json": render_zero3_capacity,
 }
