@@ -103,7 +103,8 @@ def plan_text(result):
         if side["ranks"]:
             lines += format_table(("ranks", "host", "kind", "micro-batch", "gas", "share", "offload", "peak / capacity",
                                    "phase", "compute"), _rank_rows(side["ranks"])).splitlines()
-    lines += ["", "Priors (no number above was measured; validation against measured runs is not done yet):"]
+    lines += ["", "Priors (nothing above was measured on this cluster; how well the plan matched runs on emulated "
+              "clusters: docs/planning.md, 'How well'):"]
     lines += [f"  - {note}" for note in result["priors"]]
     lines += ["", "ds_config to launch the fork's choice with (--ds-config OUT writes it):",
               json.dumps(result["ds_config"], indent=1)]
