@@ -273,6 +273,88 @@ def render_zero3_capacity(results):
     return "\n".join(lines)
 
 
+def _ms(seconds):
+    return "-" if seconds is None else f"{seconds * 1000:.0f} ms" if seconds < 10 else f"{seconds:.1f} s"
+
+
+def render_planner(results):
+    """bench_planner.py: the planner alone, then deepspeed plan's whole plan against ranks (planner.json)."""
+    result = results[0]
+    load = result.get("load_average")
+    load = f"{load[0]:.1f}" if isinstance(load, list) else "-"
+    lines = ["| what is planned | ranks | hosts | time per plan (median) | CPU time | per rank | load |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for row in result["rows"]:
+        gas = "on" if row["per_rank_gas"] else "off"
+        lines.append(f"| the planner alone (`plan_micro_batches`), per-rank gas {gas} | {row['ranks']} | - | "
+                     f"{_ms(row['median_s'])} | - | - | {load} |")
+    for row in result.get("cluster_rows", []):
+        lines.append(f"| `plan_cluster` (the fork picks ZeRO-{row['fork_zero_stage']}, gas {row['fork_gas']}: "
+                     f"{row['speedup']:.2f}x upstream) | {row['ranks']} | {row['hosts']} | {_ms(row['median_s'])} | "
+                     f"{_ms(row.get('median_cpu_s'))} | {row['us_per_rank']:.0f} us | "
+                     f"{row.get('load_average', 0):.1f} |")
+    return "\n".join(lines)
+
+
+CONTROL_PLANE_PHASES = ("settings agreement", "device gather", "topology probe", "memory baselines", "process groups",
+                        "profiling gather", "plan broadcast")
+"""The phases shown; the profiling step's agreement is timed as a whole (under profiling gather)."""
+
+
+def _bytes(value):
+    return f"{value / 2**20:.1f} MiB" if value >= 2**20 else f"{value / 1024:.1f} KiB" if value >= 1024 else \
+        f"{value:.0f} B"
+
+
+def _line_fit(points):
+    """Least squares ``y = a + b * x`` through ``points``: (a, b)."""
+    mean_x = sum(x for x, _ in points) / len(points)
+    mean_y = sum(y for _, y in points) / len(points)
+    spread = sum((x - mean_x)**2 for x, _ in points)
+    b = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread if spread else 0.0
+    return mean_y - b * mean_x, b
+
+
+def render_control_plane(results):
+    """bench_control_plane.py: each start-up phase against N (time, bytes a rank receives), then each
+    phase's growth fitted as a + b * N and extrapolated to 1,024 and 10,000 ranks (control_plane.json)."""
+    rows = results[0]["rows"]
+    lines = ["| N (hosts) | `deepspeed.initialize` | " + " | ".join(CONTROL_PLANE_PHASES) + " | load |",
+             "| --- | --- | " + " | ".join("---" for _ in CONTROL_PLANE_PHASES) + " | --- |"]
+    for row in rows:
+        cells = [f"{row['ranks']} ({row['hosts']})", _ms(row["initialize_s"])]
+        for name in CONTROL_PLANE_PHASES:
+            phase = row["phases"][name]
+            parts = [] if name == "plan broadcast" else [_ms(phase["seconds"])]
+            if phase["bytes_received_per_rank"]:
+                parts.append(_bytes(phase["bytes_received_per_rank"]))
+            if name == "settings agreement":
+                parts.append(f"{phase['store_calls_rank0']} store calls")
+            if name == "process groups":
+                parts.append(f"groups: {phase['calls']}")
+            cells.append(", ".join(parts))
+        cells.append(f"{row['load_average'][0]:.1f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    last = rows[-1]
+    lines += ["", f"| phase | collectives per rank (N = {last['ranks']}) | store calls on rank 0 | bytes received "
+              "(fit over N) | at 1,024 ranks | at 10,000 ranks |", "| --- | --- | --- | --- | --- | --- |"]
+    for name in CONTROL_PLANE_PHASES:
+        phase = last["phases"][name]
+        rounds = str(phase["rounds"])
+        if phase["point_to_point_messages"]:
+            rounds += f", and {phase['point_to_point_messages']} point-to-point messages on host 0's leader"
+        quantity, who = "bytes_received_per_rank", "a rank"
+        if name == "settings agreement":
+            quantity, who = "store_bytes_rank0", "rank 0, from the store"
+        if name == "process groups":
+            rounds = "none; groups created: " + ", ".join(str(row["phases"][name]["calls"]) for row in rows)
+        a, b = _line_fit([(row["ranks"], row["phases"][name][quantity]) for row in rows])
+        formula = "0" if abs(a) < 0.5 and abs(b) < 0.05 else f"{a:.0f} + {b:.1f} * N B ({who})"
+        at = ["-" if formula == "0" else _bytes(a + b * n) for n in (1024, 10000)]
+        lines.append(f"| {name} | {rounds} | {phase['store_calls_rank0']} | {formula} | {at[0]} | {at[1]} |")
+    return "\n".join(lines)
+
+
 def _pct(value):
     return "-" if value is None else f"{value:+.1%}"
 
@@ -308,6 +390,8 @@ def render_plan_accuracy(results):
 RENDERERS = {
     "activation_room_b*.json": render_activation_room,
     "plan_accuracy.json": render_plan_accuracy,
+    "control_plane.json": render_control_plane,
+    "planner.json": render_planner,
     "memory_model_hf.json": render_memory_model_hf,
     "zero3_capacity.json": render_zero3_capacity,
 }
