@@ -84,6 +84,8 @@ class ClusterProfile:
     not measured."""
     profile_stage: Optional[int] = None
     profile_gas: int = 1
+    backend: Optional[str] = None
+    """The profiled process group's backend: on "gloo" a reduce-scatter costs an all-reduce."""
 
     @classmethod
     def from_metrics(cls, metrics):
@@ -112,7 +114,8 @@ class ClusterProfile:
                    optimizer_offloaded=first["optimizer_offloaded"], devices=list(profile["devices"]),
                    allocations=ZeroAllocations(**first["allocations"]) if first.get("allocations") else None,
                    collective_seconds=None if None in collectives else min(collectives),
-                   profile_stage=profile.get("zero_stage"), profile_gas=int(first.get("profile_gas") or 1))
+                   profile_stage=profile.get("zero_stage"), profile_gas=int(first.get("profile_gas") or 1),
+                   backend=first.get("backend"))
 
     @property
     def world_size(self):
@@ -151,8 +154,9 @@ class ClusterProfile:
     def stage_bytes(self, stage, gas):
         """Bytes each rank sends per optimizer step at ZeRO ``stage`` with ``gas`` micro-steps (even shares)."""
         world = self.world_size
+        backend = "gloo" if self.backend == "gloo" else "nccl"
         return bytes_over_link(zero_collectives(int(stage), self.num_parameters, self.param_bytes, world, gas,
-                                                1.0 / world, _UNIT_LINK))
+                                                1.0 / world, _UNIT_LINK, backend=backend))
 
     @property
     def bytes_per_second(self):

@@ -100,7 +100,17 @@ def _rank_profile(engine):
         # Seconds per step in collectives over the fitted profiling steps: what the tuner's cost model
         # turns into a bandwidth for the other stages' communication.
         "collective_seconds": None if None in in_collectives else sum(in_collectives) / len(in_collectives),
+        "backend": _backend(),
     }
+
+
+def _backend():
+    """The process group's backend ("gloo", "nccl", ...): gloo runs a reduce-scatter as an all-reduce."""
+    import torch.distributed
+    try:
+        return str(torch.distributed.get_backend())
+    except (RuntimeError, ValueError):
+        return None
 
 
 def _device_name(engine, dp_rank):
