@@ -202,4 +202,3 @@ def test_plans_of_small_clusters_repeat_and_the_per_plan_pool_is_not_shared_betw
     again = plan_cluster(described(1), largest=False)
     assert first == again
     assert other["cluster"]["world_size"] == 64 and len(other["fork"]["ranks"]) == 64
-
