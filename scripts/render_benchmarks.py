@@ -210,6 +210,49 @@ def render_activation_room(results):
             cells.append(f"{_shares(runs[0]['shares'], 3)}, {_plans(runs)}, {result['medians'][mode]:.1f} "
                          f"({result['ratios_to_unbound'][mode]:.2f}x)")
         lines.append("| " + " | ".join(cells) + " |")
+    checks = []
+    for result in sorted(results, key=lambda r: r["global_batch"]):
+        for mode, check in sorted((result.get("forecast_check") or {}).items()):
+            other = "together" if mode == "alone" else "alone"
+            checks.append(f"at {result['global_batch']}, `{mode}` forecast its own step {check['own_forecast_s']:.2f} s "
+                          f"(measured {check['own_measured_s']:.2f} s) and `{other}`'s {check['other_forecast_s']:.2f} s "
+                          f"(measured {check['other_measured_s']:.2f} s, {check['other_error']:+.0%}), and its advice "
+                          f"was `{check['advice']}`")
+    if checks:
+        loads = [run["load_average"] for result in results for runs in result["runs"].values() for run in runs]
+        lines += ["", "After profiling, " + "; ".join(checks) + f" (load average {min(loads):.1f} to "
+                  f"{max(loads):.1f} during the runs)."]
+    return "\n".join(lines)
+
+
+def render_autotuning_pruning(results):
+    """bench_autotuning.py --pruning: fast mode with and without plan pruning (autotuning_pruning.json)."""
+    result = results[0]
+    lines = ["| run | fast mode | experiments run | pruned | chosen (ZeRO stage, micro-batches) | its samples/s | "
+             "tuning s |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    runs = result["runs"]
+    for index in range(max(len(rows) for rows in runs.values())):
+        for mode in ("fast", "fast_unpruned"):
+            if index >= len(runs[mode]):
+                continue
+            row = runs[mode][index]
+            chosen = row.get("chosen") or {}
+            label = "plan pruning (default)" if mode == "fast" else "`plan_pruning: false`"
+            lines.append(f"| {index + 1} | {label} | {row['experiments_run']} | "
+                         f"{', '.join(row.get('pruned') or []) or '-'} | ZeRO-{chosen.get('stage')}, "
+                         f"{chosen.get('micro_batch_sizes')} | {row['best_throughput']:.1f} | "
+                         f"{row['tuning_seconds']:.0f} |")
+    stages = {name.split("_")[0] for row in runs["fast"] for name in row.get("pruned") or []}
+    measured = [(experiment["name"], experiment["value"],
+                 max(e["value"] for e in row["experiments"] if e["value"] is not None))
+                for row in runs["fast_unpruned"] for experiment in row["experiments"]
+                if experiment["name"].split("_")[0] in stages and experiment["value"] is not None]
+    if measured:
+        below = ", ".join(f"`{name}` {value:.1f} samples/s ({1 - value / best:.0%} below that run's best)"
+                          for name, value, best in measured)
+        lines += ["", f"The stage pruned, as the runs without pruning measured it: {below}. Load average "
+                  f"{result['load_average']['start'][0]:.1f} at the start, {result['load_average']['end'][0]:.1f} at "
+                  f"the end; {result['total_wall_seconds']:.0f} s."]
     return "\n".join(lines)
 
 
@@ -389,6 +432,7 @@ def render_plan_accuracy(results):
 
 RENDERERS = {
     "activation_room_b*.json": render_activation_room,
+    "autotuning_pruning.json": render_autotuning_pruning,
     "plan_accuracy.json": render_plan_accuracy,
     "control_plane.json": render_control_plane,
     "planner.json": render_planner,

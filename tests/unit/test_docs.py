@@ -25,11 +25,7 @@ from doc_sources import CONFIGURATION, DOCS, REPO, block_tree, literal_words, re
 # ---- marked tables against their JSON ------------------------------------------------------
 
 # Committed results that no table renders yet, and why (a marker would make them rendered).
-AWAITING_MARKER = {
-    "activation_room_b32.json": "docs/memory.md's 'Shares and micro-batches together' table holds the 32 row of "
-                                "this run and a 16 row whose JSON is not kept; its marker waits for a quiet "
-                                "run of --batch 16",
-}
+AWAITING_MARKER = {}
 
 
 def difference(doc, region, expected):

@@ -39,9 +39,9 @@ from .partitions import describe_shares
 BISECTION_ROUNDS = 12
 """Halvings of the fraction of the speed-proportional split searched for: within 1/4096 of the best."""
 
-WORTH = 0.05
-"""The forecast gain below which the shares in force are kept without advice: within the forecast's
-own error (docs/memory.md)."""
+WORTH = 0.10
+"""The forecast gain below which the shares in force are kept without advice: the forecast's own error,
+3-5% on two CPU ranks (docs/memory.md), with room to spare."""
 
 
 def speed_targets(speeds, samples):
