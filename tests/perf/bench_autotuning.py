@@ -101,7 +101,7 @@ CLUSTERS = {
 MODES = {
     "fast": {"fast": True},
     "model_based": {"fast": False, "tuner_type": "model_based"},
-    # Fast mode as it was before the plan's communication model pruned stages (issue 58, item 6).
+    # Fast mode without plan pruning: every ZeRO stage's best candidate runs.
     "fast_unpruned": {"fast": True, "plan_pruning": False},
 }
 DEFAULT_MODES = ["fast", "model_based"]

@@ -59,7 +59,7 @@ frame headers (66 bytes a packet: Ethernet 14, IPv4 20, TCP with timestamps 32),
 payload bytes do not count. Signed relative errors (predicted - measured) / measured; the row's
 ``memory_error`` is its worst rank's (the most under-predicted, else the largest).
 
-Goals (issue 58; reported, not asserted): step time median |error| <= 10%, worst <= 20%; memory
+Goals (reported, not asserted): step time median |error| <= 10%, worst <= 20%; memory
 within 10% and never more than 5% under; bytes within 5%. Results: tests/perf/results/plan_accuracy.json,
 rendered into docs/benchmarks.md and docs/planning.md by ``scripts/render_benchmarks.py``.
 

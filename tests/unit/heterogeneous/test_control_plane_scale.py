@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The start-up control plane at scale (issue 58, item 5): what the ranks gather is grouped per
+"""The start-up control plane at scale: what the ranks gather is grouped per
 replica in one pass, and a topology of 10,000 ranks groups its hosts once (pure; the collectives'
 bytes and rounds against N are ``tests/perf/bench_control_plane.py``'s)."""
 

@@ -1,18 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Planning at scale (issue 58, item 5): the memory pool places N ranks in O(N) work, and the
+"""Planning at scale: the memory pool places N ranks in O(N) work, and the
 "auto" ZeRO-1/2 offload, which offloads alike ranks by bisection, offloads exactly the ranks the
 one-at-a-time loop offloaded; a described cluster of 1,024 ranks of 4 kinds on 128 hosts is planned,
 and a plan of 4x the ranks places barely more settings (pure; no wall-clock bound: the time is
 ``tests/perf/bench_planner.py``'s)."""
 
+import importlib.util
 import math
 import random
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
 from deepspeed.runtime.heterogeneous import HeterogeneousMemoryPool, ModelStateSpec
-from deepspeed.runtime.heterogeneous.forecast.cluster_file import parse_cluster
 from deepspeed.runtime.heterogeneous.forecast.cluster_plan import plan_cluster
 from deepspeed.runtime.heterogeneous.memory.rank_placement import DEVICE, HOST, RankPlacement
 from deepspeed.runtime.heterogeneous.memory.spec import offloaded_sub_groups
@@ -152,17 +153,13 @@ def test_predicted_peaks_follow_each_placement():
 
 
 def described(hosts_per_kind):
-    kinds = [("H100", 2048, 7200), ("A100-80GB", 1024, 4800), ("A100-40GB", 1024, 4800), ("RTX-4090", 512, 128)]
-    world = 4 * 8 * hosts_per_kind
-    return parse_cluster({
-        "name": f"{world} ranks of 4 kinds",
-        "hosts": [{"name": kind.lower(), "count": hosts_per_kind, "devices": [{"kind": kind, "count": 8}],
-                   "intra_host_link": {"gbit_per_s": link, "latency_us": 3}, "memory_gb": memory}
-                  for kind, memory, link in kinds],
-        "inter_host_link": {"gbit_per_s": 200, "latency_us": 5},
-        "model": {"parameters": 6.74e9, "layers": 32, "hidden": 4096, "heads": 32, "vocab": 32000, "seq_len": 4096},
-        "training": {"train_batch_size": 8 * world, "seq_len": 4096, "precision": "bf16", "zero_stage": "auto",
-                     "activation_checkpointing": True}})
+    """bench_planner.py's described cluster (4 kinds, 8 per host, a 7B decoder by numbers) with
+    ``hosts_per_kind`` hosts of each kind: the test plans the cluster the benchmark times."""
+    path = Path(__file__).resolve().parents[2] / "perf" / "bench_planner.py"
+    spec = importlib.util.spec_from_file_location("bench_planner", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench.described_cluster(4 * 8 * hosts_per_kind)
 
 
 def count_shares(monkeypatch):
